@@ -1,0 +1,277 @@
+"""Host facts: pure parsers of probe output, and the one-round-trip remote gather.
+
+Every parser takes the text a standard tool printed and returns plain values; they are tested
+against real captures (lab/personas/h200-1gpu, copied from shared/fixtures/gpu-hosts).
+"""
+from __future__ import annotations
+
+import ast
+import csv
+import io
+import json
+import re
+import shlex
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from packaging.tags import parse_tag
+from packaging.utils import canonicalize_name
+from packaging.version import InvalidVersion, Version
+
+PROBE_SOURCE = (Path(__file__).parent / "probe_remote.py").read_text()
+TRACKED = ("torch", "triton", "sglang", "sglang-kernel", "flashinfer-python", "sglang-ddtree")
+
+
+class FactsError(RuntimeError):
+    pass
+
+
+# ---------------------------------------------------------------- nvidia-smi and driver
+
+def _strip_unit(value: str) -> str:
+    return re.sub(r"\s*(MiB|W|%|MHz|C)$", "", value.strip())
+
+
+def parse_query_gpu_csv(text: str) -> list[dict]:
+    """`nvidia-smi --query-gpu=... --format=csv` (with header and units) -> one dict per GPU."""
+    rows = list(csv.reader(io.StringIO(text.strip()), skipinitialspace=True))
+    if not rows:
+        return []
+    header = [re.sub(r"\s*\[.*\]$", "", h.strip()) for h in rows[0]]
+    gpus = []
+    for row in rows[1:]:
+        if not row or len(row) != len(header):
+            continue
+        r = dict(zip(header, (c.strip() for c in row)))
+        cap = r.get("compute_cap", "")
+        gpu = {"index": int(r["index"]) if r.get("index", "").isdigit() else None,
+               "uuid": r.get("uuid"), "name": r.get("name"),
+               "driver": r.get("driver_version"),
+               "compute_cap": cap or None,
+               "sm": "sm_" + cap.replace(".", "") if re.match(r"^\d+\.\d+$", cap) else None,
+               "memory_mib": int(_strip_unit(r["memory.total"])) if _strip_unit(r.get("memory.total", "")).isdigit() else None,
+               "pci_bus_id": r.get("pci.bus_id")}
+        gpus.append(gpu)
+    return gpus
+
+
+def parse_nvidia_smi_header(text: str) -> dict:
+    """Plain `nvidia-smi`: the banner names the driver and the highest CUDA version it supports."""
+    m = re.search(r"Driver Version:\s*([\d.]+)\s+CUDA Version:\s*([\d.]+)", text or "")
+    return {"driver": m.group(1), "cuda": m.group(2)} if m else {}
+
+
+def parse_proc_driver_version(text: str | None) -> str | None:
+    """/proc/driver/nvidia/version -> '580.159.04'."""
+    m = re.search(r"NVRM version:.*?\s(\d+\.\d+(?:\.\d+)?)\s", text or "")
+    return m.group(1) if m else None
+
+
+def parse_nvcc_version(text: str | None) -> str | None:
+    """`nvcc --version` -> '13.0' (the toolkit release)."""
+    m = re.search(r"release\s+(\d+\.\d+)", text or "")
+    return m.group(1) if m else None
+
+
+# ---------------------------------------------------------------- OS and Python
+
+def parse_os_release(text: str | None) -> dict:
+    out = {}
+    for line in (text or "").splitlines():
+        if "=" in line and not line.startswith("#"):
+            k, v = line.split("=", 1)
+            try:
+                out[k.strip()] = shlex.split(v)[0] if v.strip() else ""
+            except ValueError:
+                out[k.strip()] = v.strip().strip('"')
+    return out
+
+
+def parse_glibc(text: str | None) -> str | None:
+    """`ldd --version` first line or platform.libc_ver() ('glibc 2.36') -> '2.36'."""
+    m = re.search(r"(?:GLIBC|glibc|GNU libc)[^\d]*?(\d+\.\d+)", text or "") or re.search(r"\)\s+(\d+\.\d+)\s*$", text or "")
+    return m.group(1) if m else None
+
+
+def python_abi_tag(version: str, abiflags: str = "") -> str:
+    """'3.12.3' -> 'cp312' (plus ABI flags such as 't' for free-threaded builds)."""
+    v = Version(version)
+    return f"cp{v.major}{v.minor}{abiflags or ''}"
+
+
+# ---------------------------------------------------------------- torch and distributions
+
+def split_local(version: str) -> tuple[str, str | None]:
+    """'2.11.0+cu130' -> ('2.11.0', 'cu130'): public version and local build tag (packaging)."""
+    try:
+        v = Version(version)
+    except InvalidVersion:
+        return version, None
+    return v.public, v.local
+
+
+def parse_torch_version_py(text: str | None) -> dict:
+    """torch/version.py (read, never imported) -> version, cuda, git_version and any lab extras."""
+    out: dict = {}
+    if not text:
+        return out
+    for node in ast.parse(text).body:
+        targets = []
+        if isinstance(node, ast.Assign):
+            targets, value = node.targets, node.value
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            targets, value = [node.target], node.value
+        for t in targets:
+            if isinstance(t, ast.Name):
+                try:
+                    out[t.id] = ast.literal_eval(value)
+                except ValueError:
+                    pass
+    return out
+
+
+def parse_wheel_file(text: str | None) -> list[str]:
+    """A dist-info WHEEL file -> its tags ('cp311-cp311-manylinux_2_28_x86_64')."""
+    return [line.split(":", 1)[1].strip() for line in (text or "").splitlines() if line.startswith("Tag:")]
+
+
+def cxx11_abi_from_tags(tags: list[str]) -> bool | None:
+    """PyTorch's Linux wheels since 2.7 are manylinux_2_28 and built with the C++11 ABI; older
+    manylinux2014/_2_17 wheels used the pre-C++11 ABI. None when the tags do not tell."""
+    for tag in tags:
+        for t in parse_tag(tag):
+            m = re.match(r"manylinux_(\d+)_(\d+)_", t.platform)
+            if m:
+                return (int(m.group(1)), int(m.group(2))) >= (2, 28)
+            if t.platform.startswith(("manylinux2014", "manylinux2010", "manylinux1")):
+                return False
+    return None
+
+
+def parse_arch_flags(flags: str | None) -> list[str]:
+    """torch._C._cuda_getArchFlags() ('sm_75 sm_80 ... compute_120') -> sorted sm_XY list."""
+    archs = set(re.findall(r"sm_(\d+)[a-z]?", flags or ""))
+    return [f"sm_{a}" for a in sorted(archs, key=int)]
+
+
+def parse_pip_list_json(text: str) -> dict[str, str]:
+    """`pip list --format=json` -> {canonical name: version}."""
+    return {canonicalize_name(d["name"]): d["version"] for d in json.loads(text)}
+
+
+def torch_facts(venv: dict) -> dict | None:
+    dists = {canonicalize_name(d["name"]): d for d in venv.get("distributions", [])}
+    if "torch" not in dists:
+        return None
+    t = venv.get("torch") or {}
+    vp = parse_torch_version_py(t.get("version_py"))
+    version = vp.get("__version__") or dists["torch"]["version"]
+    public, local = split_local(version)
+    imported = t.get("imported") or {}
+    abi = imported.get("cxx11_abi")
+    abi_source = "import" if abi is not None else None
+    if abi is None:
+        abi = cxx11_abi_from_tags(parse_wheel_file(dists["torch"].get("wheel")))
+        abi_source = "wheel-tag" if abi is not None else None
+    return {"version": version, "public": public, "local": local, "cuda": vp.get("cuda"),
+            "git": vp.get("git_version"), "cxx11_abi": abi, "cxx11_abi_source": abi_source,
+            "arch_list": parse_arch_flags(imported.get("arch_flags")) if imported else None,
+            "import_error": t.get("import_error"), "from_cache": t.get("imported_from_cache")}
+
+
+# ---------------------------------------------------------------- raw probe output -> facts
+
+def build_facts(host: str, raw: dict, gathered_at: float | None = None) -> dict:
+    """Turn the probe's raw JSON into the facts document cached in inventory/facts/HOST.json."""
+    smi_q = raw.get("nvidia_smi_query") or {}
+    smi = raw.get("nvidia_smi") or {}
+    gpus = parse_query_gpu_csv(smi_q.get("out", "")) if smi_q.get("rc") == 0 else []
+    header = parse_nvidia_smi_header(smi.get("out", "")) if smi.get("rc") == 0 else {}
+    driver = parse_proc_driver_version(raw.get("proc_driver")) or header.get("driver") or (gpus[0]["driver"] if gpus else None)
+    nvidia = None
+    if raw.get("nvidia_smi_query") is not None or raw.get("proc_driver"):
+        nvidia = {"driver": driver, "cuda": header.get("cuda"), "gpus": gpus,
+                  "error": None if smi_q.get("rc") == 0 else (smi_q.get("err") or "nvidia-smi failed").strip()}
+    osr = parse_os_release(raw.get("os_release"))
+    ldd = raw.get("ldd") or []
+    venv_raw = raw.get("venv") or {}
+    venv = None
+    if venv_raw:
+        dists = {canonicalize_name(d["name"]): d["version"] for d in venv_raw.get("distributions", [])}
+        venv = {"path": venv_raw.get("path"), "exists": venv_raw.get("exists", False),
+                "error": venv_raw.get("error"),
+                "python": venv_raw.get("version"),
+                "abi": python_abi_tag(venv_raw["version"], venv_raw.get("abiflags", "")) if venv_raw.get("version") else None,
+                "purelib": venv_raw.get("purelib"),
+                "distributions": dict(sorted(dists.items())),
+                "wheel_tags": {canonicalize_name(d["name"]): parse_wheel_file(d.get("wheel"))
+                               for d in venv_raw.get("distributions", []) if d.get("wheel")}}
+    packages = {name: (venv or {}).get("distributions", {}).get(name) for name in TRACKED}
+    return {
+        "host": host,
+        "gathered_at": datetime.fromtimestamp(gathered_at or time.time(), timezone.utc).isoformat(timespec="seconds"),
+        "probe_seconds": raw.get("probe_seconds"),
+        "hostname": raw.get("hostname"),
+        "nvidia": nvidia,
+        "nvcc": parse_nvcc_version((raw.get("nvcc") or {}).get("out")),
+        "os": {"id": osr.get("ID"), "version_id": osr.get("VERSION_ID"), "pretty_name": osr.get("PRETTY_NAME"),
+               "kernel": raw.get("kernel"), "machine": raw.get("machine"),
+               "glibc": parse_glibc(ldd[0] if ldd else None) or parse_glibc(raw.get("glibc"))},
+        "system_python": raw.get("system_python"),
+        "venv": venv,
+        "torch": torch_facts(venv_raw) if venv_raw.get("distributions") else None,
+        "packages": packages,
+        "disk": raw.get("disk", {}),
+    }
+
+
+def probe_command(venv: str | None, python: str = "python3") -> str:
+    """One shell command that runs the probe: the program travels as an argument (no stdin: a
+    stdin-fed `python3 -` costs seconds per call through Fabric)."""
+    return " ".join(shlex.quote(a) for a in [python, "-c", PROBE_SOURCE] + ([venv] if venv else []))
+
+
+def gather(conn, host) -> dict:
+    """One SSH round trip: run the probe on `conn` and build the facts of `host`."""
+    t0 = time.time()
+    res = conn.run(probe_command(host.venv), hide=True, warn=True, in_stream=False)
+    if res.exited != 0:
+        raise FactsError(f"probe failed with exit {res.exited}: {res.stderr.strip()[-500:]}")
+    try:
+        raw = json.loads(res.stdout)
+    except ValueError:
+        raise FactsError(f"probe printed no JSON: {res.stdout[-300:]!r}") from None
+    facts = build_facts(host.name, raw, t0)
+    facts["address"] = host.address
+    facts["gather_seconds"] = round(time.time() - t0, 3)
+    return facts
+
+
+# ---------------------------------------------------------------- cache
+
+def facts_dir(inventory_path: str) -> Path:
+    return Path(inventory_path).parent / "facts"
+
+
+def save_facts(inventory_path: str, facts: dict) -> Path:
+    d = facts_dir(inventory_path)
+    d.mkdir(parents=True, exist_ok=True)
+    p = d / f"{facts['host']}.json"
+    tmp = p.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(facts, indent=1, sort_keys=True))
+    tmp.replace(p)
+    return p
+
+
+def load_cached_facts(inventory_path: str, host: str, max_age: float | None = None) -> dict | None:
+    p = facts_dir(inventory_path) / f"{host}.json"
+    try:
+        facts = json.loads(p.read_text())
+    except (OSError, ValueError):
+        return None
+    if max_age is not None:
+        age = time.time() - datetime.fromisoformat(facts["gathered_at"]).timestamp()
+        if age > max_age:
+            return None
+    return facts

@@ -1,0 +1,408 @@
+"""Fleet inventory: one YAML file describes hosts, GPUs, services and shared variables.
+
+Everything is validated before any connection is made; each error names `file:line` and the key.
+Variables resolve from most general to most specific: fleet `vars` < each group's `vars` (in file
+order) < the host's `vars` < the per-GPU `services` entry.
+
+Which file: `DEPLOY_INVENTORY=path` in the environment, else `inventory/hosts.yaml`.
+"""
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import modes
+from .yamlpos import PosDict, PosList, YamlPosError, load_yaml
+
+DEFAULT_INVENTORY = "inventory/hosts.yaml"
+HOSTNAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+
+
+class InventoryError(ValueError):
+    """All validation problems of one inventory file, each as `file:line: key: message`."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("invalid inventory:\n  " + "\n  ".join(problems))
+
+
+def _is_port(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 65535
+
+
+def _is_abs_path(v) -> bool:
+    return isinstance(v, str) and v.startswith("/")
+
+
+def _in_range(lo, hi):
+    def check(v):
+        return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+
+    check.__doc__ = f"an integer in [{lo}, {hi}]"
+    return check
+
+
+def _str_list(v) -> bool:
+    return isinstance(v, list) and all(isinstance(x, str) for x in v)
+
+
+def _str_map(v) -> bool:
+    return isinstance(v, dict) and all(isinstance(k, str) and isinstance(x, (str, int, float)) for k, x in v.items())
+
+
+# key -> (check, description). Shared variables may appear in fleet, group, host and service scope.
+VARS: dict[str, tuple] = {
+    "venv": (_is_abs_path, "an absolute path"),
+    "model": (_is_abs_path, "an absolute path"),
+    "draft_model": (_is_abs_path, "an absolute path"),
+    "served_model_name": (lambda v: isinstance(v, str) and v != "", "a non-empty string"),
+    "mode": (lambda v: v in modes.MODES, "one of " + ", ".join(modes.MODES)),
+    "budget": (_in_range(modes.BUDGET_MIN, modes.BUDGET_MAX), f"an integer in [{modes.BUDGET_MIN}, {modes.BUDGET_MAX}]"),
+    "block_size": (_in_range(modes.BLOCK_SIZE_MIN, modes.BLOCK_SIZE_MAX),
+                   f"an integer in [{modes.BLOCK_SIZE_MIN}, {modes.BLOCK_SIZE_MAX}]"),
+    "base_port": (_is_port, "a TCP port (1-65535)"),
+    "extra_args": (_str_list, "a list of strings"),
+    "env": (_str_map, "a mapping of names to strings"),
+    "service_user": (lambda v: isinstance(v, str) and re.match(r"^[a-z_][a-z0-9_-]*$", v) and v != "root",
+                     "a non-root user name"),
+    "release_root": (_is_abs_path, "an absolute path"),
+    "releases_keep": (_in_range(1, 100), "an integer in [1, 100]"),
+    "max_unavailable": (_in_range(1, 64), "an integer in [1, 64]"),
+    "start_timeout": (_in_range(1, 7200), "seconds, an integer in [1, 7200]"),
+    "gate_timeout": (_in_range(1, 3600), "seconds, an integer in [1, 3600]"),
+    "managed": (_str_list, "a list of distribution name patterns"),
+    "wheelhouse": (lambda v: _str_list(v) and all(x.startswith("/") for x in v), "a list of absolute paths"),
+}
+SERVICE_KEYS = {"port": (_is_port, "a TCP port (1-65535)"), "enabled": (lambda v: isinstance(v, bool), "true or false")}
+SERVICE_VARS = ("model", "draft_model", "served_model_name", "mode", "budget", "block_size", "extra_args", "env")
+DEFAULT_VARS = {
+    "venv": "/opt/sglang/venv",
+    "mode": modes.DEFAULTS["mode"],
+    "budget": modes.DEFAULTS["budget"],
+    "block_size": modes.DEFAULTS["block_size"],
+    "base_port": 30000,
+    "extra_args": [],
+    "env": {},
+    "service_user": "sglang",
+    "release_root": "/opt/ddtree/releases",
+    "releases_keep": 5,
+    "max_unavailable": 1,
+    "start_timeout": 1800,
+    "gate_timeout": 120,
+    "managed": ["torch", "triton", "sglang", "sglang-kernel", "flashinfer*", "nvidia-*", "cuda-*", "sglang-ddtree"],
+    "wheelhouse": [],
+}
+SSH_KEYS = {
+    "user": (lambda v: isinstance(v, str) and v != "", "a user name"),
+    "port": (_is_port, "a TCP port (1-65535)"),
+    "known_hosts": (lambda v: isinstance(v, str), "a path"),
+    "identity_file": (lambda v: isinstance(v, str), "a path"),
+    "connect_timeout": (_in_range(1, 600), "seconds, an integer in [1, 600]"),
+}
+SETTINGS_KEYS = {
+    "parallel": (_in_range(1, 256), "an integer in [1, 256]"),
+    "facts_ttl": (_in_range(0, 86400 * 30), "seconds, an integer >= 0"),
+}
+HOST_KEYS = {"address", "user", "port", "gpus", "vars", "services", "groups"}
+TOP_KEYS = {"fleet", "reference", "ssh", "settings", "vars", "groups", "hosts"}
+
+
+@dataclass(frozen=True)
+class Service:
+    """One SGLang server pinned to one GPU."""
+
+    host: str
+    gpu: int
+    port: int
+    model: str | None
+    draft_model: str | None
+    served_model_name: str | None
+    mode: str
+    budget: int
+    block_size: int
+    extra_args: tuple = ()
+    env: tuple = ()  # sorted (name, value) pairs: hashable and printable
+    enabled: bool = True
+
+    @property
+    def instance(self) -> str:
+        return f"gpu{self.gpu}"
+
+
+@dataclass(frozen=True)
+class Host:
+    name: str
+    address: str
+    user: str
+    port: int
+    gpus: tuple[int, ...]
+    vars: dict = field(hash=False, compare=False, default_factory=dict)
+    services: tuple[Service, ...] = ()
+    groups: tuple[str, ...] = ()
+
+    @property
+    def venv(self) -> str:
+        return self.vars["venv"]
+
+
+@dataclass
+class Inventory:
+    path: str
+    fleet: str
+    reference_name: str
+    hosts: dict[str, Host]
+    groups: dict[str, tuple[str, ...]]
+    ssh: dict
+    settings: dict
+
+    @property
+    def reference(self) -> Host:
+        return self.hosts[self.reference_name]
+
+    def select(self, names: str | list[str] | None) -> list[Host]:
+        """Hosts by comma list or list of names or group names; None means every host."""
+        if names is None or names == "" or names == []:
+            return list(self.hosts.values())
+        if isinstance(names, str):
+            names = [n.strip() for n in names.split(",") if n.strip()]
+        out: list[Host] = []
+        for n in names:
+            if n in self.hosts:
+                picked = [self.hosts[n]]
+            elif n in self.groups:
+                picked = [self.hosts[h] for h in self.groups[n]]
+            else:
+                known = ", ".join(sorted(self.hosts) + sorted(self.groups))
+                raise InventoryError([f"{self.path}: unknown host or group {n!r} (known: {known})"])
+            out += [h for h in picked if h not in out]
+        return out
+
+    def ssh_path(self, key: str) -> str | None:
+        """An ssh path setting, expanded (~ and relative to the inventory file's folder)."""
+        v = self.ssh.get(key)
+        if not v:
+            return None
+        v = os.path.expanduser(v)
+        return v if os.path.isabs(v) else str(Path(self.path).parent / v)
+
+
+def inventory_path(explicit: str | None = None) -> str:
+    return explicit or os.environ.get("DEPLOY_INVENTORY") or DEFAULT_INVENTORY
+
+
+class _Checker:
+    def __init__(self, path: str):
+        self.path = path
+        self.problems: list[str] = []
+
+    def err(self, line: int, key: str, msg: str) -> None:
+        self.problems.append(f"{self.path}:{line}: {key}: {msg}")
+
+    def mapping(self, node, where: str, line: int) -> PosDict | None:
+        if node is None:
+            node = PosDict()
+            node.line = line
+        if not isinstance(node, dict):
+            self.err(line, where, f"must be a mapping, got {type(node).__name__}")
+            return None
+        return node
+
+    def known(self, node: PosDict, allowed, where: str) -> None:
+        for k in node:
+            if k not in allowed:
+                hint = ", ".join(sorted(map(str, allowed)))
+                self.err(node.line_of(k), f"{where}.{k}" if where else str(k), f"unknown key (allowed: {hint})")
+
+    def typed(self, node: PosDict, table: dict, where: str) -> dict:
+        out = {}
+        for k, v in node.items():
+            if k in table:
+                check, desc = table[k]
+                if not check(v):
+                    self.err(node.line_of(k), f"{where}.{k}", f"must be {desc}, got {v!r}")
+                else:
+                    out[k] = list(v) if isinstance(v, list) else (dict(v) if isinstance(v, dict) else v)
+        return out
+
+
+def load_inventory(path: str | None = None) -> Inventory:
+    """Read and validate an inventory file; raise InventoryError listing every problem found."""
+    path = inventory_path(path)
+    if not os.path.exists(path):
+        raise InventoryError([f"{path}: no such inventory file (set DEPLOY_INVENTORY or create it)"])
+    try:
+        doc = load_yaml(path)
+    except YamlPosError as exc:
+        raise InventoryError([str(exc)]) from None
+    return parse_inventory(doc, path)
+
+
+def parse_inventory(doc, path: str) -> Inventory:
+    c = _Checker(path)
+    if not isinstance(doc, dict):
+        raise InventoryError([f"{path}:1: the file must be a mapping with 'hosts' and 'reference'"])
+    c.known(doc, TOP_KEYS, "")
+    for req in ("hosts", "reference"):
+        if req not in doc:
+            c.err(doc.line or 1, req, "required key is missing")
+
+    ssh = c.typed(c.mapping(doc.get("ssh"), "ssh", doc.line_of("ssh")) or PosDict(), SSH_KEYS, "ssh")
+    if isinstance(doc.get("ssh"), dict):
+        c.known(doc["ssh"], SSH_KEYS, "ssh")
+    settings_node = c.mapping(doc.get("settings"), "settings", doc.line_of("settings")) or PosDict()
+    c.known(settings_node, SETTINGS_KEYS, "settings")
+    settings = {"parallel": 16, "facts_ttl": 600} | c.typed(settings_node, SETTINGS_KEYS, "settings")
+
+    fleet_vars = _vars(c, doc.get("vars"), "vars", doc.line_of("vars"))
+
+    hosts_node = c.mapping(doc.get("hosts"), "hosts", doc.line_of("hosts")) or PosDict()
+    if isinstance(doc.get("hosts"), dict) and not hosts_node:
+        c.err(doc.line_of("hosts"), "hosts", "at least one host is required")
+
+    groups: dict[str, tuple[str, ...]] = {}
+    group_vars: dict[str, dict] = {}
+    groups_node = c.mapping(doc.get("groups"), "groups", doc.line_of("groups")) or PosDict()
+    for gname, gnode in groups_node.items():
+        where = f"groups.{gname}"
+        g = c.mapping(gnode, where, groups_node.line_of(gname))
+        if g is None:
+            continue
+        c.known(g, {"hosts", "vars"}, where)
+        members = g.get("hosts", [])
+        if not _str_list(members):
+            c.err(g.line_of("hosts"), f"{where}.hosts", "must be a list of host names")
+            members = []
+        for i, m in enumerate(members):
+            if m not in hosts_node:
+                c.err(members.line_of(i) if isinstance(members, PosList) else g.line, f"{where}.hosts",
+                      f"{m!r} is not a host of this inventory")
+        if gname in hosts_node:
+            c.err(groups_node.line_of(gname), where, "a group cannot have the name of a host")
+        groups[gname] = tuple(m for m in members if m in hosts_node)
+        group_vars[gname] = _vars(c, g.get("vars"), f"{where}.vars", g.line_of("vars"))
+
+    hosts: dict[str, Host] = {}
+    addresses: dict[tuple, str] = {}
+    for hname, hnode in hosts_node.items():
+        where = f"hosts.{hname}"
+        hline = hosts_node.line_of(hname)
+        if not isinstance(hname, str) or not HOSTNAME_RE.match(hname):
+            c.err(hline, where, "host names are lower-case letters, digits and '-'")
+        h = c.mapping(hnode, where, hline)
+        if h is None:
+            continue
+        c.known(h, HOST_KEYS, where)
+        address = h.get("address")
+        if not isinstance(address, str) or not address:
+            c.err(h.line_of("address") if "address" in h else hline, f"{where}.address", "required: an IP address or DNS name")
+            address = ""
+        else:
+            try:
+                ipaddress.ip_address(address)
+            except ValueError:
+                if not re.match(r"^[A-Za-z0-9.-]+$", address):
+                    c.err(h.line_of("address"), f"{where}.address", f"not an IP address or DNS name: {address!r}")
+        user = h.get("user", ssh.get("user", "root"))
+        if not isinstance(user, str) or not user:
+            c.err(h.line_of("user"), f"{where}.user", "must be a user name")
+        port = h.get("port", ssh.get("port", 22))
+        if not _is_port(port):
+            c.err(h.line_of("port"), f"{where}.port", f"must be a TCP port (1-65535), got {port!r}")
+            port = 22
+        if address and (address, port) in addresses:
+            c.err(h.line_of("address"), f"{where}.address", f"{address}:{port} is also host {addresses[(address, port)]}")
+        addresses[(address, port)] = hname
+
+        gpus = _gpus(c, h, where)
+        member_of = tuple(g for g, ms in groups.items() if hname in ms)
+        extra_groups = h.get("groups", [])
+        if not _str_list(extra_groups):
+            c.err(h.line_of("groups"), f"{where}.groups", "must be a list of group names")
+            extra_groups = []
+        for g in extra_groups:
+            if g not in groups_node:
+                c.err(h.line_of("groups"), f"{where}.groups", f"unknown group {g!r}")
+            elif g not in member_of:
+                groups[g] = groups.get(g, ()) + (hname,)
+                member_of += (g,)
+        resolved = dict(DEFAULT_VARS) | fleet_vars
+        for g in groups_node:  # file order, so later groups win
+            if g in member_of:
+                resolved |= group_vars.get(g, {})
+        resolved |= _vars(c, h.get("vars"), f"{where}.vars", h.line_of("vars"))
+        services = _services(c, h, where, hname, gpus, resolved)
+        hosts[hname] = Host(hname, address, user, port, gpus, resolved, services, member_of)
+
+    ref = doc.get("reference")
+    if "reference" in doc and (not isinstance(ref, str) or ref not in hosts_node):
+        c.err(doc.line_of("reference"), "reference", f"{ref!r} is not one of the listed hosts ({', '.join(map(str, hosts_node))})")
+    fleet = doc.get("fleet", Path(path).stem)
+    if not isinstance(fleet, str):
+        c.err(doc.line_of("fleet"), "fleet", "must be a string")
+    if c.problems:
+        raise InventoryError(c.problems)
+    return Inventory(path, fleet, ref, hosts, groups, ssh, settings)
+
+
+def _vars(c: _Checker, node, where: str, line: int) -> dict:
+    m = c.mapping(node, where, line)
+    if m is None:
+        return {}
+    c.known(m, VARS, where)
+    return c.typed(m, VARS, where)
+
+
+def _gpus(c: _Checker, h: PosDict, where: str) -> tuple[int, ...]:
+    g = h.get("gpus", 0)
+    line = h.line_of("gpus")
+    if isinstance(g, int) and not isinstance(g, bool):
+        if not 0 <= g <= 64:
+            c.err(line, f"{where}.gpus", f"a GPU count must be in [0, 64], got {g}")
+            return ()
+        return tuple(range(g))
+    if isinstance(g, list) and all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 64 for x in g):
+        seen = set()
+        for i, x in enumerate(g):
+            if x in seen:
+                c.err(g.line_of(i) if isinstance(g, PosList) else line, f"{where}.gpus", f"GPU index {x} is listed twice")
+            seen.add(x)
+        return tuple(sorted(seen))
+    c.err(line, f"{where}.gpus", f"must be a GPU count or a list of GPU indices, got {g!r}")
+    return ()
+
+
+def _services(c: _Checker, h: PosDict, where: str, hname: str, gpus, resolved: dict) -> tuple[Service, ...]:
+    snode = c.mapping(h.get("services"), f"{where}.services", h.line_of("services")) or PosDict()
+    allowed = set(SERVICE_KEYS) | set(SERVICE_VARS)
+    overrides: dict[int, dict] = {}
+    for gpu, o in snode.items():
+        swhere = f"{where}.services.{gpu}"
+        sline = snode.line_of(gpu)
+        if not isinstance(gpu, int) or isinstance(gpu, bool):
+            c.err(sline, swhere, "service keys are GPU indices (integers)")
+            continue
+        if gpu not in gpus:
+            c.err(sline, swhere, f"GPU {gpu} is not one of this host's GPUs {list(gpus)}")
+            continue
+        o = c.mapping(o, swhere, sline)
+        if o is None:
+            continue
+        c.known(o, allowed, swhere)
+        overrides[gpu] = c.typed(o, SERVICE_KEYS | {k: VARS[k] for k in SERVICE_VARS}, swhere)
+        overrides[gpu]["_line"] = sline
+    out, ports = [], {}
+    for gpu in gpus:
+        o = overrides.get(gpu, {})
+        v = resolved | {k: o[k] for k in SERVICE_VARS if k in o}
+        port = o.get("port", resolved["base_port"] + gpu)
+        if port in ports:
+            c.err(o.get("_line", h.line_of("gpus")), f"{where}.services.{gpu}.port",
+                  f"port {port} is also used by GPU {ports[port]} on {hname}")
+        ports[port] = gpu
+        out.append(Service(hname, gpu, port, v.get("model"), v.get("draft_model"), v.get("served_model_name"),
+                           v["mode"], v["budget"], v["block_size"], tuple(v["extra_args"]),
+                           tuple(sorted((k, str(x)) for k, x in v["env"].items())), o.get("enabled", True)))
+    return tuple(out)

@@ -1,0 +1,421 @@
+"""The lab: a fleet of real Debian hosts on one machine, like kind is for Kubernetes.
+
+Each host is `systemd-nspawn --boot` (real systemd as PID 1, real sshd with key auth) on an
+overlayfs over one cached debootstrap base, in its own network namespace joined by a veth pair to a
+private bridge. Its host key is generated at creation and written to the lab's known_hosts, so the
+toolkit verifies host keys against the lab exactly as against a real fleet.
+
+Needs root, debootstrap, systemd-container (systemd-nspawn) and iproute2.
+State: $DDTREE_LAB_DIR (default /var/lib/ddtree-lab); base cache: $DDTREE_LAB_CACHE
+(default /var/cache/ddtree-lab). `down()` also sweeps what a crashed run left behind.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from . import persona
+from .wheels import build_lab_wheels
+
+LAB_DIR = Path(os.environ.get("DDTREE_LAB_DIR", "/var/lib/ddtree-lab"))
+CACHE_DIR = Path(os.environ.get("DDTREE_LAB_CACHE", "/var/cache/ddtree-lab"))
+SUBNET = "10.231.77"
+GATEWAY = f"{SUBNET}.1"
+BRIDGE = "ddtlab0"
+NETNS_PREFIX = "ddtl-"
+VETH_PREFIX = "vl-"
+VENV = "/opt/sglang/venv"
+SUITE = "bookworm"
+BASE_PACKAGES = ["systemd", "systemd-sysv", "dbus", "openssh-server", "python3-venv", "iproute2", "procps",
+                 "rsync", "sudo"]
+BASE_ID = hashlib.sha256(" ".join([SUITE, "minbase"] + BASE_PACKAGES + ["v2"]).encode()).hexdigest()[:12]
+STANDIN = Path(__file__).with_name("nvidia_smi_standin.py")
+
+
+class LabError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class LabHost:
+    name: str
+    octet: int
+    persona: str
+    torch_tag: str
+
+    @property
+    def address(self) -> str:
+        return f"{SUBNET}.{self.octet}"
+
+    @property
+    def netns(self) -> str:
+        return NETNS_PREFIX + self.name
+
+    @property
+    def veth(self) -> str:
+        return VETH_PREFIX + self.name
+
+    @property
+    def gpus(self) -> int:
+        return 1 if self.persona == "h200-1gpu" else 8
+
+
+BUILTIN = (LabHost("ct129", 129, "rtxpro6000-8gpu", "cu130"),
+           LabHost("ct200", 200, "rtxpro6000-8gpu", "cu128"),
+           LabHost("h200", 90, "h200-1gpu", "cu130"))
+MAX_EXTRA = 40
+
+
+def lab_hosts(extra: int = 0) -> list[LabHost]:
+    """The seed-named hosts plus `extra` more of the ct200 kind (ct201, ct202, ...) for scale tests."""
+    if not 0 <= extra <= MAX_EXTRA:
+        raise LabError(f"extra hosts must be in [0, {MAX_EXTRA}]")
+    return list(BUILTIN) + [LabHost(f"ct{201 + i}", 201 + i, "rtxpro6000-8gpu", "cu128") for i in range(extra)]
+
+
+def _run(argv: list[str], check: bool = True, **kw) -> subprocess.CompletedProcess:
+    p = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+    if check and p.returncode != 0:
+        raise LabError(f"{' '.join(argv[:6])}{' ...' if len(argv) > 6 else ''} failed ({p.returncode}): {p.stderr.strip()[-800:]}")
+    return p
+
+
+def preflight() -> None:
+    if os.geteuid() != 0:
+        raise LabError("the lab needs root (systemd-nspawn, network namespaces, overlayfs)")
+    missing = [b for b in ("debootstrap", "systemd-nspawn", "ip", "ssh-keygen") if not shutil.which(b)]
+    if missing:
+        raise LabError(f"missing tools: {', '.join(missing)} (apt-get install debootstrap systemd-container "
+                       f"iproute2 openssh-client)")
+
+
+# ------------------------------------------------------------------ base image
+
+def _apt_mirror() -> str | None:
+    """The Debian mirror this machine's apt already uses (so the lab needs no other network)."""
+    for f in [Path("/etc/apt/sources.list")] + sorted(Path("/etc/apt/sources.list.d").glob("*")):
+        try:
+            text = f.read_text()
+        except OSError:
+            continue
+        for m in re.finditer(r"^URIs:\s*(\S+)", text, re.M):
+            if "security" not in m.group(1):
+                return m.group(1)
+        for m in re.finditer(r"^deb\s+(?:\[[^]]*\]\s+)?(\S+)\s+\S+", text, re.M):
+            if "security" not in m.group(1):
+                return m.group(1)
+    return None
+
+
+def base_path() -> Path:
+    return CACHE_DIR / f"base-{SUITE}-{BASE_ID}"
+
+
+def ensure_base(log=print) -> tuple[Path, float | None]:
+    """Build the Debian base root once (debootstrap minbase + systemd, sshd, python3-venv); cached.
+
+    Returns the path and the build time in seconds (None when it was cached). Built in a temporary
+    folder and renamed into place, so an interrupted build never leaves a half base behind.
+    """
+    base = base_path()
+    if (base / ".ddtree-lab-base").exists():
+        return base, None
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    tmp = CACHE_DIR / f".building-{BASE_ID}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    log(f"building Debian {SUITE} base (debootstrap, about a minute) ...")
+    t0 = time.time()
+    argv = ["debootstrap", "--variant=minbase", "--include=" + ",".join(BASE_PACKAGES), SUITE, str(tmp)]
+    mirror = _apt_mirror()
+    if mirror:
+        argv.append(mirror)
+    p = _run(argv, check=False)
+    if p.returncode != 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise LabError(f"debootstrap failed: {(p.stdout + p.stderr).strip()[-1500:]}")
+    # Per-host identity is made per host: no shared host keys or machine-id in the base.
+    for k in (tmp / "etc/ssh").glob("ssh_host_*"):
+        k.unlink()
+    (tmp / "etc/machine-id").write_text("")
+    (tmp / "etc/ssh/sshd_config.d/ddtree-lab.conf").write_text(
+        "HostKey /etc/ssh/ssh_host_ed25519_key\nPasswordAuthentication no\nKbdInteractiveAuthentication no\n"
+        "PermitRootLogin prohibit-password\nUseDNS no\n")
+    # A lab host has no consoles to serve; keep boots fast and quiet.
+    for unit in ("getty@tty1.service", "console-getty.service"):
+        (tmp / "etc/systemd/system" / unit).unlink(missing_ok=True)
+        (tmp / "etc/systemd/system" / unit).symlink_to("/dev/null")
+    (tmp / ".ddtree-lab-base").write_text(json.dumps({"suite": SUITE, "packages": BASE_PACKAGES, "id": BASE_ID}))
+    tmp.rename(base)
+    seconds = time.time() - t0
+    log(f"base built in {seconds:.1f}s at {base}")
+    return base, seconds
+
+
+# ------------------------------------------------------------------ per-host pieces
+
+def host_dir(h: LabHost) -> Path:
+    return LAB_DIR / "hosts" / h.name
+
+
+def control_key() -> Path:
+    key = LAB_DIR / "id_ed25519"
+    if not key.exists():
+        LAB_DIR.mkdir(parents=True, exist_ok=True)
+        _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "ddtree-lab-control", "-f", str(key)])
+    return key
+
+
+def known_hosts() -> Path:
+    return LAB_DIR / "known_hosts"
+
+
+def _mounted(path: Path) -> bool:
+    target = str(path)
+    with open("/proc/self/mounts") as fh:
+        return any(line.split()[1] == target for line in fh)
+
+
+def _pid(h: LabHost) -> int | None:
+    try:
+        pid = int((host_dir(h) / "pid").read_text())
+        os.kill(pid, 0)
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        return pid if b"systemd-nspawn" in cmd else None
+    except (OSError, ValueError):
+        return None
+
+
+def _ensure_bridge() -> None:
+    if _run(["ip", "link", "show", BRIDGE], check=False).returncode != 0:
+        _run(["ip", "link", "add", BRIDGE, "type", "bridge"])
+        _run(["ip", "addr", "add", f"{GATEWAY}/24", "dev", BRIDGE])
+    _run(["ip", "link", "set", BRIDGE, "up"])
+
+
+def _ensure_netns(h: LabHost) -> None:
+    if not Path(f"/run/netns/{h.netns}").exists():
+        _run(["ip", "netns", "add", h.netns])
+    if _run(["ip", "link", "show", h.veth], check=False).returncode != 0:
+        _run(["ip", "link", "add", h.veth, "type", "veth", "peer", "name", "eth0", "netns", h.netns])
+    _run(["ip", "link", "set", h.veth, "master", BRIDGE, "up"])
+    ns = ["ip", "-n", h.netns]
+    if h.address not in _run(ns + ["addr", "show", "eth0"]).stdout:
+        _run(ns + ["addr", "add", f"{h.address}/24", "dev", "eth0"])
+    _run(ns + ["link", "set", "eth0", "up"])
+    _run(ns + ["link", "set", "lo", "up"])
+    _run(ns + ["route", "replace", "default", "via", GATEWAY])
+
+
+def _mount(h: LabHost, base: Path) -> Path:
+    d = host_dir(h)
+    root = d / "root"
+    for sub in ("upper", "work", "root"):
+        (d / sub).mkdir(parents=True, exist_ok=True)
+    if not _mounted(root):
+        _run(["mount", "-t", "overlay", "overlay", "-o",
+              f"lowerdir={base},upperdir={d / 'upper'},workdir={d / 'work'}", str(root)])
+    return root
+
+
+def _prepare(h: LabHost, root: Path, wheels: dict[str, Path]) -> None:
+    """First boot only: identity, keys, GPU persona and the managed venv, written into the overlay."""
+    d = host_dir(h)
+    (root / "etc/hostname").write_text(h.name + "\n")
+    (root / "etc/hosts").write_text(f"127.0.0.1 localhost\n{h.address} {h.name}\n")
+    hk = root / "etc/ssh/ssh_host_ed25519_key"
+    if not hk.exists():
+        _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"root@{h.name}", "-f", str(hk)])
+    ssh_dir = root / "root/.ssh"
+    ssh_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    (ssh_dir / "authorized_keys").write_text(Path(str(control_key()) + ".pub").read_text())
+    os.chmod(ssh_dir / "authorized_keys", 0o600)
+    pdir = root / "usr/local/share/lab-gpu-persona"
+    pdir.mkdir(parents=True, exist_ok=True)
+    for name, text in persona.persona_files(h.persona, h.name).items():
+        (pdir / name).write_text(text)
+    smi = root / "usr/bin/nvidia-smi"
+    shutil.copyfile(STANDIN, smi)
+    os.chmod(smi, 0o755)
+    # The managed venv with a torch build matching the persona (ct200: the seed's +cu128 drift).
+    stage = root / "var/tmp/lab-wheels"
+    stage.mkdir(parents=True, exist_ok=True)
+    picked = [wheels[f"torch-{h.torch_tag}"], wheels["triton"]]
+    for w in picked:
+        shutil.copyfile(w, stage / w.name)
+    script = (f"set -e; python3 -m venv {VENV}; {VENV}/bin/pip install -q --no-index --no-deps "
+              + " ".join(f"/var/tmp/lab-wheels/{w.name}" for w in picked) + "; rm -rf /var/tmp/lab-wheels")
+    _run(["systemd-nspawn", "--quiet", "--register=no", "--keep-unit", "--private-network",
+          "-D", str(root), "/bin/sh", "-c", script])
+    (d / "host.json").write_text(json.dumps(asdict(h)))
+
+
+def _boot(h: LabHost, root: Path) -> int:
+    d = host_dir(h)
+    log = open(d / "console.log", "ab")
+    p = subprocess.Popen(["systemd-nspawn", "--boot", "--register=no", "--keep-unit", f"--machine={h.name}",
+                          f"--network-namespace-path=/run/netns/{h.netns}", "--console=passive",
+                          "-D", str(root)],
+                         stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+    (d / "pid").write_text(str(p.pid))
+    return p.pid
+
+
+def _wait_ssh(h: LabHost, timeout: float = 60) -> None:
+    """Wait until sshd answers with its banner (systemd has reached it)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if _pid(h) is None:
+            tail = (host_dir(h) / "console.log").read_text(errors="replace")[-800:]
+            raise LabError(f"{h.name}: systemd-nspawn exited during boot:\n{tail}")
+        try:
+            with socket.create_connection((h.address, 22), timeout=2) as s:
+                s.settimeout(3)
+                if s.recv(64).startswith(b"SSH-"):
+                    return
+        except OSError:
+            time.sleep(0.3)
+    raise LabError(f"{h.name}: sshd did not answer on {h.address}:22 within {timeout:.0f}s")
+
+
+def _write_known_hosts() -> None:
+    lines = []
+    for d in sorted((LAB_DIR / "hosts").glob("*/host.json")):
+        h = LabHost(**json.loads(d.read_text()))
+        pub = d.parent / "upper/etc/ssh/ssh_host_ed25519_key.pub"
+        if pub.exists():
+            kt, key = pub.read_text().split()[:2]
+            lines.append(f"{h.address} {kt} {key}")
+    tmp = known_hosts().with_suffix(".tmp")
+    tmp.write_text("\n".join(lines) + "\n")
+    tmp.replace(known_hosts())
+
+
+def up(extra: int = 0, log=print) -> dict:
+    """Bring up every lab host that is not running (idempotent). Returns timings for the report."""
+    preflight()
+    t0 = time.time()
+    LAB_DIR.mkdir(parents=True, exist_ok=True)
+    base, base_seconds = ensure_base(log)
+    wheels = build_lab_wheels(CACHE_DIR / "wheels")
+    control_key()
+    _ensure_bridge()
+    hosts = lab_hosts(extra)
+    todo = [h for h in hosts if _pid(h) is None]
+
+    def bring(h: LabHost) -> str:
+        _ensure_netns(h)
+        root = _mount(h, base)
+        fresh = not (host_dir(h) / "host.json").exists()
+        if fresh:
+            _prepare(h, root, wheels)
+        _boot(h, root)
+        return "created" if fresh else "booted"
+
+    t1 = time.time()
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        actions = dict(zip([h.name for h in todo], pool.map(bring, todo)))
+    _write_known_hosts()
+    for h in todo:
+        _wait_ssh(h)
+    report = {"hosts": {h.name: actions.get(h.name, "running") for h in hosts},
+              "base_build_seconds": base_seconds, "boot_seconds": round(time.time() - t1, 2),
+              "total_seconds": round(time.time() - t0, 2), "known_hosts": str(known_hosts()),
+              "identity_file": str(control_key())}
+    return report
+
+
+def _stop_pid(pid: int, timeout: float = 15) -> None:
+    try:
+        os.kill(pid, signal.SIGTERM)  # nspawn forwards it as an orderly poweroff of the container
+    except ProcessLookupError:
+        return
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def down(log=print) -> dict:
+    """Remove every container, mount, namespace, veth and the bridge the lab made; the base cache stays.
+
+    Works from the system's state, not only from our records, so it also cleans up after a crash.
+    """
+    removed = {"containers": 0, "mounts": 0, "netns": 0, "links": 0}
+    lab = str(LAB_DIR)
+    pids = set()
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            cmd = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if cmd and cmd[0].endswith(b"systemd-nspawn") and any(a.startswith(lab.encode()) for a in cmd):
+            pids.add(int(proc.name))
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        list(pool.map(_stop_pid, pids))
+    removed["containers"] = len(pids)
+    with open("/proc/self/mounts") as fh:
+        mounts = [line.split()[1] for line in fh if line.split()[1].startswith(lab + "/")]
+    for m in sorted(mounts, key=len, reverse=True):
+        if _run(["umount", m], check=False).returncode != 0:
+            _run(["umount", "-l", m], check=False)
+        removed["mounts"] += 1
+    for ns in _run(["ip", "netns", "list"], check=False).stdout.split("\n"):
+        name = ns.split(" ")[0]
+        if name.startswith(NETNS_PREFIX):
+            _run(["ip", "netns", "delete", name], check=False)
+            removed["netns"] += 1
+    for line in _run(["ip", "-o", "link", "show"], check=False).stdout.splitlines():
+        m = re.match(r"^\d+:\s+([^:@]+)", line)
+        if m and (m.group(1).startswith(VETH_PREFIX) or m.group(1) == BRIDGE):
+            _run(["ip", "link", "delete", m.group(1)], check=False)
+            removed["links"] += 1
+    for p in Path("/run/systemd/nspawn/propagate").glob("*") if Path("/run/systemd/nspawn/propagate").exists() else []:
+        shutil.rmtree(p, ignore_errors=True)
+    shutil.rmtree(LAB_DIR, ignore_errors=True)
+    return removed
+
+
+def status() -> list[dict]:
+    """One row per lab host: running?, address, persona, torch tag, sshd answering."""
+    rows = []
+    for d in sorted((LAB_DIR / "hosts").glob("*/host.json")):
+        h = LabHost(**json.loads(d.read_text()))
+        pid = _pid(h)
+        ssh_ok = False
+        if pid:
+            try:
+                with socket.create_connection((h.address, 22), timeout=1) as s:
+                    s.settimeout(2)
+                    ssh_ok = s.recv(8).startswith(b"SSH-")
+            except OSError:
+                pass
+        rows.append({"host": h.name, "address": h.address, "state": "running" if pid else "stopped", "pid": pid,
+                     "sshd": ssh_ok, "persona": h.persona, "gpus": h.gpus, "torch": f"2.11.0+{h.torch_tag}"})
+    return rows
+
+
+def inventory_yaml(hosts: list[LabHost], reference: str = "ct129") -> str:
+    """An inventory file for these lab hosts (inventory/lab.yaml is this for the builtin three)."""
+    lines = ["# Generated by deploy.lab.fleet.inventory_yaml", "fleet: lab", f"reference: {reference}",
+             "ssh:", "  user: root", f"  known_hosts: {known_hosts()}", f"  identity_file: {LAB_DIR / 'id_ed25519'}",
+             "vars:", f"  venv: {VENV}", "hosts:"]
+    for h in hosts:
+        lines += [f"  {h.name}:", f"    address: {h.address}", f"    gpus: {h.gpus}"]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,98 @@
+"""Inventory report: facts of many hosts side by side, drift from the reference host highlighted."""
+from __future__ import annotations
+
+import time
+from collections import Counter
+from datetime import datetime
+
+from rich.table import Table
+from rich.text import Text
+
+from .facts import split_local
+
+
+def _age(facts: dict) -> str:
+    s = time.time() - datetime.fromisoformat(facts["gathered_at"]).timestamp()
+    return f"{s:.0f}s" if s < 120 else f"{s / 60:.0f}m" if s < 7200 else f"{s / 3600:.0f}h"
+
+
+def gpu_summary(facts: dict) -> str:
+    nv = facts.get("nvidia") or {}
+    gpus = nv.get("gpus") or []
+    if not nv:
+        return "no nvidia-smi"
+    if not gpus:
+        return f"error: {nv.get('error') or 'no GPUs'}"
+    kinds = Counter((g["name"].replace("NVIDIA ", "").replace(" Server Edition", ""), g["sm"], g["memory_mib"])
+                    for g in gpus)
+    return ", ".join(f"{n}x {name} {sm} {round(mem / 1024)}G" for (name, sm, mem), n in kinds.items())
+
+
+def row_values(facts: dict) -> dict[str, str | None]:
+    """The comparable values of one host, by column; None where the host has no such fact."""
+    nv = facts.get("nvidia") or {}
+    venv = facts.get("venv") or {}
+    t = facts.get("torch") or {}
+    pk = facts.get("packages") or {}
+    return {
+        "driver": nv.get("driver"),
+        "cuda": nv.get("cuda"),
+        "gpus": gpu_summary(facts),
+        "os": f"{(facts.get('os') or {}).get('id')} {(facts.get('os') or {}).get('version_id')}",
+        "glibc": (facts.get("os") or {}).get("glibc"),
+        "python": f"{venv.get('python')} {venv.get('abi')}" if venv.get("python") else ("no venv" if venv else None),
+        "torch": t.get("version"),
+        "abi": {True: "cxx11", False: "pre-cxx11", None: "?"}[t.get("cxx11_abi")] if t else None,
+        "archs": " ".join(a.replace("sm_", "") for a in t.get("arch_list") or []) or None,
+        "triton": pk.get("triton"),
+        "sglang": pk.get("sglang"),
+        "sglang-kernel": pk.get("sglang-kernel"),
+        "flashinfer": pk.get("flashinfer-python"),
+        "dists": str(len(venv.get("distributions") or {})) if venv.get("distributions") is not None else None,
+    }
+
+
+COLUMNS = ["driver", "cuda", "gpus", "os", "glibc", "python", "torch", "abi", "archs", "triton", "sglang",
+           "sglang-kernel", "flashinfer", "dists"]
+
+
+def drift(ref: dict | None, facts: dict) -> dict[str, str]:
+    """Columns where `facts` differs from the reference: 'abi' for a build-tag (ABI) mismatch, 'differs' else."""
+    if not ref or ref is facts:
+        return {}
+    a, b = row_values(ref), row_values(facts)
+    out = {}
+    for col in COLUMNS:
+        if col in ("gpus", "dists"):
+            continue
+        if a[col] != b[col]:
+            out[col] = "differs"
+    ta, tb = (ref.get("torch") or {}).get("version"), (facts.get("torch") or {}).get("version")
+    if ta and tb:
+        (pa, la), (pb, lb) = split_local(ta), split_local(tb)
+        if pa == pb and la != lb:
+            out["torch"] = "abi"
+    return out
+
+
+def inventory_table(inv, facts_by_host: dict[str, dict], errors: dict[str, tuple[str, str]]) -> Table:
+    ref = facts_by_host.get(inv.reference_name)
+    table = Table(title=f"fleet {inv.fleet} — reference {inv.reference_name}"
+                        + ("" if ref else " (no facts: drift not shown)"), header_style="bold")
+    table.add_column("host")
+    for col in COLUMNS:
+        table.add_column(col, overflow="fold")
+    table.add_column("age")
+    for name, facts in facts_by_host.items():
+        label = Text(name + (" ★" if name == inv.reference_name else ""))
+        vals = row_values(facts)
+        marks = drift(ref, facts)
+        cells = []
+        for col in COLUMNS:
+            v = vals[col] or "-"
+            style = {"abi": "bold red", "differs": "yellow"}.get(marks.get(col, ""), "")
+            cells.append(Text(v + (" (ABI≠ref)" if marks.get(col) == "abi" else ""), style=style))
+        table.add_row(label, *cells, _age(facts))
+    for name, (kind, err) in errors.items():
+        table.add_row(Text(name, style="bold red"), Text(f"{kind}: {err}", style="red"), *[""] * (len(COLUMNS) - 1), "")
+    return table

@@ -1,0 +1,129 @@
+"""SSH connections with verified host keys, and a bounded per-host worker pool.
+
+Fabric's Connection auto-accepts unknown host keys by default; every connection made here rejects
+them instead and checks the inventory's known_hosts file (the lab writes one at `lab.up`).
+`fab -H a,b` runs hosts one after another and ThreadingGroup has no bound, so multi-step per-host
+work runs on `run_per_host`: a fixed-size thread pool of per-host Connections.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import paramiko
+from fabric import Connection
+from paramiko.ssh_exception import (AuthenticationException, BadHostKeyException, NoValidConnectionsError,
+                                    SSHException)
+
+from .inventory import Host, Inventory
+
+
+class HostError(RuntimeError):
+    """A failure on one host, with a short kind ('unreachable', 'host-key', 'auth', ...)."""
+
+    def __init__(self, host: str, kind: str, message: str):
+        super().__init__(f"{host}: {kind}: {message}")
+        self.host, self.kind, self.message = host, kind, message
+
+
+def known_hosts_path(inv: Inventory) -> str:
+    return inv.ssh_path("known_hosts") or os.path.expanduser("~/.ssh/known_hosts")
+
+
+def connect(inv: Inventory, host: Host) -> Connection:
+    """A Fabric Connection to `host` that refuses unknown or changed host keys."""
+    identity = inv.ssh_path("identity_file")
+    kw: dict[str, Any] = {"banner_timeout": 20, "auth_timeout": 20}
+    if identity:
+        kw.update(key_filename=identity, look_for_keys=False, allow_agent=False)
+    conn = Connection(host.address, user=host.user, port=host.port,
+                      connect_timeout=inv.ssh.get("connect_timeout", 10), connect_kwargs=kw)
+    client = conn.client
+    kh = known_hosts_path(inv)
+    # Replace Fabric's AutoAddPolicy: an unknown key is refused, never written down.
+    client.set_missing_host_key_policy(paramiko.RejectPolicy())
+    if os.path.exists(kh):
+        client.load_host_keys(kh)
+        client._host_keys_filename = None  # never save back into the inventory's known_hosts
+    return conn
+
+
+def open_checked(inv: Inventory, host: Host) -> Connection:
+    """connect() and open now, turning paramiko's exceptions into one HostError with a clear kind."""
+    conn = connect(inv, host)
+    try:
+        conn.open()
+    except BadHostKeyException as exc:
+        raise HostError(host.name, "host-key-mismatch",
+                        f"{host.address} presented a {exc.key.get_name()} key that differs from "
+                        f"{known_hosts_path(inv)}; refusing (possible man-in-the-middle or rebuilt host)") from None
+    except SSHException as exc:
+        if "not found in known_hosts" in str(exc):
+            raise HostError(host.name, "host-key-unknown",
+                            f"{host.address} is not in {known_hosts_path(inv)}; add its key after checking "
+                            f"it out of band (host keys are never auto-accepted)") from None
+        if isinstance(exc, AuthenticationException):
+            raise HostError(host.name, "auth", f"authentication as {host.user} failed: {exc}") from None
+        raise HostError(host.name, "ssh", str(exc)) from None
+    except (NoValidConnectionsError, socket.timeout, TimeoutError, OSError) as exc:
+        raise HostError(host.name, "unreachable", f"{host.address}:{host.port}: {exc}") from None
+    return conn
+
+
+@dataclass
+class HostResult:
+    host: str
+    ok: bool
+    value: Any = None
+    error: str | None = None
+    kind: str | None = None
+    seconds: float = 0.0
+
+
+def run_per_host(inv: Inventory, hosts: list[Host], fn: Callable[[Connection, Host], Any],
+                 parallel: int | None = None, label: str = "", connect_first: bool = True) -> list[HostResult]:
+    """Run `fn(conn, host)` for every host on a bounded pool; one host's failure never stops others.
+
+    Results come back in the order of `hosts`. Progress is drawn on stderr when it is a terminal.
+    """
+    parallel = max(1, min(parallel or inv.settings.get("parallel", 16), len(hosts) or 1))
+
+    def one(host: Host) -> HostResult:
+        t0 = time.time()
+        conn = None
+        try:
+            conn = open_checked(inv, host) if connect_first else connect(inv, host)
+            return HostResult(host.name, True, fn(conn, host), seconds=time.time() - t0)
+        except HostError as exc:
+            return HostResult(host.name, False, error=exc.message, kind=exc.kind, seconds=time.time() - t0)
+        except Exception as exc:  # a bug or remote failure on one host must not stop the others
+            return HostResult(host.name, False, error=f"{type(exc).__name__}: {exc}", kind="error",
+                              seconds=time.time() - t0)
+        finally:
+            if conn is not None:
+                conn.close()
+
+    results: dict[str, HostResult] = {}
+    progress = None
+    if sys.stderr.isatty() and label:
+        from rich.progress import Progress
+        progress = Progress(transient=True)
+        progress.start()
+        task = progress.add_task(label, total=len(hosts))
+    try:
+        with ThreadPoolExecutor(max_workers=parallel, thread_name_prefix="host") as pool:
+            futures = {pool.submit(one, h): h for h in hosts}
+            for fut in as_completed(futures):
+                r = fut.result()
+                results[r.host] = r
+                if progress:
+                    progress.advance(task)
+    finally:
+        if progress:
+            progress.stop()
+    return [results[h.name] for h in hosts]

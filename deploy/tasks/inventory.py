@@ -1,0 +1,61 @@
+"""`fab inventory`: gather every host's GPU/CUDA/torch facts in parallel."""
+from __future__ import annotations
+
+import json as jsonlib
+import sys
+
+from invoke import Exit, task
+from rich.console import Console
+
+from ..facts import gather, load_cached_facts, save_facts
+from ..inventory import InventoryError, load_inventory
+from ..report import inventory_table
+from ..ssh import run_per_host
+
+
+def collect(inv, hosts, refresh: bool):
+    """Facts of `hosts`: cached ones younger than settings.facts_ttl unless refresh, the rest gathered."""
+    ttl = inv.settings["facts_ttl"]
+    facts, stale = {}, []
+    for h in hosts:
+        cached = None if refresh else load_cached_facts(inv.path, h.name, max_age=ttl)
+        if cached and cached.get("address") == h.address:
+            facts[h.name] = cached
+        else:
+            stale.append(h)
+    errors = {}
+    for r in run_per_host(inv, stale, gather, label="gathering facts"):
+        if r.ok:
+            save_facts(inv.path, r.value)
+            facts[r.host] = r.value
+        else:
+            errors[r.host] = (r.kind, r.error)
+    return {h.name: facts[h.name] for h in hosts if h.name in facts}, errors
+
+
+@task(help={"json": "print JSON instead of a table", "hosts": "comma-separated hosts or groups (default: all)",
+            "refresh": "gather again even if cached facts are younger than settings.facts_ttl"})
+def inventory(c, json=False, hosts=None, refresh=False):
+    """Gather each host's driver, CUDA, GPUs, OS, Python, venv and torch/SGLang facts in parallel."""
+    try:
+        inv = load_inventory()
+        selected = inv.select(hosts)
+    except InventoryError as exc:
+        raise Exit(str(exc), code=2)
+    wanted = selected if inv.reference in selected else selected + [inv.reference]
+    facts, errors = collect(inv, wanted, refresh)
+    if inv.reference not in selected:  # gathered only to show drift against it
+        facts.pop(inv.reference_name, None)
+        errors.pop(inv.reference_name, None)
+    if json:
+        print(jsonlib.dumps({"fleet": inv.fleet, "reference": inv.reference_name, "hosts": facts,
+                             "errors": {h: {"kind": k, "error": e} for h, (k, e) in errors.items()}}, indent=1))
+    else:
+        Console(width=max(Console().width, 200)).print(inventory_table(inv, facts, errors))
+    if errors:
+        print(f"{len(errors)} host(s) failed: " + "; ".join(f"{h} ({k}: {e})" for h, (k, e) in errors.items()),
+              file=sys.stderr)
+        raise Exit(code=1)
+
+
+TASKS = [inventory]

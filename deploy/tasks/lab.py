@@ -1,0 +1,47 @@
+"""`fab lab.up|down|status`: the built-in fleet of real systemd-nspawn hosts on this machine."""
+from __future__ import annotations
+
+import json as jsonlib
+
+from invoke import Exit, task
+from rich.console import Console
+from rich.table import Table
+
+from ..lab import fleet
+
+
+@task(help={"extra": "also boot N more hosts of the ct200 kind (ct201, ct202, ...) for scale tests"})
+def up(c, extra=0):
+    """Boot the lab hosts that are not running (builds the Debian base once); idempotent."""
+    try:
+        report = fleet.up(int(extra))
+    except fleet.LabError as exc:
+        raise Exit(f"lab.up failed: {exc}", code=1)
+    base = report["base_build_seconds"]
+    print(f"lab up: {', '.join(f'{h} ({a})' for h, a in report['hosts'].items())}")
+    print(f"base: {'built in %.1fs' % base if base is not None else 'cached'}; hosts ready in "
+          f"{report['boot_seconds']:.1f}s; total {report['total_seconds']:.1f}s")
+    print(f"known_hosts: {report['known_hosts']}  (use DEPLOY_INVENTORY=inventory/lab.yaml)")
+
+
+@task
+def down(c):
+    """Remove every lab container, mount, namespace, veth and bridge (also after a crash)."""
+    removed = fleet.down()
+    print("lab down: " + ", ".join(f"{v} {k}" for k, v in removed.items()))
+
+
+@task(help={"json": "print JSON"})
+def status(c, json=False):
+    """Show the lab hosts: running, address, sshd, GPU persona, torch build."""
+    rows = fleet.status()
+    if json:
+        print(jsonlib.dumps(rows, indent=1))
+        return
+    t = Table(title="lab")
+    for col in ("host", "address", "state", "sshd", "persona", "gpus", "torch"):
+        t.add_column(col)
+    for r in rows:
+        t.add_row(r["host"], r["address"], r["state"], "yes" if r["sshd"] else "no", r["persona"], str(r["gpus"]),
+                  r["torch"])
+    Console().print(t if rows else "lab: no hosts (fab lab.up)")
