@@ -1,0 +1,36 @@
+"""Shared fixtures. The lab is booted once per test session (and left up; .ci/run tears it down)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LAB_INVENTORY = ROOT / "inventory" / "lab.yaml"
+
+
+@pytest.fixture(scope="session")
+def lab():
+    """The running lab (booted if needed) as a loaded Inventory of inventory/lab.yaml."""
+    from deploy.inventory import load_inventory
+    from deploy.lab import fleet
+
+    fleet.up(log=lambda *_: None)  # idempotent: boots only what is missing; raises if it cannot
+    return load_inventory(str(LAB_INVENTORY))
+
+
+def run_fab(*args: str, inventory: str | Path = LAB_INVENTORY, timeout: int = 300, env: dict | None = None):
+    """Run the real `fab` CLI from the repo root against an inventory; returns CompletedProcess."""
+    e = dict(os.environ, DEPLOY_INVENTORY=str(inventory), COLUMNS="250")
+    e.update(env or {})
+    fab = Path(sys.executable).with_name("fab")
+    return subprocess.run([str(fab), *args], cwd=ROOT, env=e, stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def fab():
+    return run_fab

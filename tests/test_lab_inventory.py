@@ -1,0 +1,97 @@
+"""`fab inventory` against the real lab hosts (systemd-nspawn, real sshd, verified host keys)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from deploy.lab import fleet
+
+pytestmark = pytest.mark.lab
+
+
+def test_inventory_shows_ct200_cu128_drift_against_ct129(lab, fab):
+    r = fab("inventory", "--json", "--refresh")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    hosts = doc["hosts"]
+    assert set(hosts) == {"ct129", "ct200", "h200"} and doc["reference"] == "ct129"
+    assert hosts["ct129"]["torch"]["version"] == "2.11.0+cu130"
+    assert hosts["ct200"]["torch"]["version"] == "2.11.0+cu128"
+    assert hosts["ct200"]["torch"]["cuda"] == "12.8" and hosts["ct200"]["torch"]["cxx11_abi"] is True
+    assert hosts["h200"]["nvidia"]["gpus"][0]["name"] == "NVIDIA H200"
+    assert hosts["h200"]["nvidia"]["gpus"][0]["sm"] == "sm_90"
+    assert [g["sm"] for g in hosts["ct129"]["nvidia"]["gpus"]] == ["sm_120"] * 8
+    assert hosts["ct129"]["nvidia"]["driver"] == "580.159.04" and hosts["ct129"]["nvidia"]["cuda"] == "13.0"
+    assert hosts["ct129"]["os"]["id"] == "debian" and hosts["ct129"]["venv"]["abi"] == "cp311"
+    assert hosts["ct129"]["venv"]["distributions"]["triton"] == "3.6.0"
+    assert hosts["ct129"]["hostname"] == "ct129"  # really that host, not the control machine
+    # cached per host with the time gathered
+    cached = json.loads((Path(lab.path).parent / "facts" / "ct200.json").read_text())
+    assert cached["torch"]["version"] == "2.11.0+cu128" and cached["gathered_at"]
+
+
+def test_table_highlights_build_tag_mismatch(lab, fab):
+    r = fab("inventory", "--refresh")
+    assert r.returncode == 0, r.stderr
+    line = next(ln for ln in r.stdout.splitlines() if "ct200" in ln)
+    assert "2.11.0+cu128" in line and "ABI≠ref" in line
+    assert "ABI≠ref" not in next(ln for ln in r.stdout.splitlines() if "h200" in ln)
+
+
+def _inventory_copy(tmp_path, lab, extra_hosts: str = "", known_hosts: str | None = None) -> Path:
+    text = Path(lab.path).read_text()
+    if known_hosts:
+        text = text.replace(str(fleet.known_hosts()), known_hosts)
+    p = tmp_path / "inv.yaml"
+    p.write_text(text + extra_hosts)
+    return p
+
+
+def test_unreachable_host_reported_others_gathered(lab, fab, tmp_path):
+    inv = _inventory_copy(tmp_path, lab, "  ghost:\n    address: 10.231.77.250\n    gpus: 1\n")
+    r = fab("inventory", "--json", "--refresh", inventory=inv)
+    assert r.returncode == 1
+    doc = json.loads(r.stdout)
+    assert set(doc["hosts"]) == {"ct129", "ct200", "h200"}
+    assert doc["errors"]["ghost"]["kind"] == "unreachable"
+    assert "ghost (unreachable" in r.stderr
+
+
+def test_host_key_mismatch_and_unknown_key_refused(lab, fab, tmp_path):
+    lines = fleet.known_hosts().read_text().splitlines()
+    by_addr = {ln.split()[0]: ln for ln in lines}
+    ct129_key = by_addr[lab.hosts["ct129"].address].split(None, 1)[1]
+    forged = [f"{lab.hosts['ct200'].address} {ct129_key}" if ln.startswith(lab.hosts["ct200"].address + " ") else ln
+              for ln in lines if not ln.startswith(lab.hosts["h200"].address + " ")]
+    kh = tmp_path / "known_hosts"
+    kh.write_text("\n".join(forged) + "\n")
+    before = kh.read_text()
+    r = fab("inventory", "--json", "--refresh", inventory=_inventory_copy(tmp_path, lab, known_hosts=str(kh)))
+    assert r.returncode == 1
+    doc = json.loads(r.stdout)
+    assert set(doc["hosts"]) == {"ct129"}
+    assert doc["errors"]["ct200"]["kind"] == "host-key-mismatch"
+    assert doc["errors"]["h200"]["kind"] == "host-key-unknown"
+    assert kh.read_text() == before  # nothing auto-accepted or written
+
+
+def test_cached_facts_used_until_refresh(lab, fab):
+    fab("inventory", "--json", "--refresh")
+    first = json.loads(fab("inventory", "--json", "--hosts", "ct200").stdout)["hosts"]["ct200"]["gathered_at"]
+    again = json.loads(fab("inventory", "--json", "--hosts", "ct200").stdout)["hosts"]["ct200"]["gathered_at"]
+    assert first == again
+    import time
+    time.sleep(1.1)
+    fresh = json.loads(fab("inventory", "--json", "--hosts", "ct200", "--refresh").stdout)["hosts"]
+    assert set(fresh) == {"ct200"} and fresh["ct200"]["gathered_at"] > first
+
+
+def test_lab_status_and_idempotent_up(lab, fab):
+    report = fleet.up()
+    assert set(report["hosts"].values()) == {"running"}  # nothing booted twice
+    rows = {r["host"]: r for r in fleet.status()}
+    assert all(rows[h]["state"] == "running" and rows[h]["sshd"] for h in ("ct129", "ct200", "h200"))
+    r = fab("--list")
+    assert "inventory" in r.stdout and "lab.up" in r.stdout
