@@ -138,3 +138,17 @@ def test_probe_runs_locally_and_builds_facts(tmp_path):
     f = F.build_facts("local", json.loads(out.stdout))
     assert f["venv"]["exists"] and "fabric" in f["venv"]["distributions"]
     assert f["os"]["glibc"]
+
+
+def test_real_probe_output_from_the_h200():
+    """tests/captures/h200-probe-raw.json: deploy/probe_remote.py's own output on the lent H200
+    (second run, torch facts from the probe's on-host cache)."""
+    raw = json.loads((Path(__file__).parent / "captures" / "h200-probe-raw.json").read_text())
+    f = F.build_facts("h200", raw)
+    assert (f["nvidia"]["driver"], f["nvidia"]["cuda"]) == ("580.159.04", "13.0")
+    assert [(g["name"], g["sm"]) for g in f["nvidia"]["gpus"]] == [("NVIDIA H200", "sm_90")]
+    t = f["torch"]
+    assert (t["version"], t["local"], t["cuda"], t["cxx11_abi"]) == ("2.11.0+cu130", "cu130", "13.0", True)
+    assert t["arch_list"] == ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120"]
+    assert f["venv"]["abi"] == "cp312" and f["os"]["glibc"] == "2.39" and f["nvcc"] == "13.0"
+    assert f["venv"]["distributions"]["torch"] == "2.11.0"  # metadata lacks the tag; version.py has it

@@ -39,7 +39,7 @@ def status(c, json=False):
         print(jsonlib.dumps(rows, indent=1))
         return
     t = Table(title="lab")
-    for col in ("host", "address", "state", "sshd", "persona", "gpus", "torch"):
+    for col in ("host", "address", "state", "sshd", "persona", "gpus", "torch (as built)"):
         t.add_column(col)
     for r in rows:
         t.add_row(r["host"], r["address"], r["state"], "yes" if r["sshd"] else "no", r["persona"], str(r["gpus"]),
