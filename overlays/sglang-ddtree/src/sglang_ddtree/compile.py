@@ -1,0 +1,145 @@
+"""Compile a :class:`~sglang_ddtree.tree.TreeBatch` into SGLang 0.5.23 verify inputs.
+
+Conventions (read from SGLang 0.5.23's ``DFlashVerifyInput`` /
+``EagleVerifyInput`` and the contract documented on
+``sglang.kernels.ops.speculative.reconstruct_tree``):
+
+* ``draft_token``: int64 ``[N * D]``, request-major, each request's row is
+  ``[bonus, node_1, ..., node_B]`` with ``D = B + 1`` (slot order of the tree).
+* ``positions``: int64 ``[N * D]``, ``prefix_len + depth(slot)``.
+* ``custom_mask``: flat bool "allow" mask, request-major.  ``FULL_MASK`` layout
+  (what the GPU verify backends read): for request ``n`` there are ``D`` rows of
+  ``prefix_len[n] + D`` columns, the prefix columns all True and the last ``D``
+  columns the ancestor-or-self mask of the tree; total size
+  ``sum(prefix_len) * D + N * D * D`` (the ``mask_numel`` that
+  ``DFlashVerifyInput.generate_attn_arg_prefill`` computes).  ``QLEN_ONLY``
+  layout: just the ``N * D * D`` tree part.
+* ``retrieve_index``: int64 ``[N, D]``, ``n * D + slot`` (batch-flattened row
+  of the verify logits).  ``retrieve_next_token`` / ``retrieve_next_sibling``:
+  int64 ``[N, D]`` holding *local* slot indices, ``-1`` for none.  These are
+  exactly what ``reconstruct_indices_from_tree_mask`` derives from the tree
+  mask (cross-checked in the tests against SGLang's own Triton kernel).
+* ``topk``: SGLang gates tree-aware metadata (hybrid linear-attention tree path,
+  tree mask) on ``topk > 1``; DDTree always reports ``>= 2``.
+* ``max_tree_depth``: the deepest allowed node (number of draft positions used).
+
+Slots that hold no node (``TreeBatch.valid`` False; only when the search space
+is smaller than ``B``) get the bonus token, the root's position, a self-only
+mask row and no links, so no walk can reach them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .tree import TreeBatch
+
+__all__ = ["FULL_MASK", "QLEN_ONLY", "VerifyInputs", "ancestor_mask", "compile_tree"]
+
+FULL_MASK = "full"
+QLEN_ONLY = "qlen"
+
+
+@dataclass
+class VerifyInputs:
+    draft_token: torch.Tensor  # int64 [N*D]
+    positions: torch.Tensor  # int64 [N*D]
+    custom_mask: torch.Tensor  # bool, flat (layout per mask_mode)
+    tree_mask: torch.Tensor  # bool [N, D, D], ancestor-or-self
+    retrieve_index: torch.Tensor  # int64 [N, D]
+    retrieve_next_token: torch.Tensor  # int64 [N, D]
+    retrieve_next_sibling: torch.Tensor  # int64 [N, D]
+    depths: torch.Tensor  # int64 [N, D]
+    draft_token_num: int  # D = B + 1
+    topk: int
+    max_tree_depth: int
+    mask_mode: str
+
+
+def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """``[N, D, D]`` bool: ``mask[n, i, j]`` iff slot ``j`` is slot ``i`` or one of its
+    ancestors.  ``max_depth`` parent hops, static shapes, no host sync."""
+    n, d = parents.shape
+    dev = parents.device
+    mask = torch.eye(d, dtype=torch.bool, device=dev).unsqueeze(0).repeat(n, 1, 1)
+    cur = parents.clone()
+    for _ in range(max_depth):
+        ok = cur >= 0
+        safe = cur.clamp_min(0)
+        hit = torch.nn.functional.one_hot(safe, d).to(torch.bool) & ok.unsqueeze(-1)
+        mask |= hit
+        cur = torch.where(ok, torch.gather(parents, 1, safe), cur)
+    return mask
+
+
+def compile_tree(
+    tree: TreeBatch,
+    bonus_tokens: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    *,
+    mask_mode: str = FULL_MASK,
+    prefix_lens_sum: Optional[int] = None,
+    topk: int = 2,
+) -> VerifyInputs:
+    """Build SGLang verify inputs for a batch of trees.
+
+    ``bonus_tokens``: int ``[N]`` (the last committed token of each request, the
+    root).  ``prefix_lens``: int ``[N]`` committed sequence lengths *before* the
+    verify tokens (SGLang's ``seq_lens``).  ``prefix_lens_sum``: pass the host-side
+    sum (SGLang has ``seq_lens_sum``) to avoid a device sync when building the
+    FULL_MASK layout.
+    """
+    if topk < 2:
+        raise ValueError("DDTree verify must report topk >= 2 so SGLang takes its tree paths")
+    n, d = tree.token_ids.shape
+    dev = tree.token_ids.device
+    bonus = bonus_tokens.to(device=dev, dtype=torch.int64).view(n, 1)
+    prefix = prefix_lens.to(device=dev, dtype=torch.int64).view(n)
+
+    valid = tree.valid
+    tokens = torch.where(valid, tree.token_ids, bonus.expand(n, d)).clone()
+    tokens[:, 0] = bonus[:, 0]
+    depths = torch.where(valid, tree.depths, torch.zeros_like(tree.depths))
+    positions = prefix.unsqueeze(1) + depths
+
+    tmask = ancestor_mask(tree.parents, tree.max_depth)
+    retrieve_index = torch.arange(n * d, device=dev, dtype=torch.int64).view(n, d)
+
+    if mask_mode == QLEN_ONLY:
+        custom_mask = tmask.reshape(-1)
+    elif mask_mode == FULL_MASK:
+        total = int(prefix.sum().item()) if prefix_lens_sum is None else int(prefix_lens_sum)
+        total = total * d + n * d * d
+        custom_mask = torch.ones(total, dtype=torch.bool, device=dev)
+        # start of request n: D * sum(prefix[:n]) + n * D * D
+        req_start = d * (torch.cumsum(prefix, 0) - prefix) + torch.arange(n, device=dev) * d * d
+        row_len = prefix + d  # [N]
+        r = torch.arange(d, device=dev)
+        c = torch.arange(d, device=dev)
+        idx = (
+            req_start.view(n, 1, 1)
+            + r.view(1, d, 1) * row_len.view(n, 1, 1)
+            + prefix.view(n, 1, 1)
+            + c.view(1, 1, d)
+        )
+        custom_mask[idx.reshape(-1)] = tmask.reshape(-1)
+    else:
+        raise ValueError(f"mask_mode must be {FULL_MASK!r} or {QLEN_ONLY!r}, got {mask_mode!r}")
+
+    return VerifyInputs(
+        draft_token=tokens.reshape(-1),
+        positions=positions.reshape(-1),
+        custom_mask=custom_mask,
+        tree_mask=tmask,
+        retrieve_index=retrieve_index,
+        retrieve_next_token=tree.first_child.clone(),
+        retrieve_next_sibling=tree.next_sibling.clone(),
+        depths=depths,
+        draft_token_num=d,
+        topk=int(topk),
+        max_tree_depth=int(tree.max_depth),
+        mask_mode=mask_mode,
+    )
