@@ -75,6 +75,8 @@ VARS: dict[str, tuple] = {
     "gate_timeout": (_in_range(1, 3600), "seconds, an integer in [1, 3600]"),
     "managed": (_str_list, "a list of distribution name patterns"),
     "wheelhouse": (lambda v: _str_list(v) and all(x.startswith("/") for x in v), "a list of absolute paths"),
+    # what ExecStart runs: SGLang from the venv, or the lab's named stand-in (deploy/labserver) on CPU lab hosts
+    "server": (lambda v: v in ("sglang", "labserver"), "'sglang' or 'labserver'"),
 }
 SERVICE_KEYS = {"port": (_is_port, "a TCP port (1-65535)"), "enabled": (lambda v: isinstance(v, bool), "true or false")}
 SERVICE_VARS = ("model", "draft_model", "served_model_name", "mode", "budget", "block_size", "extra_args", "env")
@@ -94,6 +96,7 @@ DEFAULT_VARS = {
     "gate_timeout": 120,
     "managed": ["torch", "triton", "sglang", "sglang-kernel", "flashinfer*", "nvidia-*", "cuda-*", "sglang-ddtree"],
     "wheelhouse": [],
+    "server": "sglang",
 }
 SSH_KEYS = {
     "user": (lambda v: isinstance(v, str) and v != "", "a user name"),

@@ -1,0 +1,105 @@
+"""`fab status` and `fab logs`: one agent round trip per host, then pure row building and printing."""
+from __future__ import annotations
+
+from ..inventory import Host, Inventory
+from ..ssh import run_per_host
+from . import render
+from .rollout import call, host_args
+
+
+def gather(inv: Inventory, hosts: list[Host], journal_n: int = 5) -> list[dict]:
+    def one(conn, host):
+        return call(conn, "status", host_args(host) | {
+            "instances": [s.instance for s in host.services], "journal_n": journal_n,
+            "ports": {s.instance: s.port for s in host.services}})
+    out = []
+    for r in run_per_host(inv, hosts, one, label="status"):
+        out.append({"host": r.host, "ok": r.ok, "error": r.error, "kind": r.kind, "state": r.value})
+    return out
+
+
+def rows(gathered: list[dict], hosts: dict[str, Host]) -> list[dict]:
+    """One row per host and GPU: unit state, port, health, mode, release, unsafe override, lock, last deploy."""
+    out = []
+    for g in gathered:
+        h = hosts[g["host"]]
+        if not g["ok"]:
+            out.append({"host": g["host"], "gpu": None, "error": f"{g['kind']}: {g['error']}"})
+            continue
+        st = g["state"]
+        man = st.get("manifest") or {}
+        lock = st.get("lock")
+        deploys = [j for j in st.get("journal", []) if j.get("event", "").startswith(("deploy", "rollback"))]
+        last = deploys[-1] if deploys else None
+        insts = list(dict.fromkeys([s.instance for s in h.services] + list(man.get("services", {}))))
+        for inst in insts:
+            ms = man.get("services", {}).get(inst, {})
+            inv_svc = next((s for s in h.services if s.instance == inst), None)
+            u = st["units"].get(inst, {})
+            rec = st.get("services", {}).get(inst, {})
+            code = st["health"].get(inst)
+            out.append({
+                "host": g["host"], "gpu": ms.get("gpu", inv_svc.gpu if inv_svc else None), "instance": inst,
+                "unit": render.unit_name(inst),
+                "state": f"{u.get('ActiveState', '?')}/{u.get('SubState', '?')}",
+                "restarts": int(u.get("NRestarts") or 0),
+                "port": ms.get("port", inv_svc.port if inv_svc else None),
+                "health": "ok" if code == 200 else ("down" if code is None else str(code)),
+                "mode": ms.get("mode"), "algorithm": ms.get("algorithm"),
+                "release": st.get("current"), "running_release": rec.get("release"),
+                "accept_length": rec.get("accept_length"),
+                "unsafe": bool(man.get("unsafe", {}).get(inst)),
+                "unsafe_reason": man.get("unsafe", {}).get(inst),
+                "plugin": st.get("plugin_installed"),
+                "lock": f"{lock.get('holder')} ({lock.get('command')}, since {lock.get('started')})" if lock else None,
+                "last_deploy": (f"{last.get('event')} {last.get('release')} {last.get('time')}"
+                                + (" (rolled back)" if last.get("rolled_back_to") else "")) if last else None,
+            })
+    return out
+
+
+def print_table(rs: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    t = Table(title="sglang-ddtree services")
+    for col in ("host", "gpu", "state", "port", "health", "mode", "release", "unsafe", "lock", "last deploy"):
+        t.add_column(col)
+    for r in rs:
+        if r.get("error"):
+            t.add_row(r["host"], "-", f"[red]{r['error']}[/red]", *[""] * 7)
+            continue
+        state = r["state"] + (f" ({r['restarts']} restarts)" if r["restarts"] else "")
+        color = "green" if r["state"].startswith("active/running") and r["health"] == "ok" else "red"
+        rel = r["release"] or "-"
+        if r["running_release"] and r["running_release"] != r["release"]:
+            rel += f" (running {r['running_release']})"
+        t.add_row(r["host"], str(r["gpu"]), f"[{color}]{state}[/{color}]", str(r["port"]),
+                  f"[{color}]{r['health']}[/{color}]", r["mode"] or "-", rel,
+                  "[bold red]HYBRID-UNSAFE[/bold red]" if r["unsafe"] else "", r["lock"] or "",
+                  r["last_deploy"] or "")
+    Console(width=200).print(t)
+
+
+def logs(inv: Inventory, hosts: list[Host], gpus: list[int] | None, n: int, since: str | None) -> list:
+    def one(conn, host):
+        insts = [s.instance for s in host.services if gpus is None or s.gpu in gpus]
+        return call(conn, "logs", host_args(host) | {"instances": insts, "n": n, "since": since})
+    return run_per_host(inv, hosts, one, label="logs")
+
+
+def journal_line(host: str, j: dict) -> str:
+    """One audit-journal entry as a line: time, event, release, who, what was restarted, error."""
+    parts = [j.get("time", "?"), host, j.get("event", "?")]
+    if j.get("release"):
+        parts.append(f"{j.get('previous') or '-'} -> {j['release']}" if "previous" in j else j["release"])
+    if j.get("by"):
+        parts.append(f"by {j['by']}")
+    if j.get("restarted"):
+        parts.append("restarted " + ",".join(j["restarted"]))
+    if j.get("unsafe"):
+        parts.append("HYBRID-UNSAFE " + ",".join(j["unsafe"]))
+    if j.get("rolled_back_to"):
+        parts.append(f"rolled back to {j['rolled_back_to']}")
+    if j.get("error"):
+        parts.append(f"error: {j['error']}")
+    return "  ".join(parts)

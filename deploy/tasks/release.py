@@ -1,0 +1,96 @@
+"""`fab deploy` and `fab rollback`: releases with health-gated rolling restarts and automatic rollback."""
+from __future__ import annotations
+
+import json as jsonlib
+import sys
+from pathlib import Path
+
+from invoke import Exit, task
+
+from .. import modes
+from ..inventory import InventoryError, load_inventory
+from ..release import build, rollout
+
+
+def _inv(hosts):
+    try:
+        inv = load_inventory()
+        return inv, inv.select(hosts)
+    except InventoryError as exc:
+        raise Exit(str(exc), code=2)
+
+
+def confirm_prompt(yes: bool):
+    """None (no question) with --yes; else a function asking on the terminal; refuses without one."""
+    if yes:
+        return None
+    if not sys.stdin.isatty():
+        raise Exit("no terminal to confirm on: review the plan with a terminal, or pass --yes", code=2)
+
+    def ask():
+        return input("Proceed with this rollout? [y/N] ").strip().lower() in ("y", "yes")
+    return ask
+
+
+def report(summary: dict, json: bool, what: str) -> None:
+    if json:
+        print(jsonlib.dumps(summary, indent=1, default=str))
+    hosts = summary["hosts"]
+    bad = {h: r for h, r in hosts.items() if not r.get("ok")}
+    for h, r in hosts.items():
+        if r.get("ok"):
+            extra = "unchanged" if r.get("unchanged") and not r.get("restarted") else \
+                f"restarted {', '.join(r.get('restarted') or []) or 'nothing'}"
+            print(f"{what} ok   {h}: release {r.get('release')} ({extra}, {r.get('seconds', 0):.1f}s)", file=sys.stderr)
+        else:
+            rb = r.get("rollback") or {}
+            tail = (f"; rolled back to {rb.get('release')} ({'ok' if rb.get('ok') else 'FAILED'}, "
+                    f"{rb.get('seconds', 0):.1f}s)") if rb else ""
+            print(f"{what} FAIL {h}: {r.get('error')}{tail}", file=sys.stderr)
+    print(f"{what}: {len(hosts) - len(bad)}/{len(hosts)} hosts ok in {summary.get('seconds', 0):.1f}s"
+          + (" (aborted)" if summary.get("aborted") else ""), file=sys.stderr)
+    if bad or not hosts:
+        raise Exit(code=1)
+
+
+@task(help={"mode": "linear | shadow-linear | tree-verify for every service of the hosts given "
+                    "(default: each service's mode from the inventory)",
+            "hosts": "comma-separated hosts or groups (default: all)",
+            "yes": "do not ask for confirmation (required without a terminal)",
+            "allow_hybrid_unsafe": "allow tree-verify on a hybrid recurrent model without the plugin's "
+                                   "tree-aware-state declaration (recorded in the manifest and status)",
+            "max_fail": "stop starting new hosts after this many failed (0: never stop; default 1)",
+            "break_lock": "remove another run's host lock first (runbook: only when that run is dead)",
+            "plugin": "the plugin project to build into the release (default overlays/sglang-ddtree)",
+            "overlays": "file-overlay spec (default overlays/file-overlays.yaml, if present)",
+            "json": "print the summary as JSON"})
+def deploy(c, mode=None, hosts=None, yes=False, allow_hybrid_unsafe=False, max_fail=1, break_lock=False,
+           plugin=None, overlays=None, json=False):
+    """Build a release and roll it out: one gated restart per changed GPU service, auto-rollback on failure."""
+    if mode is not None and mode not in modes.MODES:
+        raise Exit(f"--mode must be one of {', '.join(modes.MODES)}", code=2)
+    inv, selected = _inv(hosts)
+    ask = confirm_prompt(yes)
+    opts = rollout.DeployOptions(mode=mode, allow_hybrid_unsafe=allow_hybrid_unsafe, max_fail=int(max_fail),
+                                 break_lock=break_lock, command=" ".join(["fab"] + sys.argv[1:]),
+                                 plugin_dir=Path(plugin) if plugin else build.DEFAULT_PLUGIN_DIR,
+                                 overlay_spec=Path(overlays) if overlays else build.DEFAULT_OVERLAY_SPEC)
+    try:
+        summary = rollout.deploy(inv, selected, opts, confirm=ask)
+    except build.BuildError as exc:
+        raise Exit(f"release build failed: {exc}", code=1)
+    report(summary, json, "deploy")
+
+
+@task(help={"hosts": "comma-separated hosts or groups (default: all)",
+            "to": "release id to re-activate (default: the one before the current)",
+            "break_lock": "remove another run's host lock first", "json": "print the summary as JSON"})
+def rollback(c, hosts=None, to=None, break_lock=False, json=False):
+    """Re-activate the previous (or --to) release through the same gated restart."""
+    inv, selected = _inv(hosts)
+    summary = rollout.rollback(inv, selected, to=to, break_lock=break_lock,
+                               command=" ".join(["fab"] + sys.argv[1:]))
+    report(summary, json, "rollback")
+
+
+TASKS = [deploy, rollback]

@@ -1,0 +1,72 @@
+"""`fab status`, `fab logs`, `fab restart`: the on-call runbook for the GPU services."""
+from __future__ import annotations
+
+import json as jsonlib
+import sys
+
+from invoke import Exit, task
+
+from ..release import rollout, status as st
+from .release import _inv, report
+
+
+def _gpus(gpus):
+    try:
+        return [int(g) for g in str(gpus).split(",") if g.strip()] if gpus not in (None, "") else None
+    except ValueError:
+        raise Exit("--gpus takes comma-separated GPU indices, e.g. 0,3", code=2)
+
+
+@task(help={"hosts": "comma-separated hosts or groups (default: all)", "json": "print JSON",
+            "history": "also show the last N audit-journal entries of each host (deploys, rollbacks, restarts)"})
+def status(c, hosts=None, json=False, history=0):
+    """Per host and GPU: unit state, port, health, mode, release, unsafe override, lock, last deploy."""
+    inv, selected = _inv(hosts)
+    gathered = st.gather(inv, selected, journal_n=max(5, int(history)))
+    rows = st.rows(gathered, inv.hosts)
+    if json:
+        print(jsonlib.dumps(rows if not history else {"services": rows, "journal": {
+            g["host"]: (g["state"] or {}).get("journal", [])[-int(history):] for g in gathered}}, indent=1))
+    else:
+        st.print_table(rows)
+        if history:
+            for g in gathered:
+                for j in (g["state"] or {}).get("journal", [])[-int(history):]:
+                    print(st.journal_line(g["host"], j))
+    down = [r for r in rows if not r.get("error") and r["health"] != "ok"]
+    if down and not json:
+        print(f"{len(down)} service(s) not healthy: " + ", ".join(f"{r['host']}:{r['instance']}" for r in down),
+              file=sys.stderr)
+    if any(r.get("error") for r in rows) or down:
+        raise Exit(code=1)
+
+
+@task(help={"hosts": "comma-separated hosts or groups (default: all)", "gpus": "comma-separated GPU indices",
+            "lines": "journal lines per service (default 50)", "since": "journalctl --since, e.g. '10 min ago'"})
+def logs(c, hosts=None, gpus=None, lines=50, since=None):
+    """Show the journal of the GPU services (prefixed by host and GPU)."""
+    inv, selected = _inv(hosts)
+    bad = False
+    for r in st.logs(inv, selected, _gpus(gpus), int(lines), since):
+        if not r.ok:
+            print(f"[{r.host}] {r.kind}: {r.error}", file=sys.stderr)
+            bad = True
+            continue
+        for inst, ls in r.value.items():
+            for ln in ls:
+                print(f"[{r.host} {inst}] {ln}")
+    if bad:
+        raise Exit(code=1)
+
+
+@task(help={"hosts": "comma-separated hosts or groups (default: all)", "gpus": "comma-separated GPU indices",
+            "break_lock": "remove another run's host lock first", "json": "print the summary as JSON"})
+def restart(c, hosts=None, gpus=None, break_lock=False, json=False):
+    """Restart services of the active release one batch at a time, each through the health gate."""
+    inv, selected = _inv(hosts)
+    summary = rollout.restart(inv, selected, _gpus(gpus), break_lock=break_lock,
+                              command=" ".join(["fab"] + sys.argv[1:]))
+    report(summary, json, "restart")
+
+
+TASKS = [status, logs, restart]

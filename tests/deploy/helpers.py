@@ -1,0 +1,50 @@
+"""Shared helpers for the deploy tests: inventories derived from inventory/lab.yaml and lab-host SSH."""
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+LAB_YAML = ROOT / "inventory" / "lab.yaml"
+
+
+def lab_inventory(tmp: Path, name: str = "lab.yaml", hosts: dict | None = None, vars: dict | None = None,
+                  keep: list[str] | None = None) -> Path:
+    """A copy of inventory/lab.yaml with `server: labserver`, only `keep` hosts, and per-host overrides."""
+    doc = yaml.safe_load(LAB_YAML.read_text())
+    doc["vars"] = dict(doc.get("vars") or {}, server="labserver", **(vars or {}))
+    if keep is not None:
+        doc["hosts"] = {h: v for h, v in doc["hosts"].items() if h in keep}
+        doc["reference"] = keep[0]
+        for g in (doc.get("groups") or {}).values():
+            g["hosts"] = [h for h in g.get("hosts", []) if h in keep]
+    for h, extra in (hosts or {}).items():
+        doc["hosts"][h].update(extra)
+    path = Path(tmp) / name
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+def ssh(inv, host: str, command: str, check: bool = True) -> subprocess.CompletedProcess:
+    """Run a shell command on a lab host with the lab's key and known_hosts (host keys verified)."""
+    h = inv.hosts[host]
+    argv = ["ssh", "-i", inv.ssh_path("identity_file"), "-o", f"UserKnownHostsFile={inv.ssh_path('known_hosts')}",
+            "-o", "StrictHostKeyChecking=yes", "-o", "BatchMode=yes", f"{h.user}@{h.address}", command]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    if check and r.returncode != 0:
+        raise AssertionError(f"{host}: {command}: {r.stdout}{r.stderr}")
+    return r
+
+
+def write_model(inv, host: str, path: str, config: dict) -> None:
+    import json
+    ssh(inv, host, f"mkdir -p {shlex.quote(path)} && printf %s {shlex.quote(json.dumps(config))} > "
+                   f"{shlex.quote(path)}/config.json")
+
+
+def strip_ansi(s: str) -> str:
+    return re.sub(r"\x1b\[[0-9;]*m", "", s)

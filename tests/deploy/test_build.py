@@ -1,0 +1,134 @@
+"""Release build: wheel version carries the release id, capabilities read from the wheel, overlays guarded,
+bundle and manifest complete. The build mechanism does not care what the plugin contains."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import json
+import tarfile
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from deploy.inventory import load_inventory
+from deploy.release import build, rollout
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_release_id_and_local_label():
+    rid = build.new_release_id(now=0)
+    assert rid.startswith("19700101T000000Z-") and len(rid) == 23
+    assert build.local_version_label("20261129T083000Z-abc123") == "r20261129t083000z.abc123"
+    from packaging.version import Version
+    assert str(Version("0.1.0+" + build.local_version_label(rid))).startswith("0.1.0+r19700101t000000z.")
+
+
+def test_set_pyproject_version_only_touches_project_table():
+    text = '[build-system]\nrequires = ["x"]\n\n[project]\nname = "p"\nversion = "1.2"\n\n[tool.x]\nversion = "9"\n'
+    new, old = build.set_pyproject_version(text, "1.2+r1")
+    assert old == "1.2" and 'version = "1.2+r1"' in new and 'version = "9"' in new
+    with pytest.raises(build.BuildError):
+        build.set_pyproject_version("[project]\nname = 'x'\ndynamic = ['version']\n", "1")
+
+
+def _toy_project(tmp: Path, caps: dict | None) -> Path:
+    src = tmp / "toy"
+    (src / "src" / "toy_pkg").mkdir(parents=True)
+    (src / "pyproject.toml").write_text(
+        '[build-system]\nrequires = ["setuptools>=68"]\nbuild-backend = "setuptools.build_meta"\n\n'
+        '[project]\nname = "toy-pkg"\nversion = "2.0"\n\n[tool.setuptools.packages.find]\nwhere = ["src"]\n\n'
+        '[tool.setuptools.package-data]\ntoy_pkg = ["*.json"]\n')
+    (src / "src" / "toy_pkg" / "__init__.py").write_text("X = 1\n")
+    if caps is not None:
+        (src / "src" / "toy_pkg" / "capabilities.json").write_text(json.dumps(caps))
+    return src
+
+
+def test_build_any_project_with_release_in_version(tmp_path):
+    p = build.build_plugin("20261129T083000Z-abc123", _toy_project(tmp_path, {"modes": ["tree-verify"]}),
+                           tmp_path / "out")
+    assert p.dist == "toy-pkg" and p.version == "2.0+r20261129t083000z.abc123"
+    assert p.capabilities == {"modes": ["tree-verify"]}
+    with zipfile.ZipFile(p.wheel) as z:
+        meta = z.read(f"toy_pkg-{p.version}.dist-info/METADATA").decode()
+    assert f"Version: {p.version}" in meta
+    q = build.build_plugin("x", _toy_project(tmp_path / "b", None), tmp_path / "out2")
+    assert q.capabilities == {}
+    assert p.source_digest != q.source_digest
+
+
+def test_build_the_real_plugin(tmp_path):
+    p = build.build_plugin("20261129T083000Z-abc123", out_dir=tmp_path)
+    assert p.dist == "sglang-ddtree" and p.version.endswith("+r20261129t083000z.abc123")
+    if (build.DEFAULT_PLUGIN_DIR / "src/sglang_ddtree/capabilities.json").exists():
+        assert "modes" in p.capabilities
+
+
+def test_overlay_spec_validation(tmp_path):
+    patched = tmp_path / "patched.py"
+    patched.write_text("PATCHED = True\n")
+    spec = tmp_path / "overlays.yaml"
+    good = {"package": "sglang", "version": "0.5.23", "path": "sglang/srt/x.py", "sha256": "a" * 64,
+            "source": "patched.py"}
+    spec.write_text(json.dumps([good]))
+    [o] = build.load_overlay_spec(spec)
+    assert o["new_sha256"] == hashlib.sha256(b"PATCHED = True\n").hexdigest()
+    for bad, msg in [(dict(good, sha256="zz"), "64 hex"), (dict(good, path="/etc/passwd"), "relative"),
+                     (dict(good, path="../x"), "relative"), ({"package": "x"}, "exactly the keys"),
+                     (dict(good, source="missing.py"), "does not exist")]:
+        spec.write_text(json.dumps([bad]))
+        with pytest.raises(build.BuildError, match=msg):
+            build.load_overlay_spec(spec)
+    assert build.load_overlay_spec(tmp_path / "none.yaml") == []
+
+
+def test_bundle_and_manifest(tmp_path):
+    inv = load_inventory(str(ROOT / "inventory" / "hosts.yaml"))
+    host = inv.hosts["ct200"]
+    plugin = build.build_plugin("20261129T083000Z-abc123", _toy_project(tmp_path, {}), tmp_path / "w")
+    files, svc = build.host_files(host, plugin, [])
+    man = build.make_manifest("20261129T083000Z-abc123", host, plugin, [], files, svc, "fab deploy", {})
+    assert set(man["services"]) == {f"gpu{i}" for i in range(8)}
+    assert man["services"]["gpu1"]["port"] == 30001 and man["services"]["gpu1"]["mode"] == "shadow-linear"
+    for k in ("release", "toolkit", "created", "created_by", "files", "content_digest", "plugin"):
+        assert man[k]
+    data = build.bundle("20261129T083000Z-abc123", files, man)
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        names = tar.getnames()
+        for rel, sha in man["files"].items():
+            assert hashlib.sha256(tar.extractfile(f"20261129T083000Z-abc123/{rel}").read()).hexdigest() == sha
+    assert "20261129T083000Z-abc123/manifest.json" in names
+    assert "20261129T083000Z-abc123/env/gpu7.env" in names
+
+
+def test_same_inputs_same_service_digests_and_changes_are_per_gpu(tmp_path):
+    inv = load_inventory(str(ROOT / "inventory" / "hosts.yaml"))
+    host = inv.hosts["ct200"]
+    plugin = build.build_plugin("r1", _toy_project(tmp_path, {}), tmp_path / "w")
+    _, a = build.host_files(host, plugin, [])
+    plugin2 = dataclasses.replace(plugin, version="2.0+r2")  # a new release of the same source
+    _, b = build.host_files(host, plugin2, [])
+    assert a == b
+    changed = dataclasses.replace(host, services=tuple(
+        dataclasses.replace(s, budget=32) if s.gpu == 3 else s for s in host.services))
+    _, c = build.host_files(changed, plugin, [])
+    diff = rollout.changed_services(c, a, {i: {"ActiveState": "active"} for i in a["services"]}, {})
+    assert diff == {"gpu3": "changed"}
+    units = {i: {"ActiveState": "active"} for i in a["services"]}
+    units["gpu5"] = {"ActiveState": "failed"}
+    assert rollout.changed_services(a, a, units, {}) == {"gpu5": "not running (failed)"}
+    assert rollout.changed_services(a, None, units, {})["gpu0"] == "new"
+    assert rollout.batches(list("abcde"), 2) == [["a", "b"], ["c", "d"], ["e"]]
+
+
+def test_agent_command_is_an_argv_with_the_source_as_argument():
+    argv = rollout.agent_argv("probe", {"root": "/opt/ddtree/releases"})
+    assert argv[0] == "python3" and argv[1] == "-c" and argv[3] == "probe"
+    assert json.loads(__import__("base64").b64decode(argv[4])) == {"root": "/opt/ddtree/releases"}
+    out = "noise\n@@AGENT@@ " + json.dumps({"ok": True, "result": {"a": 1}}) + "\n"
+    assert rollout.parse_agent_output(out) == {"a": 1}
+    with pytest.raises(rollout.AgentError, match="boom"):
+        rollout.parse_agent_output("@@AGENT@@ " + json.dumps({"ok": False, "error": "boom"}))
