@@ -1,0 +1,490 @@
+"""`provision` and `undo`: the per-host run around the pure plan.
+
+Round trips (each remote step is one `python -c <agent> CMD JSON` over the host's SSH connection):
+  all hosts, in parallel   facts.gather (1), and on targets the stage listing (1)
+  reference, once          scan of the distributions to ship (1), a RECORD rebuild when no original
+                           wheel exists (1), SFTP downloads into the control cache
+  each target, in parallel SFTP uploads (resumable), finalize (1: sha256 + rename), apply (1: backup,
+                           pip offline, smoke import, restore on failure), facts.gather (1: converged?)
+"""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from rich.console import Console
+
+from .. import facts as factsmod
+from ..inventory import Host, Inventory
+from ..ssh import HostResult, open_checked, run_per_host
+from . import agent, transfer
+from .cache import CacheError, WheelCache
+from .plan import Plan, human, make_plan, render
+
+AGENT_SOURCE = open(agent.__file__).read()
+MARKER = "@@AGENT@@"
+
+
+class ProvisionError(RuntimeError):
+    pass
+
+
+# ---------------------------------------------------------------- commands: built pure, run by one executor
+
+def venv_python(host: Host) -> str:
+    return f"{host.venv}/bin/python"
+
+
+def agent_argv(python: str, command: str, payload: dict) -> list[str]:
+    """argv of one agent round trip (the program travels as an argument, never on stdin)."""
+    return [python, "-c", AGENT_SOURCE, command, json.dumps(payload, sort_keys=True)]
+
+
+def parse_agent_output(stdout: str) -> dict:
+    i = stdout.rfind(MARKER)
+    if i < 0:
+        raise ProvisionError(f"agent printed no result: {stdout[-400:]!r}")
+    return json.loads(stdout[i + len(MARKER):])
+
+
+def execute(conn, argv: list[str], timeout: float | None = None) -> dict:
+    """The executor: run an argv on the connection's host and return the agent's JSON result."""
+    res = conn.run(shlex.join(argv), hide=True, warn=True, in_stream=False, timeout=timeout)
+    if res.exited != 0 and MARKER not in res.stdout:
+        raise ProvisionError(f"{argv[0]} exited {res.exited}: {(res.stderr or res.stdout).strip()[-600:]}")
+    return parse_agent_output(res.stdout)
+
+
+def run_agent(conn, python: str, command: str, payload: dict, timeout: float | None = None) -> dict:
+    out = execute(conn, agent_argv(python, command, payload), timeout)
+    if out.get("agent_exception"):
+        raise ProvisionError(f"agent {command}: {out.get('error')}")
+    return out
+
+
+def apply_payload(host: Host, plan: Plan, pid: str, root: str = agent.STAGE_ROOT) -> dict:
+    """The pure description of one host's change: staged wheels, the pip commands, what to remove."""
+    py = venv_python(host)
+    install = [{"name": i.name, "version": i.reference, "sha256": plan.sources[i.name]["sha256"],
+                "filename": plan.sources[i.name]["filename"]} for i in plan.installs]
+    paths = [f"{root}/incoming/{w['sha256']}/{w['filename']}" for w in install]
+    remove = [i.name for i in plan.removals]
+    return {"id": pid, "root": root, "python": py, "install": install, "remove": remove,
+            "pip_install": agent.pip_install_argv(py, paths), "pip_uninstall": agent.pip_uninstall_argv(py, remove),
+            "cuda_init": True, "smoke": True}
+
+
+# ---------------------------------------------------------------- report
+
+@dataclass
+class HostReport:
+    host: str
+    status: str                 # in-sync | planned | provisioned | blocked | failed | unreachable | undone
+    ok: bool
+    plan: Plan | None = None
+    error: str | None = None
+    sent_bytes: int = 0
+    seconds: float = 0.0
+    details: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"host": self.host, "status": self.status, "ok": self.ok, "error": self.error,
+                "sent_bytes": self.sent_bytes, "seconds": round(self.seconds, 2),
+                "plan": self.plan.to_json() if self.plan else None, "details": self.details}
+
+
+@dataclass
+class Report:
+    hosts: list[HostReport]
+    fetched_bytes: int = 0
+    events: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    phases: dict = field(default_factory=dict)   # seconds per phase: facts, scan, build, fetch, hosts
+
+    @property
+    def ok(self) -> bool:
+        return all(h.ok for h in self.hosts)
+
+    @property
+    def sent_bytes(self) -> int:
+        return sum(h.sent_bytes for h in self.hosts)
+
+    def to_json(self) -> dict:
+        return {"ok": self.ok, "fetched_bytes": self.fetched_bytes, "sent_bytes": self.sent_bytes,
+                "seconds": round(self.seconds, 2), "events": self.events,
+                "phases": {k: round(v, 2) for k, v in self.phases.items()},
+                "hosts": [h.to_json() for h in self.hosts]}
+
+
+@dataclass
+class Options:
+    dry_run: bool = False
+    yes: bool = False
+    parallel: int | None = None
+    cache: WheelCache | None = None
+    console: Console | None = None
+    confirm: Callable[[str], bool] | None = None      # None: ask on a terminal, refuse without one
+    progress: bool | None = None                      # None: when stderr is a terminal
+    hooks: dict = field(default_factory=dict)         # test hooks: 'put_progress'(host, sftp, nbytes)
+    quiet: bool = False
+    stage_root: str = agent.STAGE_ROOT                # staged wheels, backups and the lock on each target
+
+
+# ---------------------------------------------------------------- progress
+
+class _Progress:
+    """rich progress bars on stderr for transfers (a line per wheel when stderr is no terminal)."""
+
+    def __init__(self, enabled: bool, console: Console):
+        self.enabled = enabled
+        self.console = console
+        self.bar = None
+        self._lock = threading.Lock()
+        if enabled:
+            from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                                       TransferSpeedColumn)
+            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                                TransferSpeedColumn(), TimeRemainingColumn(), console=Console(stderr=True),
+                                transient=False)
+            self.bar.start()
+
+    def task(self, label: str, total: int):
+        if self.bar:
+            tid = self.bar.add_task(label, total=total)
+            return lambda n: self.bar.advance(tid, n)
+        return None
+
+    def note(self, msg: str):
+        if not self.enabled:
+            with self._lock:
+                self.console.print(msg, highlight=False)
+
+    def stop(self):
+        if self.bar:
+            self.bar.stop()
+
+
+# ---------------------------------------------------------------- provision
+
+def _gather_target(conn, host, root):
+    f = factsmod.gather(conn, host)
+    stage = run_agent(conn, "python3", "stage", {"root": root})
+    return {"facts": f, "stage": stage}
+
+
+def _new_id(host: str) -> str:
+    return time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + f"-{host}-{os.getpid()}"
+
+
+def provision(inv: Inventory, names: str | list[str] | None, opts: Options | None = None) -> Report:
+    opts = opts or Options()
+    console = opts.console or Console()
+    cache = opts.cache or WheelCache()
+    t_start = time.time()
+    ref = inv.reference
+    targets = [h for h in inv.select(names) if h.name != ref.name]
+    reports: dict[str, HostReport] = {}
+    for h in inv.select(names):
+        if h.name == ref.name:
+            console.print(f"[dim]{h.name} is the reference host; skipped[/]")
+    if not targets:
+        return Report([], seconds=time.time() - t_start)
+
+    # 1. facts of the reference and every target, in parallel (one connection each)
+    def gather_any(conn, host):
+        if host.name == ref.name:
+            return {"facts": factsmod.gather(conn, host)}
+        return _gather_target(conn, host, opts.stage_root)
+
+    phases: dict[str, float] = {}
+    t = time.time()
+    results = run_per_host(inv, [ref] + targets, gather_any, opts.parallel, label="facts")
+    phases["facts"] = time.time() - t
+    ref_res, tgt_res = results[0], results[1:]
+    if not ref_res.ok:
+        return Report([HostReport(r.host, "failed", False, error=f"reference {ref.name} unavailable: "
+                                  f"{ref_res.kind}: {ref_res.error}") for r in tgt_res], seconds=time.time() - t_start)
+    ref_facts = ref_res.value["facts"]
+    factsmod.save_facts(inv.path, ref_facts)
+    gathered: dict[str, dict] = {}
+    for r in tgt_res:
+        if r.ok:
+            gathered[r.host] = r.value
+            factsmod.save_facts(inv.path, r.value["facts"])
+        else:
+            reports[r.host] = HostReport(r.host, "unreachable" if r.kind == "unreachable" else "failed", False,
+                                         error=f"{r.kind}: {r.error}", seconds=r.seconds)
+
+    # 2. classify; scan the reference for what any target needs (one round trip)
+    pre = {n: make_plan(ref_facts, g["facts"], inv.hosts[n].vars["managed"]) for n, g in gathered.items()}
+    needed = sorted({(i.name, i.reference) for p in pre.values() for i in p.installs})
+    scan: dict = {}
+    ref_conn = None
+    try:
+        if needed:
+            t = time.time()
+            ref_conn = open_checked(inv, ref)
+            scan = run_agent(ref_conn, venv_python(ref), "scan",
+                             {"dists": [{"name": n, "version": v} for n, v in needed],
+                              "wheelhouse": ref.vars.get("wheelhouse") or []}, timeout=1800)["dists"]
+            phases["scan"] = time.time() - t
+        plans = {n: make_plan(ref_facts, g["facts"], inv.hosts[n].vars["managed"], scan, g["stage"])
+                 for n, g in gathered.items()}
+        for name in [h.name for h in targets if h.name in plans]:
+            if not opts.quiet:
+                render(plans[name], console)
+        for name, p in plans.items():
+            if p.blocked:
+                reports[name] = HostReport(name, "blocked", False, plan=p,
+                                           error="; ".join(f"{b.code}: {b.message}" for b in p.blockers))
+            elif p.empty:
+                reports[name] = HostReport(name, "in-sync", True, plan=p)
+            elif opts.dry_run:
+                reports[name] = HostReport(name, "planned", True, plan=p)
+        todo = [h for h in targets if h.name in plans and h.name not in reports]
+        if not todo:
+            return _finish(targets, reports, 0, cache, t_start, phases)
+        if not _confirmed(opts, console, todo, plans):
+            for h in todo:
+                reports[h.name] = HostReport(h.name, "not-confirmed", False, plan=plans[h.name],
+                                             error="not confirmed (no terminal to ask on: pass --yes)")
+            return _finish(targets, reports, 0, cache, t_start, phases)
+
+        # 3. wheels: rebuild where no original exists, then fetch into the control cache
+        prog = _Progress(opts.progress if opts.progress is not None else sys.stderr.isatty(), console)
+        try:
+            if ref_conn is None:
+                ref_conn = open_checked(inv, ref)
+            t = time.time()
+            fetched = _ensure_cached(ref_conn, ref, scan, todo, plans, cache, prog, phases)
+            phases["wheels"] = time.time() - t
+        finally:
+            prog.stop()
+    finally:
+        if ref_conn is not None:
+            ref_conn.close()
+
+    # 4. each target in parallel: upload, finalize, apply, verify convergence
+    prog = _Progress(opts.progress if opts.progress is not None else sys.stderr.isatty(), console)
+    t = time.time()
+    try:
+        res = run_per_host(inv, todo, lambda conn, host: _apply_host(conn, host, plans[host.name], ref_facts,
+                                                                     cache, prog, opts, inv),
+                           opts.parallel, label="")
+    finally:
+        prog.stop()
+    phases["hosts"] = time.time() - t
+    for r in res:
+        if r.ok:
+            reports[r.host] = r.value
+            reports[r.host].seconds = r.seconds
+        else:
+            reports[r.host] = HostReport(r.host, "unreachable" if r.kind == "unreachable" else "failed", False,
+                                         plan=plans.get(r.host), error=f"{r.kind}: {r.error}", seconds=r.seconds)
+    return _finish(targets, reports, fetched, cache, t_start, phases)
+
+
+def _finish(targets, reports, fetched, cache, t_start, phases=None) -> Report:
+    return Report([reports[h.name] for h in targets if h.name in reports], fetched_bytes=fetched,
+                  events=list(cache.events), seconds=time.time() - t_start, phases=phases or {})
+
+
+def _confirmed(opts: Options, console: Console, todo: list[Host], plans: dict[str, Plan]) -> bool:
+    if opts.yes:
+        return True
+    question = (f"apply {sum(len(plans[h.name].changes) for h in todo)} change(s) on "
+                f"{', '.join(h.name for h in todo)}?")
+    if opts.confirm is not None:
+        return opts.confirm(question)
+    if not sys.stdin.isatty():
+        console.print("[yellow]no terminal to confirm on: nothing changed (pass --yes to apply)[/]")
+        return False
+    from rich.prompt import Confirm
+    return Confirm.ask(question, console=console, default=False)
+
+
+def _ensure_cached(ref_conn, ref: Host, scan: dict, todo: list[Host], plans: dict[str, Plan],
+                   cache: WheelCache, prog: _Progress, phases: dict) -> int:
+    """Every wheel some target still needs, verified in the control cache. Returns bytes fetched."""
+    need = sorted({i.name for h in todo for i in plans[h.name].installs})
+    rebuild = [n for n in need if not (scan[n].get("source") or {}).get("sha256")]
+    if rebuild:
+        t0 = time.time()
+        built = run_agent(ref_conn, venv_python(ref), "build",
+                          {"dists": [{"name": n} for n in rebuild]}, timeout=3600)["dists"]
+        for n in rebuild:
+            b = built[n]
+            if b.get("error"):
+                raise ProvisionError(f"rebuilding {n} on {ref.name}: {b['error']}")
+            scan[n]["source"] = {"kind": "rebuilt", "path": b["path"], "sha256": b["sha256"], "size": b["size"],
+                                 "filename": b["filename"]}
+        phases["build"] = time.time() - t0
+        prog.note(f"rebuilt {len(rebuild)} wheel(s) on {ref.name} from RECORD in {phases['build']:.1f}s")
+    for h in todo:  # the sources now known: fill the plans (and whether the target has them already)
+        p = plans[h.name]
+        for i in p.installs:
+            src = scan[i.name]["source"]
+            staged = src["sha256"] in p.staged_shas
+            p.sources[i.name] = dict(p.sources.get(i.name, {}), **{k: v for k, v in src.items() if k != "path"},
+                                     staged=bool(staged))
+    fetched = 0
+    wanted = sorted({i.name for h in todo for i in plans[h.name].installs
+                     if not plans[h.name].sources[i.name]["staged"]})
+    sftp = None
+    t_fetch = 0.0
+    try:
+        for n in wanted:
+            src = scan[n]["source"]
+            if cache.get(src["sha256"]) is not None:
+                continue
+            t0 = time.time()
+            for attempt in (1, 2):
+                sftp = sftp or transfer.open_sftp(ref_conn)
+                part = cache.part_path(src["sha256"], src["filename"])
+                cb = prog.task(f"{ref.name} -> cache  {src['filename'][:48]}", src["size"])
+                st = transfer.get(sftp, src["path"], part, src["size"], cb)
+                fetched += st.bytes
+                try:
+                    cache.commit(src["sha256"], src["filename"])
+                    prog.note(f"fetched {src['filename']} from {ref.name}: {human(st.bytes)} in {st.seconds:.1f}s"
+                              + (f" (resumed at {human(st.resumed_from)})" if st.resumed_from else ""))
+                    break
+                except CacheError as exc:
+                    cache.events.append(str(exc))
+                    if attempt == 2:
+                        raise ProvisionError(f"{n}: {exc}") from None
+            t_fetch += time.time() - t0
+    finally:
+        if sftp is not None:
+            sftp.close()
+    phases["fetch"] = t_fetch
+    return fetched
+
+
+def _apply_host(conn, host: Host, plan: Plan, ref_facts: dict, cache: WheelCache, prog: _Progress,
+                opts: Options, inv: Inventory) -> HostReport:
+    rep = HostReport(host.name, "failed", False, plan=plan)
+    root = opts.stage_root
+    uploads = [(i.name, plan.sources[i.name]) for i in plan.installs if not plan.sources[i.name].get("staged")]
+    sftp = None
+    t_put = time.time()
+    try:
+        for attempt in (1, 2):
+            for name, src in uploads:
+                local = cache.get(src["sha256"])
+                if local is None:
+                    raise ProvisionError(f"{src['filename']} vanished from the control cache")
+                sftp = sftp or transfer.open_sftp(conn)
+                cb = prog.task(f"cache -> {host.name}  {src['filename'][:48]}", src["size"])
+                hook = opts.hooks.get("put_progress")
+                if hook:
+                    inner = cb
+                    cb = (lambda n, _i=inner, _s=sftp: (_i and _i(n), hook(host, _s, n)))
+                st = transfer.put(sftp, str(local), f"{root}/incoming/{src['sha256']}/{src['filename']}",
+                                  src["size"], cb)
+                rep.sent_bytes += st.bytes
+                if st.resumed_from:
+                    rep.details.setdefault("resumed", {})[src["filename"]] = st.resumed_from
+                prog.note(f"{host.name}: sent {src['filename']} {human(st.bytes)} in {st.seconds:.1f}s"
+                          + (f" ({human(st.rate)}/s)" if st.seconds else "")
+                          + (f", resumed at {human(st.resumed_from)}" if st.resumed_from else ""))
+            if not uploads:
+                break
+            fin = run_agent(conn, "python3", "finalize",
+                            {"root": root, "wheels": [{"sha256": s["sha256"], "filename": s["filename"]}
+                                                      for _n, s in uploads]})["wheels"]
+            bad = [(n, s) for n, s in uploads if fin.get(s["sha256"]) != "ok"]
+            if not bad:
+                break
+            rep.details.setdefault("rejected_on_arrival", []).extend(s["filename"] for _n, s in bad)
+            if attempt == 2:
+                raise ProvisionError("sha256 check on arrival failed twice for "
+                                     + ", ".join(s["filename"] for _n, s in bad))
+            uploads = bad  # the bad parts were deleted remotely: send them again from the start
+    finally:
+        if sftp is not None:
+            sftp.close()
+
+    rep.details["put_seconds"] = round(time.time() - t_put, 2)
+    payload = apply_payload(host, plan, _new_id(host.name), root)
+    t = time.time()
+    out = run_agent(conn, venv_python(host), "apply", payload, timeout=3600)
+    rep.details["apply_seconds"] = round(time.time() - t, 2)
+    rep.details["backup"] = out.get("backup")
+    rep.details["steps"] = [{k: s.get(k) for k in ("step", "rc", "seconds")} for s in out.get("steps", [])]
+    if not out.get("ok"):
+        failed = [s for s in out.get("steps", []) if s.get("rc")]
+        tail = (failed[0].get("output") or "").strip().splitlines()[-6:] if failed else []
+        rep.error = (out.get("error") or "apply failed") + ("; " + " | ".join(tail) if tail else "")
+        if out.get("backup"):
+            rep.error += ("; environment restored from the backup" if out.get("restored")
+                          else f"; RESTORE INCOMPLETE: {out.get('restore_error')}")
+        rep.details["restored"] = out.get("restored")
+        return rep
+    rep.details["smoke_modules"] = out.get("smoke_modules")
+    # verify convergence from fresh facts
+    t = time.time()
+    after = factsmod.gather(conn, host)
+    factsmod.save_facts(inv.path, after)
+    rep.details["verify_seconds"] = round(time.time() - t, 2)
+    again = make_plan(ref_facts, after, host.vars["managed"])
+    if not again.empty:
+        rep.error = "did not converge: " + ", ".join(f"{i.name} {i.status}" for i in again.changes)
+        return rep
+    rep.status, rep.ok = "provisioned", True
+    return rep
+
+
+# ---------------------------------------------------------------- undo
+
+def undo(inv: Inventory, names: str | list[str] | None, opts: Options | None = None,
+         backup_id: str | None = None) -> Report:
+    """Restore each host's latest applied provision from its backup wheels."""
+    opts = opts or Options()
+    t0 = time.time()
+    targets = [h for h in inv.select(names) if h.name != inv.reference.name]
+
+    def one(conn, host):
+        out = run_agent(conn, venv_python(host), "undo", {"root": opts.stage_root, "id": backup_id}, timeout=3600)
+        f = factsmod.gather(conn, host)
+        factsmod.save_facts(inv.path, f)
+        rep = HostReport(host.name, "undone" if out.get("ok") else "failed", bool(out.get("ok")),
+                         error=out.get("error"))
+        rep.details = {"id": out.get("id"), "restored": out.get("before"),
+                       "steps": [{k: s.get(k) for k in ("step", "rc", "seconds")} for s in out.get("steps", [])]}
+        return rep
+
+    res = run_per_host(inv, targets, one, opts.parallel)
+    for r in res:
+        if r.ok:
+            r.value.seconds = r.seconds
+    reps = [r.value if r.ok else HostReport(r.host, "unreachable" if r.kind == "unreachable" else "failed", False,
+                                            error=f"{r.kind}: {r.error}") for r in res]
+    return Report(reps, seconds=time.time() - t0)
+
+
+# ---------------------------------------------------------------- summary
+
+def render_summary(report: Report, console: Console) -> None:
+    from rich.table import Table
+    t = Table(title="provision summary", title_justify="left")
+    for c in ("host", "result", "changes", "sent", "seconds", "error"):
+        t.add_column(c)
+    for h in report.hosts:
+        style = "green" if h.ok else "bold red"
+        n = len(h.plan.changes) if h.plan else 0
+        if h.status == "undone" and h.details.get("restored"):
+            n = len(h.details["restored"])
+        t.add_row(h.host, f"[{style}]{h.status}[/]", str(n), human(h.sent_bytes), f"{h.seconds:.1f}",
+                  h.error or "")
+    console.print(t)
+    for e in report.events:
+        console.print(f"[yellow]{e}[/]")
+    console.print(f"fetched from reference {human(report.fetched_bytes)}, sent to targets {human(report.sent_bytes)}, "
+                  f"{report.seconds:.1f}s")

@@ -1,0 +1,220 @@
+"""`provision` on the lab's real hosts (real sshd, SFTP, pip): the faults of issue 3.
+
+Isolation: these tests never touch the shared /opt/sglang/venv. They create their own venvs
+(/opt/provtest/venv on ct129 and ct200), their own stage root, and their own control-side cache,
+and remove them at the end. The managed set is `provtest-*`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import posixpath
+from pathlib import Path
+
+import pytest
+
+from deploy.inventory import Host
+from deploy.provision import agent as agentmod
+from deploy.provision import overlay
+from deploy.provision.cache import WheelCache
+from deploy.ssh import open_checked
+
+from provhelpers import build_wheel, make_project, rewrite_wheel
+
+pytestmark = pytest.mark.lab
+
+VENV = "/opt/provtest/venv"
+HOUSE = "/opt/provtest/wheelhouse"
+ROOT = "/var/tmp/ddtree-provision-test"
+BLOB = 8 << 20
+
+
+def _sh(conn, cmd, **kw):
+    r = conn.run(cmd, hide=True, warn=True, in_stream=False, **kw)
+    assert r.exited == 0, f"{cmd}: {r.stderr}"
+    return r.stdout
+
+
+def _versions(inv, name):
+    conn = open_checked(inv, inv.hosts[name])
+    try:
+        out = _sh(conn, f"{VENV}/bin/python -m pip list --format=json --disable-pip-version-check")
+    finally:
+        conn.close()
+    return {d["name"].lower().replace("_", "-"): d["version"] for d in json.loads(out)
+            if d["name"].lower().startswith("provtest")}
+
+
+@pytest.fixture(scope="module")
+def world(lab, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("labprov")
+    import os
+    w = {}
+    for key, name, ver, big in (("a1", "provtest-alpha", "1.0+cu130", True), ("a0", "provtest-alpha", "1.0+cu128", True),
+                                ("b2", "provtest-beta", "2.0", False), ("b1", "provtest-beta", "1.0", False),
+                                ("x", "provtest-extra", "0.1", False)):
+        src = make_project(tmp, name, ver)
+        if big:  # a payload large enough to cut a transfer in the middle of
+            (src / name.replace("-", "_") / "blob.bin").write_bytes(os.urandom(BLOB))
+        w[key] = build_wheel(src, tmp / "wheels")
+    setup = {"ct129": ["a1", "b2"], "ct200": ["a0", "b1", "x"]}
+    for hname, keys in setup.items():
+        conn = open_checked(lab, lab.hosts[hname])
+        try:
+            _sh(conn, f"rm -rf /opt/provtest {ROOT} && mkdir -p {HOUSE} && python3 -m venv {VENV}")
+            for k in keys:
+                conn.put(str(w[k]), posixpath.join(HOUSE, w[k].name))
+            _sh(conn, f"{VENV}/bin/python -m pip install -q --no-index --no-deps --disable-pip-version-check "
+                      + " ".join(posixpath.join(HOUSE, w[k].name) for k in keys))
+            if hname == "ct129":  # keep only alpha's original: beta must be rebuilt from its RECORD
+                _sh(conn, f"rm {HOUSE}/{w['b2'].name}")
+            else:
+                _sh(conn, f"rm -rf {HOUSE}")
+        finally:
+            conn.close()
+    hosts = dict(lab.hosts)
+    for hname in ("ct129", "ct200"):
+        h = hosts[hname]
+        hosts[hname] = dataclasses.replace(h, vars=dict(h.vars, venv=VENV, managed=["provtest-*"],
+                                                        wheelhouse=[HOUSE]))
+    hosts["ghost"] = Host("ghost", "127.0.0.1", "root", 1, (), vars=dict(hosts["ct200"].vars))
+    inv = dataclasses.replace(lab, hosts=hosts, path=str(tmp / "inventory.yaml"))
+    yield {"inv": inv, "wheels": w, "tmp": tmp, "cache": WheelCache(tmp / "cache")}
+    for hname in setup:
+        conn = open_checked(lab, lab.hosts[hname])
+        try:
+            conn.run(f"rm -rf /opt/provtest {ROOT}", hide=True, warn=True, in_stream=False)
+        finally:
+            conn.close()
+
+
+def _opts(world, **kw):
+    from rich.console import Console
+    return overlay.Options(yes=True, cache=world["cache"], stage_root=ROOT, progress=False,
+                           console=Console(width=200, record=True), **kw)
+
+
+BEFORE = {"provtest-alpha": "1.0+cu128", "provtest-beta": "1.0", "provtest-extra": "0.1"}
+REF = {"provtest-alpha": "1.0+cu130", "provtest-beta": "2.0"}
+
+
+def test_dry_run_plan_changes_nothing(world):
+    rep = overlay.provision(world["inv"], "ct200", _opts(world, dry_run=True))
+    (h,) = rep.hosts
+    assert h.status == "planned" and h.ok
+    st = {i.name: i.status for i in h.plan.items}
+    assert st == {"provtest-alpha": "local-tag-mismatch", "provtest-beta": "other-version",
+                  "provtest-extra": "extra"}
+    assert h.plan.sources["provtest-alpha"]["kind"] == "original"     # found in ct129's wheelhouse by hash
+    assert h.plan.sources["provtest-beta"]["kind"] == "rebuild"
+    assert rep.sent_bytes == 0 and rep.fetched_bytes == 0
+    assert _versions(world["inv"], "ct200") == BEFORE
+
+
+def test_cut_connection_mid_transfer_then_resume(world):
+    cut = {"sent": 0, "done": False}
+
+    def hook(host, sftp, n):
+        cut["sent"] += n
+        if cut["sent"] > 3 << 20 and not cut["done"]:
+            cut["done"] = True
+            sftp.get_channel().get_transport().close()     # the SSH connection drops mid-wheel
+
+    rep = overlay.provision(world["inv"], "ct200", _opts(world, hooks={"put_progress": hook}))
+    (h,) = rep.hosts
+    assert cut["done"] and not h.ok and h.status == "failed"
+    assert _versions(world["inv"], "ct200") == BEFORE               # nothing partial was installed
+    conn = open_checked(world["inv"], world["inv"].hosts["ct200"])
+    try:
+        parts = conn.run(f"find {ROOT}/incoming -name '*.part' -printf '%s\\n'", hide=True, in_stream=False).stdout.split()
+    finally:
+        conn.close()
+    assert parts and 0 < int(parts[0]) < BLOB + (64 << 10)
+
+    # next run (and an unreachable host alongside it): resumes, converges, ghost reported
+    rep = overlay.provision(world["inv"], "ct200,ghost", _opts(world))
+    by = {h.host: h for h in rep.hosts}
+    assert by["ghost"].status == "unreachable" and not by["ghost"].ok
+    assert by["ct200"].status == "provisioned", by["ct200"].error
+    assert any(v > 0 for v in by["ct200"].details.get("resumed", {}).values())
+    assert by["ct200"].sent_bytes < world["wheels"]["a1"].stat().st_size + (64 << 10)
+    assert not rep.ok                                                  # the exit code says ghost failed
+    assert _versions(world["inv"], "ct200") == REF
+    assert set(by["ct200"].details["smoke_modules"]) == {"provtest_alpha", "provtest_beta"}
+
+
+def test_second_run_transfers_nothing(world):
+    rep = overlay.provision(world["inv"], "ct200", _opts(world))
+    (h,) = rep.hosts
+    assert h.status == "in-sync" and h.ok and rep.sent_bytes == 0 and rep.fetched_bytes == 0
+
+
+def test_undo_restores_the_previous_builds(world):
+    rep = overlay.undo(world["inv"], "ct200", _opts(world))
+    (h,) = rep.hosts
+    assert h.ok and h.status == "undone", h.error
+    assert _versions(world["inv"], "ct200") == BEFORE
+
+
+def test_corrupted_cached_wheel_is_fetched_again(world):
+    cache = world["cache"]
+    sha = agentmod.sha256_file(world["wheels"]["a1"])
+    (p,) = list((cache.root / sha[:2] / sha).glob("*.whl"))
+    data = bytearray(p.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    p.write_bytes(bytes(data))
+    conn = open_checked(world["inv"], world["inv"].hosts["ct200"])
+    try:
+        _sh(conn, f"rm -rf {ROOT}/incoming/{sha}")     # so the target needs the wheel from the cache again
+    finally:
+        conn.close()
+    world["cache"] = WheelCache(cache.root)             # a new run remembers nothing
+    rep = overlay.provision(world["inv"], "ct200", _opts(world))
+    (h,) = rep.hosts
+    assert h.status == "provisioned", h.error
+    assert any("corrupted" in e for e in rep.events)
+    assert rep.fetched_bytes >= world["wheels"]["a1"].stat().st_size
+    assert _versions(world["inv"], "ct200") == REF
+    assert overlay.undo(world["inv"], "ct200", _opts(world)).ok
+    assert _versions(world["inv"], "ct200") == BEFORE
+
+
+def test_pip_failure_restores_and_drift_is_shown(world):
+    """Someone hand-patches alpha's entry points on the reference: the plan shows the drift, the wheel is
+    rebuilt from the patched files, pip fails half-way on the target, and the target is restored."""
+    inv = world["inv"]
+    conn = open_checked(inv, inv.hosts["ct129"])
+    ep = None
+    try:
+        ep = _sh(conn, f"ls -d {VENV}/lib/python3*/site-packages/provtest_alpha-*.dist-info").strip() + "/entry_points.txt"
+        orig = _sh(conn, f"cat {ep}")
+        _sh(conn, f"printf '[console_scripts]\\nprovtest_alpha-cli = provtest_alpha:\\n' > {ep}")
+        rep = overlay.provision(inv, "ct200", _opts(world))
+    finally:
+        if ep:
+            conn.run(f"printf %s {json.dumps(orig)} > {ep}", hide=True, warn=True, in_stream=False)
+        conn.close()
+    (h,) = rep.hosts
+    assert any(w.code == "drift" and "entry_points.txt" in w.message for w in h.plan.warnings)
+    assert h.plan.sources["provtest-alpha"]["kind"] == "rebuilt"
+    assert not h.ok and "pip install failed" in h.error and "restored from the backup" in h.error
+    assert "Invalid script entry point" in h.error
+    assert [s["step"] for s in h.details["steps"]][0] == "install"
+    assert _versions(inv, "ct200") == BEFORE
+
+
+def test_fab_cli_json_dry_run_and_no_terminal(fab, lab):
+    r = fab("provision", "ct200", "--dry-run", "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    (h,) = doc["hosts"]
+    assert h["host"] == "ct200" and h["status"] in ("planned", "in-sync")
+    if h["status"] == "planned":
+        torch = {i["name"]: i for i in h["plan"]["items"]}["torch"]
+        assert torch["status"] == "local-tag-mismatch" and torch["target"].endswith("+cu128")
+    # no terminal and no --yes: never waits, changes nothing, says why, exits non-zero
+    r = fab("provision", "ct200")
+    if h["status"] == "planned":
+        assert r.returncode != 0 and "--yes" in (r.stdout + r.stderr)
+    r = fab("provision", "ct129", "--dry-run")
+    assert "reference" in r.stdout
