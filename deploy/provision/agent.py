@@ -408,19 +408,24 @@ def _candidate_wheels(dirs):
     return out
 
 
-def cmd_scan(p):
-    layout = _layout()
-    dirs = list(p.get("wheelhouse") or []) + [os.path.expanduser("~/.cache/pip/wheels")]
-    candidates = _candidate_wheels(dirs)
-    built_dir = p.get("built_dir") or os.path.join(STAGE_ROOT, "built")
-    out = {}
+def _installed(p, out):
+    """(name, dist, dist-info path) of each wanted distribution; records 'not installed' in `out`."""
     for want in p["dists"]:
         name = normalize(want["name"])
         d = find_dist(name)
         if d is None:
             out[name] = {"error": "not installed"}
             continue
-        di = _dist_info_path(d)
+        yield want, name, d, _dist_info_path(d)
+
+
+def cmd_scan(p):
+    layout = _layout()
+    dirs = list(p.get("wheelhouse") or []) + [os.path.expanduser("~/.cache/pip/wheels")]
+    candidates = _candidate_wheels(dirs)
+    built_dir = p.get("built_dir") or os.path.join(STAGE_ROOT, "built")
+    out = {}
+    for want, name, d, di in _installed(p, out):
         info = {"version": d.version, "dist_info": di}
         if want.get("version") and d.version != want["version"]:
             info["error"] = "installed version %s, expected %s" % (d.version, want["version"])
@@ -459,13 +464,7 @@ def cmd_scan(p):
 def cmd_build(p):
     built_dir = p.get("built_dir") or os.path.join(STAGE_ROOT, "built")
     out = {}
-    for want in p["dists"]:
-        name = normalize(want["name"])
-        d = find_dist(name)
-        if d is None:
-            out[name] = {"error": "not installed"}
-            continue
-        di = _dist_info_path(d)
+    for _want, name, _d, di in _installed(p, out):
         key = sha256_file(os.path.join(di, "RECORD"))
         bdir = os.path.join(built_dir, key)
         r = repack(di, bdir)

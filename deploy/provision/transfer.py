@@ -58,6 +58,18 @@ def makedirs(sftp: paramiko.SFTPClient, path: str) -> None:
                 raise
 
 
+def _copy(src, dst, block_size: int, st: "TransferStats", progress) -> None:
+    """Copy src to dst in blocks, counting bytes into `st` and reporting each block to `progress`."""
+    while True:
+        block = src.read(block_size)
+        if not block:
+            return
+        dst.write(block)
+        st.bytes += len(block)
+        if progress:
+            progress(len(block))
+
+
 def put(sftp: paramiko.SFTPClient, local: str, remote_final: str, size: int,
         progress: Callable[[int], None] | None = None, resume: bool = True) -> TransferStats:
     """Upload `local` to `remote_final + '.part'`, resuming a previous partial upload."""
@@ -82,14 +94,7 @@ def put(sftp: paramiko.SFTPClient, local: str, remote_final: str, size: int,
                 dst.seek(offset)
             if progress and offset:
                 progress(offset)
-            while True:
-                block = src.read(REQUEST * 8)
-                if not block:
-                    break
-                dst.write(block)
-                st.bytes += len(block)
-                if progress:
-                    progress(len(block))
+            _copy(src, dst, REQUEST * 8, st, progress)
     st.seconds = time.time() - t0
     return st
 
@@ -111,13 +116,6 @@ def get(sftp: paramiko.SFTPClient, remote: str, local_part, size: int,
             # bounded read-ahead: paramiko's default queues every request of the file at once, which
             # slows a multi-GB download to a crawl (its prefetch buffer is scanned per read)
             src.prefetch(size, max_concurrent_requests=PREFETCH_REQUESTS)
-            while True:
-                block = src.read(1024 * 1024)
-                if not block:
-                    break
-                dst.write(block)
-                st.bytes += len(block)
-                if progress:
-                    progress(len(block))
+            _copy(src, dst, 1024 * 1024, st, progress)
     st.seconds = time.time() - t0
     return st
