@@ -118,14 +118,35 @@ def classify_one(ref: str | None, tgt: str | None) -> str:
     return "other-version"
 
 
-def classify(ref_dists: dict[str, str], tgt_dists: dict[str, str], patterns: list[str]) -> list[Item]:
+def build_versions(facts: dict) -> dict[str, str]:
+    """Versions with the build tag that the metadata may lack: PyPI's default torch wheel says plain
+    `2.11.0` in its METADATA while torch/version.py says `2.11.0+cu130` (seen on the real H200)."""
+    meta = (facts.get("venv") or {}).get("distributions") or {}
+    full = (facts.get("torch") or {}).get("version")
+    out = {}
+    if full and meta.get("torch"):
+        try:
+            if Version(full).public == Version(meta["torch"]).public and Version(meta["torch"]).local is None:
+                out["torch"] = full
+        except InvalidVersion:
+            pass
+    return out
+
+
+def classify(ref_dists: dict[str, str], tgt_dists: dict[str, str], patterns: list[str],
+             ref_builds: dict[str, str] | None = None, tgt_builds: dict[str, str] | None = None) -> list[Item]:
+    """Classify each managed distribution. `*_builds` give build-tagged versions (build_versions) used to
+    compare builds; the items keep the metadata versions, which are what pip installs and reports."""
     ref, tgt = managed(ref_dists, patterns), managed(tgt_dists, patterns)
+    ref_builds, tgt_builds = ref_builds or {}, tgt_builds or {}
     items = []
     for name in sorted(set(ref) | set(tgt)):
-        status = classify_one(ref.get(name), tgt.get(name))
+        rv = ref_builds.get(name, ref.get(name)) if name in ref else None
+        tv = tgt_builds.get(name, tgt.get(name)) if name in tgt else None
+        status = classify_one(rv, tv)
         detail = ""
         if status == "local-tag-mismatch":
-            rl, tl = Version(ref[name]).local, Version(tgt[name]).local
+            rl, tl = Version(rv).local, Version(tv).local
             detail = f"ABI mismatch: build +{tl or '(none)'} where the reference runs +{rl or '(none)'}"
         elif status == "other-version":
             detail = "older" if _lt(tgt[name], ref[name]) else "newer than the reference"
@@ -288,7 +309,7 @@ def make_plan(ref_facts: dict, tgt_facts: dict, patterns: list[str], scan: dict 
               stage: dict | None = None) -> Plan:
     ref_d = (ref_facts.get("venv") or {}).get("distributions") or {}
     tgt_d = (tgt_facts.get("venv") or {}).get("distributions") or {}
-    items = classify(ref_d, tgt_d, patterns)
+    items = classify(ref_d, tgt_d, patterns, build_versions(ref_facts), build_versions(tgt_facts))
     plan = Plan(tgt_facts.get("host", "?"), ref_facts.get("host", "?"), items)
     plan.blockers, plan.warnings, plan.disk = find_blockers(ref_facts, tgt_facts, items, scan, stage)
     if scan:

@@ -200,3 +200,18 @@ def test_driver_table_and_cuda_tags():
     assert drivers.driver_check("12.8", "570.124.06") is None
     assert drivers.driver_check("14.0", "999.0")[0] == "blocker"   # unknown CUDA: refuse, do not guess
     assert drivers.arch_supported("sm_90", ["sm_90"]) and not drivers.arch_supported("sm_90", ["sm_80", "sm_86"])
+
+
+def test_build_tag_from_version_py_when_metadata_lacks_it():
+    """The real H200: METADATA says torch 2.11.0, torch/version.py says 2.11.0+cu130. A +cu128 target is an
+    ABI mismatch against the build the reference really runs, and the item keeps pip's versions."""
+    ref = facts("ct129", dict(REF, torch="2.11.0"))
+    ref["torch"].update(version="2.11.0+cu130", local="cu130")
+    tgt = facts("ct200", dict(REF, torch="2.11.0+cu128"))
+    plan = make_plan(ref, tgt, PATTERNS)
+    (item,) = [i for i in plan.items if i.name == "torch"]
+    assert item.status == "local-tag-mismatch" and "+cu128 where the reference runs +cu130" in item.detail
+    assert (item.reference, item.target) == ("2.11.0", "2.11.0+cu128")
+    same = facts("h200", dict(REF, torch="2.11.0"))
+    same["torch"].update(version="2.11.0+cu130", local="cu130")
+    assert make_plan(ref, same, PATTERNS).empty
