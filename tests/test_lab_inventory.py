@@ -95,3 +95,16 @@ def test_lab_status_and_idempotent_up(lab, fab):
     assert all(rows[h]["state"] == "running" and rows[h]["sshd"] for h in ("ct129", "ct200", "h200"))
     r = fab("--list")
     assert "inventory" in r.stdout and "lab.up" in r.stdout
+
+
+def test_lab_hosts_carry_model_configs_for_the_deploy_gate(lab):
+    """inventory/lab.yaml's model and draft model exist on every lab host (config.json, no weights)."""
+    import subprocess
+    for h in lab.hosts.values():
+        (svc,) = h.services[:1]
+        out = subprocess.run(["ssh", "-o", f"UserKnownHostsFile={fleet.known_hosts()}", "-o", "StrictHostKeyChecking=yes",
+                              "-o", "BatchMode=yes", "-i", str(fleet.LAB_DIR / "id_ed25519"), f"root@{h.address}",
+                              f"cat {svc.model}/config.json {svc.draft_model}/config.json"],
+                             capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, out.stderr
+        assert '"Qwen3ForCausalLM"' in out.stdout and '"DFlashDraftModel"' in out.stdout

@@ -227,6 +227,28 @@ def _mount(h: LabHost, base: Path) -> Path:
     return root
 
 
+# Model folders on lab hosts hold only config.json (no weights: the lab's SGLang stand-in serves no model).
+# The deploy's hybrid-model gate reads them, as it reads the real ones on a GPU host.
+LAB_MODELS = {
+    "Qwen3-8B": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096,
+                 "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+                 "vocab_size": 151936, "torch_dtype": "bfloat16"},
+    "Qwen3-8B-DFlash-b16": {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "block_size": 16,
+                            "num_hidden_layers": 5, "hidden_size": 4096, "vocab_size": 151936},
+    "Qwen3-Next-80B-A3B": {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
+                           "num_hidden_layers": 48, "full_attention_interval": 4, "vocab_size": 151936,
+                           "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 12},
+}
+
+
+def _lab_models(root: Path) -> None:
+    for name, config in LAB_MODELS.items():
+        d = root / "models" / name
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+    (root / "models" / "README").write_text("Lab model folders: config.json only, no weights (ddtree-deploy lab).\n")
+
+
 def _prepare(h: LabHost, root: Path, wheels: dict[str, Path]) -> None:
     """First boot only: identity, keys, GPU persona and the managed venv, written into the overlay."""
     d = host_dir(h)
@@ -256,6 +278,7 @@ def _prepare(h: LabHost, root: Path, wheels: dict[str, Path]) -> None:
               + " ".join(f"/var/tmp/lab-wheels/{w.name}" for w in picked) + "; rm -rf /var/tmp/lab-wheels")
     _run(["systemd-nspawn", "--quiet", "--register=no", "--keep-unit", "--private-network",
           "-D", str(root), "/bin/sh", "-c", script])
+    _lab_models(root)
     (d / "host.json").write_text(json.dumps(asdict(h)))
 
 
