@@ -54,8 +54,8 @@ def clean(inv, names, setup=True):
         subprocess.run(["ssh", "-i", inv.ssh_path("identity_file"), "-o",
                         f"UserKnownHostsFile={inv.ssh_path('known_hosts')}", "-o", "BatchMode=yes",
                         f"{h.user}@{h.address}",
-                        CLEAN + ("; mkdir -p /models/Qwen3-8B && echo '{\"model_type\": \"qwen3\"}' > "
-                                 "/models/Qwen3-8B/config.json" if setup else
+                        # the lab ships /models/Qwen3-8B/config.json; only the release state is cleaned
+                        CLEAN + ("" if setup else
                                  f"; {h.vars['venv']}/bin/python -m pip uninstall -y -q sglang-ddtree")],
                        check=setup, capture_output=True)
 

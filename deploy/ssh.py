@@ -8,6 +8,7 @@ work runs on `run_per_host`: a fixed-size thread pool of per-host Connections.
 from __future__ import annotations
 
 import os
+import shlex
 import socket
 import sys
 import time
@@ -73,6 +74,37 @@ def open_checked(inv: Inventory, host: Host) -> Connection:
     except (NoValidConnectionsError, socket.timeout, TimeoutError, OSError) as exc:
         raise HostError(host.name, "unreachable", f"{host.address}:{host.port}: {exc}") from None
     return conn
+
+
+# Where OpenSSH's SFTP server lives on Debian/Ubuntu, RHEL/Fedora and Arch.
+SFTP_SERVERS = ("/usr/lib/openssh/sftp-server", "/usr/libexec/openssh/sftp-server", "/usr/lib/ssh/sftp-server")
+
+
+def as_root(conn: Connection, argv: list[str]) -> str:
+    """The shell command that runs `argv` as root: as is when the SSH user is root, else through
+    `sudo -n` (non-interactive: a sudo that wants a password fails at once instead of hanging)."""
+    cmd = shlex.join(argv)
+    return cmd if conn.user == "root" else "sudo -n -- " + cmd
+
+
+def open_root_sftp(conn: Connection, window_size: int | None = None) -> paramiko.SFTPClient:
+    """An SFTP session with root's file access: the plain SFTP subsystem for root, else OpenSSH's
+    sftp-server started through `sudo -n` on an exec channel (so staged files, release folders and the
+    reference's wheels are reachable exactly as for root, with no world-writable drop folder)."""
+    conn.open()
+    transport = conn.client.get_transport()
+    kw = {"window_size": window_size} if window_size else {}
+    if conn.user == "root":
+        return paramiko.SFTPClient.from_transport(transport, **kw)
+    chan = transport.open_session(**kw)
+    script = "; ".join(f"[ -x {p} ] && exec {p}" for p in SFTP_SERVERS) + "; echo 'no sftp-server found' >&2; exit 127"
+    chan.exec_command("sudo -n -- sh -c " + shlex.quote(script))
+    try:
+        return paramiko.SFTPClient(chan)
+    except (EOFError, paramiko.SSHException) as exc:
+        err = chan.makefile_stderr("r").read().decode(errors="replace").strip() if chan.recv_stderr_ready() else ""
+        raise HostError(conn.host, "sudo", f"could not start sftp-server as root via sudo -n ({err or exc}); the SSH "
+                                           f"user {conn.user} needs passwordless sudo") from None
 
 
 @dataclass

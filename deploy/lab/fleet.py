@@ -35,6 +35,7 @@ BRIDGE = "ddtlab0"
 NETNS_PREFIX = "ddtl-"
 VETH_PREFIX = "vl-"
 VENV = "/opt/sglang/venv"
+SUDO_USER = "deploy"  # every lab host also has this non-root user with passwordless sudo
 SUITE = "bookworm"
 BASE_PACKAGES = ["systemd", "systemd-sysv", "dbus", "openssh-server", "python3-venv", "iproute2", "procps",
                  "rsync", "sudo"]
@@ -275,7 +276,12 @@ def _prepare(h: LabHost, root: Path, wheels: dict[str, Path]) -> None:
     for w in picked:
         shutil.copyfile(w, stage / w.name)
     script = (f"set -e; python3 -m venv {VENV}; {VENV}/bin/pip install -q --no-index --no-deps "
-              + " ".join(f"/var/tmp/lab-wheels/{w.name}" for w in picked) + "; rm -rf /var/tmp/lab-wheels")
+              + " ".join(f"/var/tmp/lab-wheels/{w.name}" for w in picked) + "; rm -rf /var/tmp/lab-wheels; "
+              # a non-root operator with passwordless sudo, as on fleets where root cannot log in
+              f"useradd -m -s /bin/bash {SUDO_USER}; install -d -m 700 -o {SUDO_USER} -g {SUDO_USER} "
+              f"/home/{SUDO_USER}/.ssh; install -m 600 -o {SUDO_USER} -g {SUDO_USER} /root/.ssh/authorized_keys "
+              f"/home/{SUDO_USER}/.ssh/authorized_keys; echo '{SUDO_USER} ALL=(ALL) NOPASSWD: ALL' "
+              f"> /etc/sudoers.d/{SUDO_USER}; chmod 440 /etc/sudoers.d/{SUDO_USER}")
     _run(["systemd-nspawn", "--quiet", "--register=no", "--keep-unit", "--private-network",
           "-D", str(root), "/bin/sh", "-c", script])
     _lab_models(root)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 import sys
 import threading
 import time
@@ -22,7 +21,7 @@ from rich.console import Console
 
 from .. import facts as factsmod
 from ..inventory import Host, Inventory
-from ..ssh import HostResult, open_checked, run_per_host
+from ..ssh import HostResult, as_root, open_checked, run_per_host
 from . import agent, transfer
 from .cache import CacheError, WheelCache
 from .plan import Plan, human, make_plan, render
@@ -55,7 +54,7 @@ def parse_agent_output(stdout: str) -> dict:
 
 def execute(conn, argv: list[str], timeout: float | None = None) -> dict:
     """The executor: run an argv on the connection's host and return the agent's JSON result."""
-    res = conn.run(shlex.join(argv), hide=True, warn=True, in_stream=False, timeout=timeout)
+    res = conn.run(as_root(conn, argv), hide=True, warn=True, in_stream=False, timeout=timeout)
     if res.exited != 0 and MARKER not in res.stdout:
         raise ProvisionError(f"{argv[0]} exited {res.exited}: {(res.stderr or res.stdout).strip()[-600:]}")
     return parse_agent_output(res.stdout)

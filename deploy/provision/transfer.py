@@ -15,6 +15,8 @@ from typing import Callable
 
 import paramiko
 
+from ..ssh import open_root_sftp
+
 WINDOW = 64 * 1024 * 1024     # SSH channel window: keep the link busy while acks travel
 REQUEST = 255 * 1024          # SFTP write size; OpenSSH's sftp-server takes messages up to 256 KiB
 READ_REQUEST = 32 * 1024
@@ -33,10 +35,8 @@ class TransferStats:
 
 
 def open_sftp(conn) -> paramiko.SFTPClient:
-    """An SFTP session on the Fabric connection's transport with a large window."""
-    conn.open()
-    transport = conn.client.get_transport()
-    return paramiko.SFTPClient.from_transport(transport, window_size=WINDOW)
+    """An SFTP session with root's file access (sudo for a non-root SSH user) and a large window."""
+    return open_root_sftp(conn, WINDOW)
 
 
 def makedirs(sftp: paramiko.SFTPClient, path: str) -> None:

@@ -13,7 +13,6 @@ import getpass
 import io
 import json
 import os
-import shlex
 import shutil
 import socket
 import threading
@@ -23,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..inventory import Host, Inventory
-from ..ssh import run_per_host
+from ..ssh import as_root, open_root_sftp, run_per_host
 from . import build, hybrid, render
 
 AGENT_SOURCE = (Path(__file__).parent / "agent.py").read_text()
@@ -50,7 +49,7 @@ def parse_agent_output(stdout: str) -> dict:
 
 
 def call(conn, op: str, args: dict, timeout: float | None = 600) -> dict:
-    r = conn.run(shlex.join(agent_argv(op, args)), hide=True, warn=True, in_stream=False, timeout=timeout)
+    r = conn.run(as_root(conn, agent_argv(op, args)), hide=True, warn=True, in_stream=False, timeout=timeout)
     try:
         return parse_agent_output(r.stdout)
     except AgentError as exc:
@@ -257,7 +256,11 @@ def execute_host(conn, plan: HostPlan, out: Printer) -> dict:
             t = time.monotonic()
             data = build.bundle(plan.release, plan.files, plan.manifest)
             remote = f"/tmp/ddtree-release-{plan.release}-{plan.token[:8]}.tar.gz"
-            conn.put(io.BytesIO(data), remote)
+            sftp = open_root_sftp(conn)
+            try:
+                sftp.putfo(io.BytesIO(data), remote)
+            finally:
+                sftp.close()
             act = call(conn, "stage", host_args(host) | {"release": plan.release, "bundle": remote})
             res["stage_seconds"] = round(time.monotonic() - t, 2)
             out(host.name, f"release {plan.release} staged and active ({len(data) // 1024} KiB, wheel "

@@ -84,8 +84,9 @@ def deploy(c, mode=None, hosts=None, yes=False, allow_hybrid_unsafe=False, max_f
 
 @task(help={"hosts": "comma-separated hosts or groups (default: all)",
             "to": "release id to re-activate (default: the one before the current)",
-            "break_lock": "remove another run's host lock first", "json": "print the summary as JSON"})
-def rollback(c, hosts=None, to=None, break_lock=False, json=False):
+            "break_lock": "remove another run's host lock first", "json": "print the summary as JSON",
+            "yes": "accepted for symmetry with deploy: rollback never asks (a runbook action, gated per GPU)"})
+def rollback(c, yes=False, hosts=None, to=None, break_lock=False, json=False):
     """Re-activate the previous (or --to) release through the same gated restart."""
     inv, selected = _inv(hosts)
     summary = rollout.rollback(inv, selected, to=to, break_lock=break_lock,

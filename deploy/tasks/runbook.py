@@ -60,8 +60,9 @@ def logs(c, hosts=None, gpus=None, lines=50, since=None):
 
 
 @task(help={"hosts": "comma-separated hosts or groups (default: all)", "gpus": "comma-separated GPU indices",
-            "break_lock": "remove another run's host lock first", "json": "print the summary as JSON"})
-def restart(c, hosts=None, gpus=None, break_lock=False, json=False):
+            "break_lock": "remove another run's host lock first", "json": "print the summary as JSON",
+            "yes": "accepted for symmetry with deploy: restart never asks (a runbook action, gated per GPU)"})
+def restart(c, yes=False, hosts=None, gpus=None, break_lock=False, json=False):
     """Restart services of the active release one batch at a time, each through the health gate."""
     inv, selected = _inv(hosts)
     summary = rollout.restart(inv, selected, _gpus(gpus), break_lock=break_lock,

@@ -23,7 +23,6 @@ from .helpers import lab_inventory, ssh, strip_ansi, write_model
 pytestmark = pytest.mark.lab
 ROOT = Path(__file__).resolve().parents[2]
 HOSTS = ["ct129", "ct200", "h200"]
-DENSE = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "num_hidden_layers": 36}
 HYBRID = {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
           "layer_types": ["linear_attention"] * 3 + ["full_attention"]}
 
@@ -34,8 +33,7 @@ def env(lab, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("labdeploy")
     for h in HOSTS:
         ssh(lab, h, CLEAN)
-        write_model(lab, h, "/models/Qwen3-8B", DENSE)
-        write_model(lab, h, "/models/Qwen3-8B-DFlash-b16", {"model_type": "qwen3", "architectures": ["DFlash"]})
+        # /models/Qwen3-8B and its DFlash drafter come with every lab host (deploy/lab/fleet.py LAB_MODELS)
         write_model(lab, h, "/models/Qwen3-Next-80B", HYBRID)
     yield {"tmp": tmp, "lab": lab, "inv": lab_inventory(tmp, keep=HOSTS)}
     for h in HOSTS:  # the lab is shared with other tests: leave no services, releases or plugin behind

@@ -1,0 +1,55 @@
+"""A non-root SSH user with passwordless sudo (the lab's `deploy` user): every remote change goes through
+`sudo -n` and root's SFTP (sftp-server started through sudo), the facts probe runs unprivileged."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.lab
+
+
+@pytest.fixture
+def sudo_inventory(lab, tmp_path):
+    text = Path(lab.path).read_text()
+    assert "\n  user: root\n" in text
+    p = tmp_path / "lab-sudo.yaml"
+    p.write_text(text.replace("\n  user: root\n", "\n  user: deploy\n"))
+    return p
+
+
+def torch_versions(fab, inv):
+    r = fab("inventory", "--json", "--refresh", inventory=inv)
+    assert r.returncode == 0, r.stderr
+    return {h: f["torch"]["version"] for h, f in json.loads(r.stdout)["hosts"].items()}
+
+
+def test_provision_and_undo_as_sudo_user(fab, sudo_inventory):
+    assert torch_versions(fab, sudo_inventory)["ct200"] == "2.11.0+cu128"
+    r = fab("provision", "ct200", "--yes", inventory=sudo_inventory)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert torch_versions(fab, sudo_inventory)["ct200"] == "2.11.0+cu130"
+    r = fab("provision", "ct200", "--undo", "--yes", inventory=sudo_inventory)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert torch_versions(fab, sudo_inventory)["ct200"] == "2.11.0+cu128"
+
+
+def test_deploy_status_rollback_as_sudo_user(fab, sudo_inventory):
+    def h200():
+        r = fab("status", "--hosts", "h200", "--json", inventory=sudo_inventory)
+        (row,) = json.loads(r.stdout)
+        return row
+
+    r = fab("deploy", "--mode", "shadow-linear", "--hosts", "h200", "--yes", inventory=sudo_inventory)
+    assert r.returncode == 0, r.stdout + r.stderr
+    first = h200()
+    assert (first["mode"], first["health"], first["state"]) == ("shadow-linear", "ok", "active/running")
+    r = fab("deploy", "--mode", "tree-verify", "--hosts", "h200", "--yes", inventory=sudo_inventory)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert h200()["mode"] == "tree-verify"
+    r = fab("rollback", "--hosts", "h200", "--yes", inventory=sudo_inventory)
+    assert r.returncode == 0, r.stdout + r.stderr
+    back = h200()
+    assert (back["mode"], back["release"], back["health"]) == ("shadow-linear", first["release"], "ok")
+    assert back["last_deploy"].startswith("rollback")
