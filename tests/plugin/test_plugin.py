@@ -133,6 +133,7 @@ BAD = [
     ([], {plugin.MODE_ENV: "beam"}, "not a DDTREE mode"),
     (["--device", "cpu"], {}, "only on CUDA"),
     (["--speculative-adaptive"], {}, "adaptive"),
+    (["--speculative-num-draft-tokens", "5", "--speculative-dflash-block-size", "16"], {}, "wider than 2"),
 ]
 
 

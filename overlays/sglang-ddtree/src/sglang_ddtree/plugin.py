@@ -207,6 +207,12 @@ def resolve_ddtree_config(args: Any, environ: Optional[Mapping[str, str]] = None
                 "the DFlash-family verify graph with custom_mask=None and topk=1, so a replayed graph "
                 "would run the tree with a causal mask and chain positions (silently wrong)."
             )
+        if block is not None and block > 2 * d:
+            raise DDTreeConfigError(
+                f"--speculative-dflash-block-size {block} is wider than 2*D = {2 * d}: the scheduler reserves "
+                "2*D KV slots per request for a step and the drafter writes its whole block there; use a "
+                "larger node budget or a drafter with a smaller block."
+            )
         return DDTreeConfig(mode, d - 1, d, topk_arg or DEFAULT_TOPK, block)
 
     # shadow-linear: the chain verifier commits; D is the DFlash block width.
