@@ -52,9 +52,16 @@ Builders
 --------
 * :func:`build_tree_reference` - one request, Python ``heapq`` on the CPU (the
   paper's reference formulation).
-* :func:`build_tree_batched` - a batch of requests with torch tensor ops only
-  (runs on CUDA or CPU tensors, no ``.item()``/host synchronisation, static
-  shapes, CUDA-graph capturable).  It runs a per-depth beam of width ``B``
+* :func:`build_tree_batched` - a batch of requests, on the tensors' device,
+  no host synchronisation, CUDA-graph capturable.  ``backend="auto"`` (the
+  default) uses :func:`build_tree_triton` for CUDA tensors when Triton is
+  importable and ``B <= 511``, else :func:`build_tree_torch`.
+* :func:`build_tree_triton` - two Triton launches (+ one ``torch.topk`` when
+  ``K < V``): an exact tie-rule ranking kernel and a one-warp-per-request
+  kernel that replays the heap's pops exactly (see
+  :mod:`sglang_ddtree.tree_kernels`).  Identical output to the reference.
+* :func:`build_tree_torch` - torch tensor ops only (runs on CUDA or CPU
+  tensors, static shapes).  It runs a per-depth beam of width ``B``
   (``O(max_depth)`` kernel launches instead of ``O(B)`` heap pops): the ``B``
   best nodes of each depth are the ``B`` best children of the previous depth's
   beam, and the global top ``B`` is contained in the union of the beams.  It
@@ -80,6 +87,9 @@ __all__ = [
     "rank_draft_tokens",
     "build_tree_reference",
     "build_tree_batched",
+    "build_tree_torch",
+    "build_tree_triton",
+    "triton_available",
     "build_tree_brute_force",
     "child_sibling_links",
 ]
@@ -190,14 +200,52 @@ def _resolve_depth(num_positions: int, budget: int, max_depth: Optional[int]) ->
     return min(depth, budget)
 
 
+_TRITON = None
+
+
+def triton_available() -> bool:
+    """Whether :mod:`sglang_ddtree.tree_kernels` (Triton) can be imported."""
+    global _TRITON
+    if _TRITON is None:
+        try:
+            from . import tree_kernels  # noqa: F401
+
+            _TRITON = True
+        except Exception:  # pragma: no cover - depends on the install
+            _TRITON = False
+    return _TRITON
+
+
+def _use_triton(t: torch.Tensor, k: int) -> bool:
+    from_kernels_max = 511
+    return t.is_cuda and 1 <= k <= from_kernels_max and triton_available()
+
+
 def rank_draft_tokens(draft_logprobs: torch.Tensor, k: int):
     """Top-``k`` tokens per position with the documented tie rule, on device.
 
     ``draft_logprobs``: ``[..., V]`` float.  Returns ``(values, token_ids)`` of
     shape ``[..., k]``: ``values`` in float64, clamped at :data:`LOGPROB_FLOOR`,
     sorted descending; equal values (including at the top-``k`` boundary) are
-    resolved in favour of the lower token id.  Pure tensor ops, no host sync.
+    resolved in favour of the lower token id.  No host sync.  On CUDA (with
+    Triton, ``k <= 511``) one ``torch.topk`` plus one Triton kernel; otherwise
+    torch ops (:func:`_rank_draft_tokens_torch`).  Both give identical results.
     """
+    v = draft_logprobs.shape[-1]
+    if not 1 <= k <= v:
+        raise ValueError(f"k must be in [1, V={v}], got {k}")
+    if isinstance(draft_logprobs, torch.Tensor) and _use_triton(draft_logprobs, k) \
+            and draft_logprobs.is_floating_point():
+        from .tree_kernels import rank_topk_triton
+
+        lead = draft_logprobs.shape[:-1]
+        vals, ids = rank_topk_triton(draft_logprobs.reshape(-1, 1, v), k)
+        return vals.view(*lead, k), ids.view(*lead, k)
+    return _rank_draft_tokens_torch(draft_logprobs, k)
+
+
+def _rank_draft_tokens_torch(draft_logprobs: torch.Tensor, k: int):
+    """Torch-only :func:`rank_draft_tokens` (any device)."""
     lp = draft_logprobs.to(torch.float64).clamp_min(LOGPROB_FLOOR)
     v = lp.shape[-1]
     if not 1 <= k <= v:
@@ -324,21 +372,68 @@ def child_sibling_links(parents: torch.Tensor):
 
 
 def build_tree_batched(
-    draft_logprobs: torch.Tensor, budget: int, max_depth: Optional[int] = None
+    draft_logprobs: torch.Tensor, budget: int, max_depth: Optional[int] = None, backend: str = "auto"
 ) -> TreeBatch:
     """DDTree for a batch of requests, identical to :func:`build_tree_reference`.
 
     ``draft_logprobs``: ``[N, L, V]`` (or ``[L, V]``) log-probs on any device;
-    all work stays on that device with static shapes and no host sync.
+    all work stays on that device with no host sync (CUDA-graph capturable).
     Returns a :class:`TreeBatch` with ``D = budget + 1`` slots per request.
+    ``backend``: ``"auto"`` (Triton on CUDA when available and ``B <= 511``,
+    else torch), ``"triton"`` or ``"torch"``.
     """
+    if backend == "auto":
+        t = draft_logprobs if isinstance(draft_logprobs, torch.Tensor) else None
+        backend = "triton" if t is not None and _use_triton(t, int(budget)) else "torch"
+    if backend == "triton":
+        return build_tree_triton(draft_logprobs, budget, max_depth)
+    if backend == "torch":
+        return build_tree_torch(draft_logprobs, budget, max_depth)
+    raise ValueError(f"unknown backend {backend!r} (auto, triton, torch)")
+
+
+def build_tree_triton(
+    draft_logprobs: torch.Tensor, budget: int, max_depth: Optional[int] = None
+) -> TreeBatch:
+    """:func:`build_tree_batched` with the Triton kernels (``B <= 511``).
+
+    CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1`` (tests).  One
+    ``torch.topk`` (only when ``K < V``) and two kernel launches; see
+    :mod:`sglang_ddtree.tree_kernels`."""
+    from .tree_kernels import rank_topk_triton, tree_from_ranked_triton
+
+    lp = _as_batched(draft_logprobs)
+    n, num_pos, v = lp.shape
+    depth_cap = _resolve_depth(num_pos, budget, max_depth)
+    b = int(budget)
+    k = min(b, v)
+    vals, ids = rank_topk_triton(lp[:, :depth_cap], k)
+    ints, scores, valid = tree_from_ranked_triton(vals, ids, b)
+    return TreeBatch(
+        token_ids=ints[0],
+        parents=ints[1],
+        depths=ints[2],
+        scores=scores,
+        ranks=ints[3],
+        valid=valid,
+        first_child=ints[4],
+        next_sibling=ints[5],
+        budget=b,
+        max_depth=depth_cap,
+    )
+
+
+def build_tree_torch(
+    draft_logprobs: torch.Tensor, budget: int, max_depth: Optional[int] = None
+) -> TreeBatch:
+    """:func:`build_tree_batched` with torch ops only (any device)."""
     lp = _as_batched(draft_logprobs)
     n, num_pos, v = lp.shape
     depth_cap = _resolve_depth(num_pos, budget, max_depth)
     b = budget
     k = min(b, v)
     dev = lp.device
-    vals, ids = rank_draft_tokens(lp[:, :depth_cap], k)  # [N, Lc, K]
+    vals, ids = _rank_draft_tokens_torch(lp[:, :depth_cap], k)  # [N, Lc, K]
 
     # Beam at depth d-1, kept in lexicographic (rank-tuple) order.  Depth 0: root.
     beam_score = torch.full((n, b), float("-inf"), dtype=torch.float64, device=dev)
