@@ -8,11 +8,13 @@ Columns:
 
 * ``ref ms`` - ``[build_tree_reference(lp[i], B) for i in range(batch)]``: per
   request, rank the drafter's top-K tokens per position on the device (the same
-  exact tie-rule ranking the Triton builder uses: one ``torch.topk`` + one
-  Triton kernel on CUDA), copy them to the host and run the Python heap.
+  exact tie-rule ranking the Triton builder uses: the Triton threshold top-K
+  on CUDA), copy them to the host and run the Python heap.  (Before the
+  threshold top-K this ranking was ``torch.topk`` + one Triton kernel; set
+  ``SGLANG_DDTREE_TOPK=torch`` to measure that path, for both columns.)
 * ``torch ms`` - :func:`build_tree_torch` (per-depth beam with torch ops).
-* ``triton ms`` - :func:`build_tree_triton` (``torch.topk`` + two Triton
-  kernels; what ``build_tree_batched`` uses on CUDA).  ``speedup`` = ref / triton.
+* ``triton ms`` - :func:`build_tree_triton` (Triton top-K: 4 launches, + the
+  tree kernel; what ``build_tree_batched`` uses on CUDA).  ``speedup`` = ref / triton.
 * ``identical`` - both batched builders' trees (tokens, parents, depths, scores,
   ranks) equal the reference's, and the Triton builder's first-child /
   next-sibling / validity tensors equal the torch builder's.
@@ -26,6 +28,7 @@ warm-up, averaged over --iters calls (the reference over iters/4).
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
@@ -80,7 +83,8 @@ def main():
     graph = args.cuda_graph and dev.type == "cuda"
     print(f"device={dev} ({torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu'}) "
           f"vocab={'B (candidates, float64)' if args.candidates else args.vocab} positions={args.positions} dtype={args.dtype} iters={args.iters} "
-          f"torch={torch.__version__} triton={use_triton} cuda_graph={graph}")
+          f"torch={torch.__version__} triton={use_triton} cuda_graph={graph} "
+          f"topk={os.environ.get('SGLANG_DDTREE_TOPK', 'select')}")
     hdr = (f"{'B':>5} {'batch':>5} {'ref ms':>9} {'torch ms':>9} {'triton ms':>10} "
            f"{'speedup':>8} {'vs torch':>8} identical")
     print(hdr)

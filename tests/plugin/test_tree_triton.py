@@ -74,22 +74,73 @@ def run_fuzz(device, n_random=20, big_vocab=5000, seed=0):
     return checked
 
 
+def _topk_cases(seed, big_vocab):
+    """(rows [N, L, V], k) for the threshold top-K: random rows, exact ties at
+    the K-th value (fast path and overflow -> in-kernel fallback), uniform rows,
+    -inf tails, the LOGPROB_FLOOR clamp boundary, -0.0, small V, 16-bit dtypes."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    out.append((torch.log_softmax(torch.randn(2, 3, big_vocab, generator=g) * 4, -1), 64))
+    out.append((torch.log_softmax(torch.randn(1, 2, big_vocab, generator=g), -1), 511))
+    out.append((torch.log_softmax(torch.randn(1, 3, big_vocab, generator=g) * 2, -1), 1))
+    out.append((torch.log_softmax(torch.zeros(1, 2, big_vocab), -1), 16))  # all tied: overflow
+    x = torch.log_softmax(torch.randn(1, 2, big_vocab, generator=g) * 4, -1)
+    x[0, 0, 100:2100] = x[0, 0].max() - 0.5  # 2000 ties straddling the K-th value: overflow
+    x[0, 1, 7:60] = x[0, 1].max() + 1.0  # a few ties at the boundary: fast path
+    out.append((x, 20))
+    x = torch.randn(2, 2, big_vocab, generator=g)
+    x[:, :, 5:] = float("-inf")  # fewer finite tokens than K
+    out.append((torch.log_softmax(x, -1), 30))
+    x = torch.log_softmax(torch.randn(1, 2, big_vocab, generator=g), -1)
+    x[0, 0, 3] = -0.0
+    x[0, 0, 11] = 0.0  # -0.0 ties +0.0 (lower id first)
+    x[0, 1, 40:] = -1.0e31  # below the floor: clamped, ties among themselves
+    x[0, 1, 20] = -1.0e30  # float32(-1e30) < LOGPROB_FLOOR in float64: clamped too
+    x[0, 1, 21] = -9.9e29  # above the floor
+    out.append((x, 40))
+    out.append((torch.log_softmax(torch.round(torch.randn(3, 2, big_vocab, generator=g)), -1), 64))
+    out.append((torch.log_softmax(torch.randn(2, 4, big_vocab, generator=g) * 4, -1).bfloat16(), 64))
+    out.append((torch.log_softmax(torch.randn(1, 2, 3000, generator=g) * 4, -1).half(), 100))
+    for v, k in ((2, 1), (40, 7), (300, 80), (1000, 511), (5, 4)):
+        out.append((torch.log_softmax(torch.randn(2, 2, v, generator=g), -1), k))
+    return out
+
+
+def run_topk_fuzz(device, big_vocab=5000, seed=1):
+    """The Triton threshold top-K == the torch reference ranking, bit for bit."""
+    from sglang_ddtree.tree_kernels import rank_topk_triton
+
+    checked = 0
+    for lp, k in _topk_cases(seed, big_vocab):
+        vals, ids = rank_topk_triton(lp.to(device), k, method="select")
+        tv, ti = _rank_draft_tokens_torch(lp, k)
+        assert torch.equal(vals.cpu(), tv) and torch.equal(ids.cpu(), ti), (tuple(lp.shape), lp.dtype, k)
+        # a strided view (positions sliced) goes through the same kernels
+        vals, ids = rank_topk_triton(lp.to(device)[:, :1], k, method="select")
+        assert torch.equal(vals.cpu(), tv[:, :1]) and torch.equal(ids.cpu(), ti[:, :1])
+        checked += 1
+    return checked
+
+
 _needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 
 
 @_needs_triton
 def test_triton_interpreter_matches_reference():
     src = Path(__file__).resolve().parent
-    code = f"import sys; sys.path.insert(0, {str(src)!r}); import test_tree_triton as t; print(t.run_fuzz('cpu'))"
+    code = (f"import sys; sys.path.insert(0, {str(src)!r}); import test_tree_triton as t; "
+            "print(t.run_topk_fuzz('cpu')); print(t.run_fuzz('cpu'))")
     env = dict(os.environ, TRITON_INTERPRET="1")
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert int(res.stdout.strip().splitlines()[-1]) >= 20
+    lines = res.stdout.strip().splitlines()
+    assert int(lines[-2]) >= 15 and int(lines[-1]) >= 20
 
 
 @_needs_triton
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_triton_cuda_matches_reference():
+    assert run_topk_fuzz("cuda", big_vocab=151936) >= 15
     assert run_fuzz("cuda", n_random=60, big_vocab=151936) >= 60
 
 
@@ -106,4 +157,5 @@ def test_dispatch_cpu_uses_torch_and_rejects_unknown_backend():
 if __name__ == "__main__":
     dev = sys.argv[1] if len(sys.argv) > 1 else ("cuda" if torch.cuda.is_available() else "cpu")
     big = 151936 if dev == "cuda" else 5000
+    print("top-k checked", run_topk_fuzz(dev, big_vocab=big), "cases on", dev)
     print("checked", run_fuzz(dev, n_random=60 if dev == "cuda" else 20, big_vocab=big), "cases on", dev)

@@ -56,9 +56,9 @@ Builders
   no host synchronisation, CUDA-graph capturable.  ``backend="auto"`` (the
   default) uses :func:`build_tree_triton` for CUDA tensors when Triton is
   importable and ``B <= 511``, else :func:`build_tree_torch`.
-* :func:`build_tree_triton` - two Triton launches (+ one ``torch.topk`` when
-  ``K < V``): an exact tie-rule ranking kernel and a one-warp-per-request
-  kernel that replays the heap's pops exactly (see
+* :func:`build_tree_triton` - Triton only: an exact tie-rule top-``K``
+  (threshold select, four launches, no ``torch.topk``, for 16/32-bit rows)
+  and a one-warp-per-request kernel that replays the heap's pops exactly (see
   :mod:`sglang_ddtree.tree_kernels`).  Identical output to the reference.
 * :func:`build_tree_torch` - torch tensor ops only (runs on CUDA or CPU
   tensors, static shapes).  It runs a per-depth beam of width ``B``
@@ -228,8 +228,9 @@ def rank_draft_tokens(draft_logprobs: torch.Tensor, k: int):
     shape ``[..., k]``: ``values`` in float64, clamped at :data:`LOGPROB_FLOOR`,
     sorted descending; equal values (including at the top-``k`` boundary) are
     resolved in favour of the lower token id.  No host sync.  On CUDA (with
-    Triton, ``k <= 511``) one ``torch.topk`` plus one Triton kernel; otherwise
-    torch ops (:func:`_rank_draft_tokens_torch`).  Both give identical results.
+    Triton, ``k <= 511``) :func:`~sglang_ddtree.tree_kernels.rank_topk_triton`
+    (Triton threshold top-K); otherwise torch ops
+    (:func:`_rank_draft_tokens_torch`).  Both give identical results.
     """
     v = draft_logprobs.shape[-1]
     if not 1 <= k <= v:
@@ -397,9 +398,9 @@ def build_tree_triton(
 ) -> TreeBatch:
     """:func:`build_tree_batched` with the Triton kernels (``B <= 511``).
 
-    CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1`` (tests).  One
-    ``torch.topk`` (only when ``K < V``) and two kernel launches; see
-    :mod:`sglang_ddtree.tree_kernels`."""
+    CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1`` (tests).  The
+    ranking (four launches when ``K < V``, one when ``K == V``) and one tree
+    launch; see :mod:`sglang_ddtree.tree_kernels`."""
     from .tree_kernels import rank_topk_triton, tree_from_ranked_triton
 
     lp = _as_batched(draft_logprobs)

@@ -1,18 +1,42 @@
 """Triton kernels for the DDTree builder (see :mod:`sglang_ddtree.tree`).
 
-Two launches (plus one ``torch.topk`` when ``K < V``) build a whole batch of
-trees on the GPU with no host round-trip:
+A handful of launches build a whole batch of trees on the GPU with no host
+round-trip and static shapes (CUDA-graph capturable):
 
 1. :func:`rank_topk_triton` - the per-position top-``K`` with the documented
-   tie rule.  ``torch.topk(x, K + 1)`` gives the right *multiset* of values
-   (its choice among equal values is unspecified); one program per row then
-   fixes the selection exactly: the ``K+1``-th value tells whether the
-   ``K``-th value has ties outside the chosen set (only then the row is
-   scanned for the lowest-id tied tokens - a rare, data-dependent branch), and
-   the ``K`` chosen entries are ordered by ``(-logprob, token id)`` by
-   counting (``rank_i = #{j: v_j > v_i or (v_j == v_i and id_j < id_i)}``),
-   all in float64 after the :data:`~sglang_ddtree.tree.LOGPROB_FLOOR` clamp,
-   exactly as the reference ranks.
+   tie rule: order by ``(-logprob, token id)`` after the
+   :data:`~sglang_ddtree.tree.LOGPROB_FLOOR` clamp, values in float64, exactly
+   as the reference ranks.  For float32 / bfloat16 / float16 rows with
+   ``K < V`` (the default, ``method="select"``) an exact threshold select in
+   four launches, no ``torch.topk``:
+
+   a. ``_chunk_max_kernel``: the max of every ``S``-long chunk of each row
+      (``S <= 128``, so that a row has at least ``2K`` chunks), in int32
+      *order keys* (monotone float32 bits; the clamp classes and ``-0.0 ==
+      +0.0`` folded in);
+   b. ``_threshold_kernel``: per row, ``T`` = the ``K``-th largest chunk max
+      (bisection on the keys) - at least ``K`` elements are ``>= T``;
+   c. ``_collect_kernel``: every element ``>= T`` (only chunks whose max is
+      ``>= T`` are read again) is appended, packed as the int64
+      ``(INT32_MAX - key) << 31 | id`` (ascending == tie rule), to a per-row
+      buffer of ``CAP`` entries with an atomic counter;
+   d. ``_select_kernel``: rank the candidates by counting
+      (``rank_i = #{j: pk_j < pk_i}``, keys are unique) and write the first
+      ``K``.  If a row collected more than ``CAP`` candidates (massive ties at
+      ``T``, e.g. a uniform row), the same program falls back, on the device,
+      to an exact but slow path: bisection of the ``K``-th largest key with
+      full-row counts, then everything above it plus its lowest-id ties.  No
+      host sync, no data-dependent shapes.
+
+   NaN is not supported (the reference rejects it).  float64 rows (and
+   ``method="torch"``) use the previous path: ``torch.topk(x, K + 1)`` gives the
+   right *multiset* of values (its choice among equal values is unspecified);
+   one program per row then fixes the selection exactly: the ``K+1``-th value
+   tells whether the ``K``-th value has ties outside the chosen set (only then
+   the row is scanned for the lowest-id tied tokens - a rare, data-dependent
+   branch), and the ``K`` chosen entries are ordered by ``(-logprob, token
+   id)`` by counting.  ``K == V`` (the worker's candidate rows) needs no
+   selection.
 2. :func:`tree_from_ranked_triton` - one single-warp program per request
    replays the paper's best-first heap *exactly*: the frontier is kept as one
    entry per popped node ("its next unexpanded child"), each pop is a
@@ -31,6 +55,8 @@ kernels run on CPU tensors (used by the tests).
 """
 
 from __future__ import annotations
+
+import os
 
 import triton
 import triton.language as tl
@@ -175,6 +201,173 @@ def _rank_kernel_f64(
     tl.store(out_i_ptr + obase + rk, ii, mask=kin)
 
 
+# ---------------------------------------------------------------------------
+# Exact top-K by threshold selection (replaces torch.topk for 16/32-bit floats)
+# ---------------------------------------------------------------------------
+# Every element gets an int32 *order key*: the float32 bit pattern made
+# monotone (signed compare of keys == float compare of values), -0.0 folded
+# onto +0.0, and every value below LOGPROB_FLOOR (as float64, -inf included)
+# mapped to one key, _KEY_FLOOR == key(-inf): exactly the reference's
+# ``float64 -> clamp_min(LOGPROB_FLOOR)`` equivalence classes.  A candidate is
+# packed into one int64, ``(INT32_MAX - key) << 31 | token id``, so ascending
+# int64 order is the tie rule ``(-logprob, token id)``.
+_KEY_FLOOR = tl.constexpr(-2139095041)  # key(-inf) = 0xFF800000 ^ 0x7FFFFFFF as int32
+# key(float32(-1e30)) = key(-1.0000000150474662e30), the largest float32 whose
+# float64 value is below LOGPROB_FLOOR; keys <= this one are clamped.
+_KEY_CLAMP = tl.constexpr(-1900671691)
+_PK_PAD = tl.constexpr(0x7FFFFFFFFFFFFFFF)
+
+
+@triton.jit
+def _order_key(xv):
+    b = xv.to(tl.float32).to(tl.int32, bitcast=True)
+    key = tl.where(b >= 0, b, b ^ 0x7FFFFFFF)
+    key = tl.where(xv == 0, 0, key)  # -0.0 == +0.0
+    return tl.where(key <= _KEY_CLAMP, _KEY_FLOOR, key)
+
+
+@triton.jit
+def _chunk_max_kernel(
+    x_ptr, cmax_ptr, LC, V, C, sxn, sxl,
+    S: tl.constexpr, G: tl.constexpr,
+):
+    # stage 1: order-key max of each S-long chunk; a program covers G chunks.
+    r = tl.program_id(0)
+    pg = tl.program_id(1)
+    xrow = x_ptr + (r // LC).to(tl.int64) * sxn + (r % LC).to(tl.int64) * sxl
+    o = pg * (G * S) + tl.arange(0, G * S)
+    xv = tl.load(xrow + o, mask=o < V, other=float("-inf"))
+    key = tl.where(o < V, _order_key(xv), -2147483647 - 1)
+    cm = tl.max(tl.reshape(key, (G, S)), axis=1)
+    c = pg * G + tl.arange(0, G)
+    tl.store(cmax_ptr + r.to(tl.int64) * C + c, cm, mask=c < C)
+
+
+@triton.jit
+def _threshold_kernel(cmax_ptr, thr_ptr, cnt_ptr, C, K, CB: tl.constexpr):
+    # stage 2: T = K-th largest chunk max (>= K elements are >= T), found by
+    # bisection over the int32 keys; when there are fewer than K chunks every
+    # element is a candidate (T = INT32_MIN).  Also zeroes the row's counter.
+    r = tl.program_id(0)
+    c = tl.arange(0, CB)
+    cm = tl.load(cmax_ptr + r.to(tl.int64) * C + c, mask=c < C, other=-2147483647 - 1).to(tl.int64)
+    lo = tl.min(tl.where(c < C, cm, 2147483647), axis=0)
+    hi = tl.max(cm, axis=0)
+    while lo < hi:
+        mid = lo + (hi - lo + 1) // 2
+        if tl.sum((cm >= mid).to(tl.int32), axis=0) >= K:
+            lo = mid
+        else:
+            hi = mid - 1
+    t = tl.where(C >= K, lo, -2147483647 - 1).to(tl.int32)
+    tl.store(thr_ptr + r, t)
+    tl.store(cnt_ptr + r, t * 0)
+
+
+@triton.jit
+def _collect_kernel(
+    x_ptr, cmax_ptr, thr_ptr, cnt_ptr, buf_ptr, LC, V, C, sxn, sxl,
+    S: tl.constexpr, G: tl.constexpr, CAP: tl.constexpr,
+):
+    # stage 3: append every element with key >= T to the row's buffer (packed
+    # int64); the counter keeps counting past CAP (overflow -> exact fallback).
+    r = tl.program_id(0)
+    pg = tl.program_id(1)
+    t = tl.load(thr_ptr + r)
+    c = pg * G + tl.arange(0, G)
+    cm = tl.load(cmax_ptr + r.to(tl.int64) * C + c, mask=c < C, other=-2147483647 - 1)
+    if tl.max(cm, axis=0) >= t:
+        xrow = x_ptr + (r // LC).to(tl.int64) * sxn + (r % LC).to(tl.int64) * sxl
+        o = pg * (G * S) + tl.arange(0, G * S)
+        live = tl.reshape(tl.broadcast_to((cm >= t)[:, None], (G, S)), (G * S,)) & (o < V)
+        xv = tl.load(xrow + o, mask=live, other=float("-inf"))
+        key = _order_key(xv)
+        sel = live & (key >= t)
+        n = tl.sum(sel.to(tl.int32), axis=0)
+        base = tl.atomic_add(cnt_ptr + r, n)
+        pos = base + tl.cumsum(sel.to(tl.int32), axis=0) - 1
+        pk = ((2147483647 - key.to(tl.int64)) << 31) | o.to(tl.int64)
+        tl.store(buf_ptr + r.to(tl.int64) * CAP + pos, pk, mask=sel & (pos < CAP))
+
+
+@triton.jit
+def _row_count_ge(xrow, V, t, SB: tl.constexpr):
+    cnt = tl.zeros([1], dtype=tl.int32).sum(axis=0)
+    for start in range(0, V, SB):
+        o = start + tl.arange(0, SB)
+        xv = tl.load(xrow + o, mask=o < V, other=float("-inf"))
+        key = _order_key(xv)
+        cnt += tl.sum(((o < V) & (key.to(tl.int64) >= t)).to(tl.int32), axis=0)
+    return cnt
+
+
+@triton.jit
+def _select_kernel(
+    x_ptr, cmax_ptr, thr_ptr, cnt_ptr, buf_ptr, out_v_ptr, out_i_ptr,
+    LC, V, C, K, sxn, sxl,
+    CAP: tl.constexpr, CB: tl.constexpr, SB: tl.constexpr, IB: tl.constexpr, JB: tl.constexpr,
+):
+    # stage 4: order the row's candidates by the packed key, emit the first K.
+    r = tl.program_id(0)
+    cnt = tl.load(cnt_ptr + r)
+    bbase = buf_ptr + r.to(tl.int64) * CAP
+    if cnt > CAP:
+        # Overflow (massive ties at the threshold): exact in-kernel fallback.
+        # Bisect the K-th largest key over [T, row max] with full-row counts,
+        # then take everything above it plus its lowest-id ties (scan order).
+        xrow = x_ptr + (r // LC).to(tl.int64) * sxn + (r % LC).to(tl.int64) * sxl
+        c = tl.arange(0, CB)
+        hi = tl.max(tl.load(cmax_ptr + r.to(tl.int64) * C + c, mask=c < C, other=-2147483647 - 1), axis=0)
+        lo = tl.load(thr_ptr + r)
+        lo64 = lo.to(tl.int64)
+        hi64 = hi.to(tl.int64)
+        while lo64 < hi64:
+            mid = lo64 + (hi64 - lo64 + 1) // 2
+            if _row_count_ge(xrow, V, mid, SB) >= K:
+                lo64 = mid
+            else:
+                hi64 = mid - 1
+        kth = lo64.to(tl.int32)
+        n_above = _row_count_ge(xrow, V, lo64 + 1, SB)
+        na = n_above * 0
+        nt = n_above * 0
+        for start in range(0, V, SB):
+            o = start + tl.arange(0, SB)
+            xv = tl.load(xrow + o, mask=o < V, other=float("-inf"))
+            key = _order_key(xv)
+            above = (o < V) & (key > kth)
+            tie = (o < V) & (key == kth)
+            pa = na + tl.cumsum(above.to(tl.int32), axis=0) - 1
+            pt = n_above + nt + tl.cumsum(tie.to(tl.int32), axis=0) - 1
+            pk = ((2147483647 - key.to(tl.int64)) << 31) | o.to(tl.int64)
+            tl.store(bbase + pa, pk, mask=above)
+            tl.store(bbase + pt, pk, mask=tie & (pt < K))
+            na += tl.sum(above.to(tl.int32), axis=0)
+            nt += tl.sum(tie.to(tl.int32), axis=0)
+        cnt = cnt * 0 + K
+        tl.debug_barrier()
+    # rank by counting (packed keys are unique): rank_i = #{j: pk_j < pk_i}
+    nc = tl.minimum(cnt, CAP)
+    obase = r.to(tl.int64) * K
+    for i0 in range(0, nc, IB):
+        oi = i0 + tl.arange(0, IB)
+        pi = tl.load(bbase + oi, mask=oi < nc, other=_PK_PAD)
+        rk = tl.zeros([IB], dtype=tl.int32)
+        for j0 in range(0, nc, JB):
+            oj = j0 + tl.arange(0, JB)
+            pj = tl.load(bbase + oj, mask=oj < nc, other=_PK_PAD)
+            rk += tl.sum((pj[None, :] < pi[:, None]).to(tl.int32), axis=1)
+        key = (2147483647 - (pi >> 31)).to(tl.int32)
+        ids = pi & 0x7FFFFFFF
+        bits = tl.where(key >= 0, key, key ^ 0x7FFFFFFF)
+        v = bits.to(tl.float32, bitcast=True).to(tl.float64)
+        # (tl.full: the float64 constant exactly, not a float32-rounded literal)
+        v = tl.where(key == _KEY_FLOOR, tl.full([IB], -1.0e30, tl.float64), v)
+        w = (oi < nc) & (rk < K)
+        tl.store(out_v_ptr + obase + rk, v, mask=w)
+        tl.store(out_i_ptr + obase + rk, ids, mask=w)
+
+
 @triton.jit
 def _tree_kernel(
     vals_ptr, ids_ptr, ints_ptr, score_ptr, valid_ptr,
@@ -305,9 +498,54 @@ def topk_values(x, kk: int, chunk: int = 0):
     return v2.contiguous(), torch.gather(i1.flatten(-2), -1, j2).contiguous()
 
 
-def rank_topk_triton(x, k: int):
+def _select_params(v: int, k: int):
+    """Chunk length ``S`` (power of two, <= 128, halved while there are fewer
+    than ``2K`` chunks), chunks per stage-1/3 program ``G`` (2048 elements per
+    program), chunk count ``C`` and the per-row candidate buffer ``CAP``."""
+    s = 128
+    while s > 16 and -(-v // s) < 2 * k:
+        s //= 2
+    c = -(-v // s)
+    cap = min(4096, max(1024, _next_pow2(8 * k)))
+    return s, 2048 // s, c, cap
+
+
+#: ``"select"`` (default): the exact Triton threshold top-K for float32 /
+#: bfloat16 / float16 rows; ``"torch"``: the previous ``torch.topk`` + fix-up
+#: path (always used for float64).  ``SGLANG_DDTREE_TOPK`` overrides it.
+TOPK_METHOD = os.environ.get("SGLANG_DDTREE_TOPK", "select")
+
+
+def _select_topk(x, k: int, vals, ids):
+    """Exact top-``k`` with the tie rule via threshold selection (4 launches,
+    static shapes, no host sync; see the module docstring)."""
+    import torch
+
+    n, lc, v = x.shape
+    r = n * lc
+    s, g, c, cap = _select_params(v, k)
+    cb = _next_pow2(c)
+    dev = x.device
+    cmax = torch.empty((r, c), dtype=torch.int32, device=dev)
+    thr = torch.empty((r,), dtype=torch.int32, device=dev)
+    cnt = torch.empty((r,), dtype=torch.int32, device=dev)
+    buf = torch.empty((r, cap), dtype=torch.int64, device=dev)
+    grid = (r, triton.cdiv(v, s * g))
+    sxn, sxl = x.stride(0), x.stride(1)
+    _chunk_max_kernel[grid](x, cmax, lc, v, c, sxn, sxl, S=s, G=g, num_warps=4)
+    _threshold_kernel[(r,)](cmax, thr, cnt, c, k, CB=cb, num_warps=4)
+    _collect_kernel[grid](x, cmax, thr, cnt, buf, lc, v, c, sxn, sxl, S=s, G=g, CAP=cap, num_warps=4)
+    _select_kernel[(r,)](
+        x, cmax, thr, cnt, buf, vals, ids, lc, v, c, k, sxn, sxl,
+        CAP=cap, CB=cb, SB=2048, IB=64, JB=64, num_warps=4,
+    )
+    return vals, ids
+
+
+def rank_topk_triton(x, k: int, method: str = ""):
     """Top-``k`` per row of ``x`` (``[N, Lc, V]``, last dim contiguous) with the
-    tie rule; returns ``(vals float64 [N, Lc, k], ids int64 [N, Lc, k])``."""
+    tie rule; returns ``(vals float64 [N, Lc, k], ids int64 [N, Lc, k])``.
+    ``method``: ``"select"`` / ``"torch"`` (default :data:`TOPK_METHOD`)."""
     import torch
 
     n, lc, v = x.shape
@@ -318,6 +556,12 @@ def rank_topk_triton(x, k: int):
     vals = torch.empty((n, lc, k), dtype=torch.float64, device=x.device)
     ids = torch.empty((n, lc, k), dtype=torch.int64, device=x.device)
     from_topk = k < v
+    method = method or TOPK_METHOD
+    if method not in ("select", "torch"):
+        raise ValueError(f"unknown top-k method {method!r} (select, torch)")
+    if from_topk and method == "select" and x.dtype in (torch.float32, torch.bfloat16, torch.float16) \
+            and v < 2**31 and -(-v // 16) <= 16384:
+        return _select_topk(x, k, vals, ids)
     if from_topk:
         tv, ti = topk_values(x, k + 1)
         kk = k + 1
