@@ -9,7 +9,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-LAB_INVENTORY = ROOT / "inventory" / "lab.yaml"
+# inventory/lab.yaml, or for a second lab on this machine (DDTREE_LAB_ID) its own copy of it
+from deploy.lab.fleet import lab_inventory_path  # noqa: E402
+
+LAB_INVENTORY = lab_inventory_path()
 
 
 @pytest.fixture(scope="session")

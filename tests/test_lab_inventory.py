@@ -50,7 +50,8 @@ def _inventory_copy(tmp_path, lab, extra_hosts: str = "", known_hosts: str | Non
 
 
 def test_unreachable_host_reported_others_gathered(lab, fab, tmp_path):
-    inv = _inventory_copy(tmp_path, lab, "  ghost:\n    address: 10.231.77.250\n    gpus: 1\n")
+    inv = _inventory_copy(tmp_path, lab, f"  ghost:\n    address: {fleet.SUBNET}.250\n"
+                            "    gpus: 1\n")
     r = fab("inventory", "--json", "--refresh", inventory=inv)
     assert r.returncode == 1
     doc = json.loads(r.stdout)

@@ -27,13 +27,20 @@ from pathlib import Path
 from . import persona
 from .wheels import build_lab_wheels
 
-LAB_DIR = Path(os.environ.get("DDTREE_LAB_DIR", "/var/lib/ddtree-lab"))
+# DDTREE_LAB_ID (0-9) runs several labs side by side on one machine (one per work tree): each id has its
+# own subnet, bridge, namespaces, veths and state directory. Id 0 is the default and keeps the names that
+# inventory/lab.yaml and CI's leftover check use.
+LAB_ID = int(os.environ.get("DDTREE_LAB_ID", "0") or 0)
+if not 0 <= LAB_ID <= 9:
+    raise ValueError(f"DDTREE_LAB_ID must be 0-9, got {LAB_ID}")
+_SUFFIX = "" if LAB_ID == 0 else str(LAB_ID)
+LAB_DIR = Path(os.environ.get("DDTREE_LAB_DIR", f"/var/lib/ddtree-lab{_SUFFIX}"))
 CACHE_DIR = Path(os.environ.get("DDTREE_LAB_CACHE", "/var/cache/ddtree-lab"))
-SUBNET = "10.231.77"
+SUBNET = f"10.231.{77 + LAB_ID}"
 GATEWAY = f"{SUBNET}.1"
-BRIDGE = "ddtlab0"
-NETNS_PREFIX = "ddtl-"
-VETH_PREFIX = "vl-"
+BRIDGE = f"ddtlab{LAB_ID}"
+NETNS_PREFIX = f"ddtl{_SUFFIX}-"
+VETH_PREFIX = f"v{_SUFFIX or 'l'}-"
 VENV = "/opt/sglang/venv"
 SUDO_USER = "deploy"  # every lab host also has this non-root user with passwordless sudo
 SUITE = "bookworm"
@@ -335,7 +342,7 @@ def up(extra: int = 0, log=print) -> dict:
     t0 = time.time()
     LAB_DIR.mkdir(parents=True, exist_ok=True)
     base, base_seconds = ensure_base(log)
-    wheels = build_lab_wheels(CACHE_DIR / "wheels")
+    wheels = build_lab_wheels(CACHE_DIR / f"wheels{_SUFFIX}")
     control_key()
     _ensure_bridge()
     hosts = lab_hosts(extra)
@@ -394,7 +401,7 @@ def down(log=print) -> dict:
             cmd = (proc / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if cmd and cmd[0].endswith(b"systemd-nspawn") and any(a.startswith(lab.encode()) for a in cmd):
+        if cmd and cmd[0].endswith(b"systemd-nspawn") and any(a.startswith((lab + "/").encode()) for a in cmd):
             pids.add(int(proc.name))
     with ThreadPoolExecutor(max_workers=8) as pool:
         list(pool.map(_stop_pid, pids))
@@ -448,3 +455,19 @@ def inventory_yaml(hosts: list[LabHost], reference: str = "ct129") -> str:
     for h in hosts:
         lines += [f"  {h.name}:", f"    address: {h.address}", f"    gpus: {h.gpus}"]
     return "\n".join(lines) + "\n"
+
+
+def lab_inventory_path() -> Path:
+    """The inventory of this lab: inventory/lab.yaml for lab id 0; for another id, a copy of it with this
+    lab's addresses and key paths, written next to the lab's state (so tests and fab use the same file)."""
+    src = Path(__file__).resolve().parents[2] / "inventory" / "lab.yaml"
+    if LAB_ID == 0:
+        return src
+    text = src.read_text().replace("/var/lib/ddtree-lab/", f"{LAB_DIR}/").replace("10.231.77.", f"{SUBNET}.")
+    LAB_DIR.mkdir(parents=True, exist_ok=True)
+    dst = LAB_DIR / "lab.yaml"
+    if not dst.exists() or dst.read_text() != text:
+        tmp = dst.with_suffix(".tmp")
+        tmp.write_text(text)
+        tmp.replace(dst)
+    return dst

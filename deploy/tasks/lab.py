@@ -21,7 +21,7 @@ def up(c, extra=0):
     print(f"lab up: {', '.join(f'{h} ({a})' for h, a in report['hosts'].items())}")
     print(f"base: {'built in %.1fs' % base if base is not None else 'cached'}; hosts ready in "
           f"{report['boot_seconds']:.1f}s; total {report['total_seconds']:.1f}s")
-    print(f"known_hosts: {report['known_hosts']}  (use DEPLOY_INVENTORY=inventory/lab.yaml)")
+    print(f"known_hosts: {report['known_hosts']}  (use DEPLOY_INVENTORY={fleet.lab_inventory_path()})")
 
 
 @task

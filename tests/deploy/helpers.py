@@ -9,7 +9,9 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
-LAB_YAML = ROOT / "inventory" / "lab.yaml"
+from deploy.lab.fleet import lab_inventory_path  # noqa: E402
+
+LAB_YAML = lab_inventory_path()  # inventory/lab.yaml, or this lab id's copy (DDTREE_LAB_ID)
 
 
 def lab_inventory(tmp: Path, name: str = "lab.yaml", hosts: dict | None = None, vars: dict | None = None,
