@@ -9,6 +9,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# The repo's own `deploy` package first: pytest puts tests/ on sys.path, where tests/deploy (a test
+# package) would shadow it in an interpreter without the toolkit installed (the SGLang 0.5.17 test venv).
+sys.path.insert(0, str(ROOT))
+
 # inventory/lab.yaml, or for a second lab on this machine (DDTREE_LAB_ID) its own copy of it
 from deploy.lab.fleet import lab_inventory_path  # noqa: E402
 

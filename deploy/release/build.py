@@ -96,7 +96,7 @@ def build_plugin(release_id: str, src: Path = DEFAULT_PLUGIN_DIR, out_dir: Path 
     src = Path(src)
     if not (src / "pyproject.toml").exists():
         raise BuildError(f"{src}: no pyproject.toml (the plugin project to build)")
-    out_dir = Path(out_dir or tempfile.mkdtemp(prefix="ddtree-wheel-"))
+    out_dir = Path(out_dir or tempfile.mkdtemp(prefix="ddtree-wheel-")).resolve()  # the build runs elsewhere
     with tempfile.TemporaryDirectory(prefix="ddtree-build-") as tmp:
         work = Path(tmp) / src.name
         shutil.copytree(src, work, ignore=lambda d, names: [n for n in names if n in SKIP_DIRS

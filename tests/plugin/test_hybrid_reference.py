@@ -1,6 +1,6 @@
 """CPU tests of the hybrid (GDN) tree-verify check's float64 reference and path logic.
 
-The check itself (``sglang_ddtree.checks.hybrid_gdn``) launches SGLang's Triton
+The check itself (``ddtree_checks.hybrid_gdn``, outside the serving wheel) launches SGLang's Triton
 kernels and needs a GPU; everything it compares them against is tested here.
 """
 
@@ -19,7 +19,8 @@ SRC = Path(__file__).resolve().parents[2] / "overlays" / "sglang-ddtree" / "src"
 if str(SRC) not in sys.path:
     sys.path.insert(0, str(SRC))
 
-from sglang_ddtree.checks import hybrid_gdn as hg  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "overlays" / "sglang-ddtree" / "gpu_checks"))
+from ddtree_checks import hybrid_gdn as hg  # noqa: E402
 
 
 def _gen(seed=0):

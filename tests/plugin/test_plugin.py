@@ -1,22 +1,29 @@
-"""Plugin discovery, DDTREE registration and server-args validation against the
-real SGLang 0.5.23 (CPU install, see requirements/sglang-cpu.txt)."""
+"""Plugin discovery, DDTREE registration and server-args validation against the REAL
+SGLang installed in this interpreter: 0.5.23 in the main venv, 0.5.17 in
+.venv-sglang-0.5.17 (tests/test_plugin_sglang_versions.py runs this suite there)."""
 
 import argparse
 import json
+import os
 import subprocess
 import sys
+import types
 import zipfile
 from importlib.metadata import entry_points, version
+from pathlib import Path
 
 import pytest
 import sglang  # hard import: the suite must fail loudly without SGLang
-from sglang.srt.arg_groups.arg_utils import record_fields
-from sglang.srt.arg_groups.overrides import record_foreign_defaults, resolution_result
 from sglang.srt.server_args import ServerArgs
 
 import sglang_ddtree.plugin as plugin
+from sglang_ddtree import tiny
+from sglang_ddtree.adapters import ADAPTER_MODULES, common, load_adapter
 from sglang_ddtree.capabilities import load_capabilities
 
+pytestmark = pytest.mark.sglang_api
+
+SGLANG = version("sglang")
 BASE = [
     "--model-path", "/models/target",
     "--speculative-algorithm", "DDTREE",
@@ -27,9 +34,7 @@ GRAPH_OFF = ["--cuda-graph-backend-decode", "disabled"]
 
 
 @pytest.fixture(scope="module")
-def loaded(tmp_path_factory):
-    import os
-
+def loaded():
     os.environ["SGLANG_PLUGINS"] = "ddtree"
     from sglang.srt.plugins import load_plugins
 
@@ -40,13 +45,38 @@ def loaded(tmp_path_factory):
 
 
 def _parse(argv):
+    """The parsed command line as the validator sees it, without the model-loading part of
+    ServerArgs.__post_init__ (which needs a real model directory; _full_pipeline does that)."""
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
-    sa = ServerArgs.from_cli_args(parser.parse_args(argv))
-    # what run_resolution_pipeline records before any handler runs
-    sa._raw_input = {f.name: getattr(sa, f.name) for f in record_fields(type(sa))}
-    sa._resolved_overrides = []
-    return sa
+    ns = parser.parse_args(argv)
+    if SGLANG == "0.5.23":
+        from sglang.srt.arg_groups.arg_utils import record_fields
+
+        sa = ServerArgs.from_cli_args(ns)
+        # what run_resolution_pipeline records before any handler runs
+        sa._raw_input = {f.name: getattr(sa, f.name) for f in record_fields(type(sa))}
+        sa._resolved_overrides = []
+        return sa
+    return types.SimpleNamespace(**vars(ns))
+
+
+def _validate(algo, sa):
+    """Run the plugin's validator exactly as this SGLang's handle_speculative_decoding does."""
+    if SGLANG == "0.5.23":
+        from sglang.srt.arg_groups.overrides import record_foreign_defaults
+
+        record_foreign_defaults(sa, "handle_speculative_decoding.custom_validate", algo.validate_server_args)
+    else:
+        algo.validate_server_args(sa)
+
+
+def _result(sa, k):
+    if SGLANG == "0.5.23":
+        from sglang.srt.arg_groups.overrides import resolution_result
+
+        return resolution_result(sa, k)
+    return getattr(sa, k)
 
 
 def _resolve(SpeculativeAlgorithm, argv, monkeypatch, env=None):
@@ -55,15 +85,17 @@ def _resolve(SpeculativeAlgorithm, argv, monkeypatch, env=None):
     for k, v in (env or {}).items():
         monkeypatch.setenv(k, v)
     sa = _parse(argv)
-    algo = SpeculativeAlgorithm.from_string(resolution_result(sa, "speculative_algorithm"))
-    # exactly how sglang's handle_speculative_decoding runs a plugin validator
-    record_foreign_defaults(sa, "handle_speculative_decoding.custom_validate", algo.validate_server_args)
+    algo = SpeculativeAlgorithm.from_string(_result(sa, "speculative_algorithm"))
+    _validate(algo, sa)
     return sa
 
 
-def test_sglang_version_pinned():
-    assert version("sglang") == "0.5.23"
-    assert load_capabilities()["sglang_versions"] == ["0.5.23"]
+def test_sglang_version_supported():
+    caps = load_capabilities()
+    assert caps["sglang_versions"] == ["0.5.17", "0.5.23"] == sorted(ADAPTER_MODULES)
+    assert SGLANG in caps["sglang_versions"]
+    assert set(caps["per_version"]) == set(caps["sglang_versions"])
+    assert load_adapter().VERSION == SGLANG
 
 
 def test_entry_point_discovered():
@@ -72,12 +104,22 @@ def test_entry_point_discovered():
     assert eps[0].dist.name == "sglang-ddtree"
 
 
-def test_ddtree_resolves(loaded):
+def test_ddtree_resolves_and_answers_what_the_scheduler_asks(loaded):
     algo = loaded.from_string("ddtree")
     assert algo.name == "DDTREE"
-    assert algo.is_speculative() and algo.is_dflash_family()
-    assert algo.validate_server_args is plugin.validate_server_args
+    assert algo.is_speculative() and algo.is_dflash_family() and algo.is_dflash()
     assert algo.supports_overlap is False
+    # the scheduler calls these at start-up; CustomSpecAlgo has none of them (defect 1)
+    dflash = loaded.DFLASH
+    for name in ("carries_draft_hidden_states", "need_topk"):
+        assert getattr(algo, name)() == getattr(dflash, name)(), name
+    assert callable(algo.create_future_map)
+    # nothing the builtin enum dispatches on is missing from the plugin's class
+    from sglang.srt.speculative.spec_registry import CustomSpecAlgo
+
+    assert common.missing_enum_methods(type(algo), loaded) == []
+    assert set(common.missing_enum_methods(CustomSpecAlgo, loaded)) >= {
+        "carries_draft_hidden_states", "create_future_map", "need_topk"}
 
 
 def test_allowlist_excludes_plugin():
@@ -94,7 +136,7 @@ def test_allowlist_excludes_plugin():
 
 def test_good_command_line(loaded, monkeypatch):
     sa = _resolve(loaded, BASE + GRAPH_OFF + ["--speculative-num-draft-tokens", "65"], monkeypatch)
-    got = {k: resolution_result(sa, k) for k in (
+    got = {k: _result(sa, k) for k in (
         "speculative_algorithm", "speculative_num_steps", "speculative_eagle_topk",
         "speculative_num_draft_tokens", "disable_overlap_schedule", "page_size", "max_running_requests")}
     assert got == {
@@ -107,16 +149,16 @@ def test_good_command_line(loaded, monkeypatch):
 def test_budget_from_env_and_explicit_topk(loaded, monkeypatch):
     sa = _resolve(loaded, BASE + GRAPH_OFF + ["--speculative-eagle-topk", "4", "--max-running-requests", "8"],
                   monkeypatch, {plugin.BUDGET_ENV: "16"})
-    assert resolution_result(sa, "speculative_num_draft_tokens") == 17
-    assert resolution_result(sa, "speculative_eagle_topk") == 4
-    assert resolution_result(sa, "max_running_requests") == 8
+    assert _result(sa, "speculative_num_draft_tokens") == 17
+    assert _result(sa, "speculative_eagle_topk") == 4
+    assert _result(sa, "max_running_requests") == 8
 
 
 def test_shadow_linear(loaded, monkeypatch):
-    sa = _resolve(loaded, BASE + ["--speculative-num-draft-tokens", "16"], monkeypatch,
-                  {plugin.MODE_ENV: "shadow-linear", plugin.BUDGET_ENV: "64"})
-    assert resolution_result(sa, "speculative_num_draft_tokens") == 16
-    assert resolution_result(sa, "speculative_eagle_topk") == 1
+    sa = _resolve(loaded, BASE + ["--speculative-num-draft-tokens", "16", "--attention-backend", "fa3"],
+                  monkeypatch, {plugin.MODE_ENV: "shadow-linear", plugin.BUDGET_ENV: "64"})
+    assert _result(sa, "speculative_num_draft_tokens") == 16
+    assert _result(sa, "speculative_eagle_topk") == 1
     cfg = plugin.resolve_ddtree_config(_parse(BASE + ["--speculative-num-draft-tokens", "16"]),
                                        {plugin.MODE_ENV: "shadow-linear", plugin.BUDGET_ENV: "64"})
     assert (cfg.mode, cfg.budget, cfg.num_draft_tokens) == ("shadow-linear", 64, 16)
@@ -134,10 +176,14 @@ BAD = [
     (["--device", "cpu"], {}, "only on CUDA"),
     (["--speculative-adaptive"], {}, "adaptive"),
     (["--speculative-num-draft-tokens", "5", "--speculative-dflash-block-size", "16"], {}, "wider than 2"),
+    (["--attention-backend", "fa3"], {}, "attention-backend triton"),
+    (["--attention-backend", "triton", "--speculative-draft-attention-backend", "flashinfer"], {},
+     "attention-backend triton"),
+    (["--decode-attention-backend", "flashinfer"], {}, "attention-backend triton"),
 ]
 
 
-@pytest.mark.parametrize("extra,env,message", BAD, ids=[b[2] for b in BAD])
+@pytest.mark.parametrize("extra,env,message", BAD, ids=[b[2] + str(i) for i, b in enumerate(BAD)])
 def test_bad_command_lines_refused(loaded, monkeypatch, extra, env, message):
     with pytest.raises(plugin.DDTreeConfigError, match=message):
         _resolve(loaded, BASE + GRAPH_OFF + ["--speculative-num-draft-tokens", "65"] + extra, monkeypatch, env)
@@ -157,9 +203,57 @@ def test_refuses_missing_budget_and_drafter(loaded, monkeypatch):
 
 
 def test_refuses_other_sglang_versions():
-    with pytest.raises(plugin.UnsupportedSGLangVersion, match="0.5.23 only.*found SGLang 0.5.22"):
+    with pytest.raises(plugin.UnsupportedSGLangVersion, match=r"supports SGLang 0\.5\.17, 0\.5\.23 only.*found SGLang 0\.5\.22"):
         plugin.check_sglang_version("0.5.22")
-    assert plugin.check_sglang_version() == "0.5.23"
+    assert plugin.check_sglang_version() == SGLANG
+
+
+def _tiny_dir(tmp_path, family):
+    t, d = tmp_path / f"{family}-target", tmp_path / f"{family}-drafter"
+    for p, cfg in ((t, tiny.target_config(family)), (d, tiny.drafter_config(family))):
+        p.mkdir()
+        (p / "config.json").write_text(json.dumps(cfg))
+    return t, d
+
+
+@pytest.mark.parametrize("family", ["dense", "hybrid"])
+def test_full_server_args_pipeline_on_tiny_configs(family, tmp_path):
+    """SGLang's whole ServerArgs resolution (model config loading, attention-backend and
+    speculative hooks, the plugin's validator and handle_server_args) on the tiny kit's
+    real config.json files, in a fresh process with the plugin loaded as SGLang loads it."""
+    t, d = _tiny_dir(tmp_path, family)
+    argv = ["--model-path", str(t), "--speculative-algorithm", "DDTREE", "--speculative-draft-model-path", str(d),
+            "--device", "cuda", "--attention-backend", "triton", "--speculative-num-draft-tokens", "16",
+            "--cuda-graph-backend-decode", "disabled", "--skip-tokenizer-init", "--page-size", "1"]
+    if family == "hybrid":
+        argv.append("--disable-radix-cache")  # the mamba radix cache's extra buffer needs a GPU to resolve
+    code = (
+        "import sys, json, argparse\n"
+        "from sglang.srt.plugins import load_plugins; load_plugins()\n"
+        "from sglang.srt.server_args import prepare_server_args\n"
+        "sa = prepare_server_args(sys.argv[1:])\n"
+        "getattr(sa, 'resolve_once', lambda: None)()  # 0.5.23 resolves on demand; 0.5.17 in __post_init__\n"
+        "keys = ('speculative_algorithm','speculative_eagle_topk','speculative_num_draft_tokens',"
+        "'speculative_num_steps','disable_overlap_schedule','page_size','attention_backend',"
+        "'speculative_draft_attention_backend')\n"
+        "try:\n from sglang.srt.arg_groups.overrides import resolution_result as get\n"
+        "except ImportError:\n get = getattr\n"
+        "print('RESULT ' + json.dumps({k: get(sa, k) for k in keys}))\n"
+    )
+    env = dict(os.environ, SGLANG_PLUGINS="ddtree", SGLANG_DDTREE_MODE="tree-verify")
+    env.pop("SGLANG_DDTREE_BUDGET", None)
+    out = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=300, env=env)
+    line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
+    assert line, out.stdout[-2000:] + out.stderr[-4000:]
+    got = json.loads(line[-1][7:])
+    assert got == {"speculative_algorithm": "DDTREE", "speculative_eagle_topk": 2,
+                   "speculative_num_draft_tokens": 16, "speculative_num_steps": 1, "disable_overlap_schedule": True,
+                   "page_size": 1, "attention_backend": "triton", "speculative_draft_attention_backend": "triton"}
+    # and the same command line with SGLang's Hopper default backend is refused with the flag to pass
+    bad = [a for a in argv]
+    bad[bad.index("triton")] = "fa3"
+    out = subprocess.run([sys.executable, "-c", code, *bad], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode != 0 and "needs --attention-backend triton" in out.stderr, out.stderr[-3000:]
 
 
 def test_capabilities_readable_without_sglang(tmp_path):
@@ -175,10 +269,13 @@ def test_capabilities_readable_without_sglang(tmp_path):
     assert caps["tree_aware_recurrent_state"] is True
 
 
-def test_wheel_builds_and_ships_capabilities(tmp_path):
-    from pathlib import Path
+def test_wheel_builds_ships_capabilities_adapters_and_no_checks(tmp_path):
+    import shutil
 
-    src = Path(__file__).resolve().parents[2] / "overlays" / "sglang-ddtree"
+    # a clean copy, as fab deploy's builder does (a build/ left in the source tree must not leak in)
+    src = tmp_path / "src"
+    shutil.copytree(Path(__file__).resolve().parents[2] / "overlays" / "sglang-ddtree", src,
+                    ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
     out = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), str(src)],
         capture_output=True, text=True, timeout=300,
@@ -190,22 +287,8 @@ def test_wheel_builds_and_ships_capabilities(tmp_path):
         names = z.namelist()
         ep = next(n for n in names if n.endswith("entry_points.txt"))
         assert "[sglang.srt.plugins]" in z.read(ep).decode()
-    assert caps["sglang_versions"] == ["0.5.23"]
-    assert "sglang_ddtree/worker.py" in names
-
-
-def test_worker_overrides_exist_in_sglang_source():
-    """The worker (unrun, does not import on CPU) overrides these DFlashWorkerV2
-    methods; make sure they exist with the keyword names it uses."""
-    import ast
-    from pathlib import Path
-
-    src = Path(sglang.__file__).parent / "srt" / "speculative" / "dflash_worker_v2.py"
-    mod = ast.parse(src.read_text())
-    cls = next(n for n in mod.body if isinstance(n, ast.ClassDef) and n.name == "DFlashWorkerV2")
-    meths = {f.name: f for f in cls.body if isinstance(f, ast.FunctionDef)}
-    upd = meths["_update_target_mamba_state_after_verify"]
-    assert [a.arg for a in upd.args.kwonlyargs] == ["batch", "seq_lens_pre_verify", "seq_lens_post_verify", "commit_lens"]
-    fwd = meths["forward_batch_generation"]
-    assert [a.arg for a in fwd.args.args] == ["self", "batch", "on_publish", "grammar_barrier", "pp_proxy_tensors"]
-    compile(Path(plugin.__file__).with_name("worker.py").read_text(), "worker.py", "exec")
+    assert caps["sglang_versions"] == ["0.5.17", "0.5.23"]
+    for m in ("adapters/v0_5_17.py", "adapters/v0_5_17_worker.py", "adapters/v0_5_23.py",
+              "adapters/v0_5_23_worker.py", "config.py", "admission.py", "smoke.py", "tiny.py"):
+        assert f"sglang_ddtree/{m}" in names, m
+    assert not [n for n in names if "checks" in n], "the GPU checks must stay out of the serving wheel"

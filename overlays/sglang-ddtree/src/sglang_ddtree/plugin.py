@@ -1,312 +1,33 @@
 """SGLang plugin entry point: registers the ``DDTREE`` speculative algorithm.
 
 Loaded by SGLang's plugin framework from the entry point group
-``sglang.srt.plugins`` (name ``ddtree``); allow-list it with
-``SGLANG_PLUGINS=ddtree`` (SGLang loads every installed general plugin when
-``SGLANG_PLUGINS`` is unset).
-
-Server arguments (``--speculative-algorithm DDTREE``)
------------------------------------------------------
-* **Budget.**  In ``tree-verify`` mode the verify width is the tree:
-  ``--speculative-num-draft-tokens D`` gives ``B = D - 1`` draft nodes plus the
-  bonus root.  ``D`` is what SGLang sizes every verify buffer, KV reservation
-  and graph by, so it is the single source of truth; the env knob
-  ``SGLANG_DDTREE_BUDGET=B`` may be used instead (it then sets ``D = B + 1``)
-  and is refused when it disagrees with an explicit ``D``.  In
-  ``shadow-linear`` mode ``D`` stays the DFlash chain width and ``B`` comes
-  from ``SGLANG_DDTREE_BUDGET`` (default ``D - 1``).
-* **Mode.**  ``SGLANG_DDTREE_MODE`` = ``tree-verify`` (default) or
-  ``shadow-linear``.  An environment variable, not a CLI flag: SGLang's
-  ``ServerArgs`` record cannot take new fields, and the env is inherited by the
-  scheduler/TP worker subprocesses where the worker reads it, whereas a flag
-  wrapped in via the hook registry would still need a side channel to reach
-  them.
-* What the builtin DFLASH handler sets is set here too: ``speculative_num_steps
-  = 1``, ``speculative_eagle_topk`` (``>= 2`` in tree-verify so the hybrid
-  linear-attention backend takes its tree path; 1 in shadow-linear),
-  ``speculative_num_draft_tokens = B + 1``, overlap scheduling off,
-  ``page_size = 1`` (accepted KV is kept by remapping ``req_to_token``, one
-  token per page), ``max_running_requests`` default 48.
-* Refused, each with the reason: rejection sampling / block verification /
-  accept thresholds (chain draft-probability schemes, not the tree's lossless
-  target-only sampling), ReplaySSM spec-verify and adaptive speculation
-  (chain-only state/width features), unified memory (its pool audits DDTREE's
-  tree verify backends do not cover), page size > 1, pipeline parallelism,
-  devices other than CUDA, decode CUDA graphs in tree-verify mode (SGLang
-  captures the DFLASH-family verify graph with ``custom_mask=None`` and
-  ``topk=1``, which would silently run the tree causally), and SGLang versions
-  other than those in ``capabilities.json``.
+``sglang.srt.plugins`` (name ``ddtree``) in every SGLang process; allow-list
+it with ``SGLANG_PLUGINS=ddtree``.  :func:`register` picks the adapter of the
+installed SGLang version (:mod:`sglang_ddtree.adapters`) and refuses any other
+version with a message naming the supported ones.  The server-argument rules
+live in :mod:`sglang_ddtree.config`, the request admission rules in
+:mod:`sglang_ddtree.admission`.
 """
 
 from __future__ import annotations
 
-import logging
-import os
-from dataclasses import dataclass
-from importlib.metadata import PackageNotFoundError, version
-from typing import Any, Mapping, Optional
+from .adapters import UnsupportedSGLangVersion, check_sglang_version, load_adapter
+from .config import (  # noqa: F401  (re-exported: the plugin's public contract)
+    ALGORITHM_NAME,
+    BUDGET_ENV,
+    MODE_ENV,
+    SHADOW_LINEAR,
+    TREE_VERIFY,
+    DDTreeConfig,
+    DDTreeConfigError,
+    resolve_ddtree_config,
+)
 
-from .capabilities import MODES, SUPPORTED_SGLANG_VERSIONS
-
-logger = logging.getLogger(__name__)
-
-ALGORITHM_NAME = "DDTREE"
-MODE_ENV = "SGLANG_DDTREE_MODE"
-BUDGET_ENV = "SGLANG_DDTREE_BUDGET"
-TREE_VERIFY = "tree-verify"
-SHADOW_LINEAR = "shadow-linear"
-DEFAULT_TOPK = 2
-DEFAULT_MAX_RUNNING_REQUESTS = 48  # what the builtin DFLASH handler defaults to
-
-
-class DDTreeConfigError(ValueError):
-    """A server-argument combination DDTREE cannot run, with the reason."""
-
-
-class UnsupportedSGLangVersion(RuntimeError):
-    pass
-
-
-def check_sglang_version(installed: Optional[str] = None) -> str:
-    """Return the installed SGLang version or raise with a clear message."""
-    if installed is None:
-        try:
-            installed = version("sglang")
-        except PackageNotFoundError as e:  # pragma: no cover - plugin is loaded by sglang
-            raise UnsupportedSGLangVersion("sglang-ddtree needs SGLang, which is not installed") from e
-    if installed not in SUPPORTED_SGLANG_VERSIONS:
-        raise UnsupportedSGLangVersion(
-            f"sglang-ddtree was written and tested against SGLang "
-            f"{', '.join(SUPPORTED_SGLANG_VERSIONS)} only (it subclasses the DFlash v2 worker and "
-            f"relies on that version's verify-input layout); found SGLang {installed}. "
-            f"Install sglang=={SUPPORTED_SGLANG_VERSIONS[-1]} or a plugin build for {installed}."
-        )
-    return installed
-
-
-@dataclass(frozen=True)
-class DDTreeConfig:
-    mode: str
-    budget: int  # B
-    num_draft_tokens: int  # D as SGLang sees it (B + 1 in tree-verify)
-    topk: int
-    drafter_block_size: Optional[int]  # from --speculative-dflash-block-size, if given
-
-
-def _int_or_none(v) -> Optional[int]:
-    return None if v is None else int(v)
-
-
-def _decode_graph_disabled(args: Any) -> bool:
-    if getattr(args, "disable_cuda_graph", False):
-        return True
-    if getattr(args, "cuda_graph_backend_decode", None) == "disabled":
-        return True
-    cfg = getattr(args, "cuda_graph_config", None)
-    decode = getattr(cfg, "decode", None) if cfg is not None else None
-    backend = getattr(decode, "backend", None) if decode is not None else None
-    return str(getattr(backend, "value", backend)) == "disabled"
-
-
-def resolve_ddtree_config(args: Any, environ: Optional[Mapping[str, str]] = None) -> DDTreeConfig:
-    """Pure resolution/validation of DDTREE settings from a ServerArgs-like
-    object and an environment mapping.  Raises :class:`DDTreeConfigError`."""
-    env = os.environ if environ is None else environ
-    mode = (env.get(MODE_ENV) or TREE_VERIFY).strip().lower()
-    if mode not in MODES:
-        raise DDTreeConfigError(f"{MODE_ENV}={mode!r} is not a DDTREE mode; choose one of {list(MODES)}.")
-
-    device = str(getattr(args, "device", None) or "cuda")
-    if not device.startswith("cuda"):
-        raise DDTreeConfigError(
-            f"DDTREE runs only on CUDA (got --device {device}): its tree verify uses SGLang's CUDA/Triton "
-            "tree-attention and hybrid linear-attention tree kernels."
-        )
-    if getattr(args, "speculative_draft_model_path", None) is None:
-        raise DDTreeConfigError("DDTREE needs a DFlash drafter: set --speculative-draft-model-path.")
-    if int(getattr(args, "pp_size", 1) or 1) != 1:
-        raise DDTreeConfigError("DDTREE supports pp_size == 1 only, like the DFlash worker it extends.")
-    if getattr(args, "speculative_use_rejection_sampling", False):
-        raise DDTreeConfigError(
-            "DDTREE refuses --speculative-use-rejection-sampling: rejection sampling needs the draft "
-            "probability of one sampled chain, while a DDTree is built deterministically from the top "
-            "prefixes; DDTREE samples losslessly with target-only tree sampling instead."
-        )
-    if getattr(args, "speculative_use_block_verification", False):
-        raise DDTreeConfigError(
-            "DDTREE refuses --speculative-use-block-verification: block verification is defined for a "
-            "sampled linear draft block, not for a tree."
-        )
-    if (
-        float(getattr(args, "speculative_accept_threshold_single", 1.0)) != 1.0
-        or float(getattr(args, "speculative_accept_threshold_acc", 1.0)) != 1.0
-    ):
-        raise DDTreeConfigError(
-            "DDTREE refuses speculative accept thresholds other than 1.0: relaxed acceptance would make "
-            "tree sampling lossy (each emitted token must be a sample of the target's distribution)."
-        )
-    if getattr(args, "enable_linear_replayssm_spec", False):
-        raise DDTreeConfigError(
-            "DDTREE refuses --enable-linear-replayssm-spec: ReplaySSM spec-verify folds a linear chain of "
-            "drafts into one ring buffer (topk <= 1 only); tree nodes need per-node intermediate states "
-            "so each node can read its parent's state."
-        )
-    if getattr(args, "speculative_adaptive", False):
-        raise DDTreeConfigError(
-            "DDTREE refuses --speculative-adaptive: adaptive speculation changes the chain width at run "
-            "time (topk = 1 only); the tree budget is fixed by D = B + 1."
-        )
-    if getattr(args, "enable_unified_memory", False):
-        raise DDTreeConfigError(
-            "DDTREE refuses --enable-unified-memory: the unified pool's speculative audits cover the "
-            "builtin chain/EAGLE verify paths, not a tree verify that keeps a non-contiguous accepted "
-            "path of KV slots and per-node recurrent states."
-        )
-    page = _int_or_none(getattr(args, "page_size", None))
-    if page is not None and page != 1:
-        raise DDTreeConfigError(
-            f"DDTREE needs --page-size 1 (got {page}): the accepted root-to-node path is scattered over "
-            "the verify slots and is kept by remapping one KV slot per token."
-        )
-
-    d_arg = _int_or_none(getattr(args, "speculative_num_draft_tokens", None))
-    b_env = env.get(BUDGET_ENV)
-    b_env_i = None
-    if b_env not in (None, ""):
-        try:
-            b_env_i = int(b_env)
-        except ValueError:
-            raise DDTreeConfigError(f"{BUDGET_ENV}={b_env!r} is not an integer node budget.") from None
-        if b_env_i < 1:
-            raise DDTreeConfigError(f"{BUDGET_ENV} must be >= 1, got {b_env_i}.")
-    block = _int_or_none(getattr(args, "speculative_dflash_block_size", None))
-
-    if mode == TREE_VERIFY:
-        if d_arg is None and b_env_i is None:
-            raise DDTreeConfigError(
-                "DDTREE tree-verify needs the node budget: set --speculative-num-draft-tokens D "
-                f"(B = D - 1 tree nodes plus the bonus root) or {BUDGET_ENV}=B."
-            )
-        if d_arg is not None and b_env_i is not None and d_arg != b_env_i + 1:
-            raise DDTreeConfigError(
-                f"--speculative-num-draft-tokens {d_arg} and {BUDGET_ENV}={b_env_i} disagree: "
-                "DDTREE verifies D = B + 1 tokens (bonus + B nodes)."
-            )
-        d = d_arg if d_arg is not None else b_env_i + 1
-        if d < 2:
-            raise DDTreeConfigError(f"--speculative-num-draft-tokens must be >= 2 for DDTREE (B >= 1), got {d}.")
-        topk_arg = _int_or_none(getattr(args, "speculative_eagle_topk", None))
-        if topk_arg is not None and topk_arg < 2:
-            raise DDTreeConfigError(
-                f"DDTREE tree-verify needs --speculative-eagle-topk >= 2 (got {topk_arg}): SGLang's "
-                "hybrid linear-attention backend and tree metadata take the tree path only when topk > 1."
-            )
-        if not _decode_graph_disabled(args):
-            raise DDTreeConfigError(
-                "DDTREE tree-verify needs --cuda-graph-backend-decode disabled: SGLang 0.5.23 captures "
-                "the DFlash-family verify graph with custom_mask=None and topk=1, so a replayed graph "
-                "would run the tree with a causal mask and chain positions (silently wrong)."
-            )
-        if block is not None and block > 2 * d:
-            raise DDTreeConfigError(
-                f"--speculative-dflash-block-size {block} is wider than 2*D = {2 * d}: the scheduler reserves "
-                "2*D KV slots per request for a step and the drafter writes its whole block there; use a "
-                "larger node budget or a drafter with a smaller block."
-            )
-        return DDTreeConfig(mode, d - 1, d, topk_arg or DEFAULT_TOPK, block)
-
-    # shadow-linear: the chain verifier commits; D is the DFlash block width.
-    d = d_arg if d_arg is not None else block
-    if d is not None and block is not None and d != block:
-        raise DDTreeConfigError(
-            "In shadow-linear mode --speculative-num-draft-tokens is the DFlash block size and must equal "
-            f"--speculative-dflash-block-size (got {d} and {block})."
-        )
-    if d is None:
-        raise DDTreeConfigError(
-            "DDTREE shadow-linear needs the DFlash block size: set --speculative-num-draft-tokens or "
-            "--speculative-dflash-block-size."
-        )
-    topk_arg = _int_or_none(getattr(args, "speculative_eagle_topk", None))
-    if topk_arg not in (None, 1):
-        raise DDTreeConfigError("DDTREE shadow-linear verifies a chain: --speculative-eagle-topk must be 1 or unset.")
-    return DDTreeConfig(mode, b_env_i if b_env_i is not None else d - 1, d, 1, block)
-
-
-def validate_server_args(server_args: Any) -> None:
-    """The ``validate_server_args`` hook SGLang calls for ``DDTREE``.
-
-    Reads the arguments, raises :class:`DDTreeConfigError` for anything that
-    cannot work, and writes what the builtin DFLASH handler would write (SGLang
-    records these writes as declared resolutions)."""
-    check_sglang_version()
-    cfg = resolve_ddtree_config(server_args)
-    steps = getattr(server_args, "speculative_num_steps", None)
-    if steps is not None and int(steps) != 1:
-        logger.warning("DDTREE drafts in one pass; overriding speculative_num_steps=%s to 1.", steps)
-    server_args.speculative_num_steps = 1
-    server_args.speculative_eagle_topk = cfg.topk
-    server_args.speculative_num_draft_tokens = cfg.num_draft_tokens
-    server_args.disable_overlap_schedule = True
-    server_args.page_size = 1
-    if getattr(server_args, "max_running_requests", None) is None:
-        server_args.max_running_requests = DEFAULT_MAX_RUNNING_REQUESTS
-    logger.info(
-        "DDTREE: mode=%s budget B=%d verify width D=%d topk=%d", cfg.mode, cfg.budget, cfg.num_draft_tokens, cfg.topk
-    )
-
-
-def _make_spec_class():
-    from sglang.srt.speculative.spec_registry import CustomSpecAlgo
-
-    class DDTreeSpecAlgo(CustomSpecAlgo):
-        """Duck-types the DFLASH family so the scheduler/model-runner apply the
-        DFlash plumbing (target hidden-state capture, draft KV, target-verify
-        forward) that the DDTree worker (a DFlash v2 subclass) relies on."""
-
-        def is_dflash(self) -> bool:
-            return True
-
-        def is_dflash_family(self) -> bool:
-            return True
-
-        def supports_target_verify_for_draft(self) -> bool:
-            return True
-
-        def supports_prefill_shared_read_done(self) -> bool:
-            return True
-
-        def resolve_max_speculative_num_draft_tokens(self, server_args):
-            from sglang.srt.arg_groups.overrides import resolving_view
-
-            return resolving_view(server_args).speculative_num_draft_tokens
-
-    return DDTreeSpecAlgo
-
-
-def _worker_factory(server_args):
-    from .worker import DDTreeWorker
-
-    return DDTreeWorker
-
-
-_REGISTERED = False
+__all__ = ["register", "check_sglang_version", "UnsupportedSGLangVersion", "ALGORITHM_NAME"]
 
 
 def register() -> None:
     """Entry point (``sglang.srt.plugins`` -> ``ddtree``).  Idempotent."""
-    global _REGISTERED
-    check_sglang_version()
-    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
-    from sglang.srt.speculative.spec_registry import get_spec
+    from .adapters import common
 
-    if _REGISTERED or get_spec(ALGORITHM_NAME) is not None:
-        _REGISTERED = True
-        return
-    SpeculativeAlgorithm.register(
-        ALGORITHM_NAME,
-        supports_overlap=False,
-        validate_server_args=validate_server_args,
-        spec_class=_make_spec_class(),
-    )(_worker_factory)
-    _REGISTERED = True
+    common.register(load_adapter())

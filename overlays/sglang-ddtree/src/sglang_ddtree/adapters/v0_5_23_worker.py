@@ -1,46 +1,18 @@
-"""DDTree worker: a subclass of SGLang 0.5.23's ``DFlashWorkerV2``.
+"""DDTree worker for SGLang 0.5.23: a subclass of its ``DFlashWorkerV2``.
 
-STATUS - IMPLEMENTED, UNRUN.  No GPU host in this workplace can install
-SGLang, so nothing in this module has been executed.  It is written against
-the 0.5.23 source; every SGLang function / method / attribute it touches is
-checked against the installed source by ``tests/plugin/test_worker_glue.py``
-(names, keyword arguments), and every piece of index / tensor arithmetic it
-does lives in :mod:`sglang_ddtree.step` / :mod:`sglang_ddtree.indexing`, tested
-on CPU (including a fake-model end-to-end test and a cross-check against
-SGLang's own greedy tree-accept Triton kernel).  On a CPU-only install this
-module does not import (``dflash_worker_v2`` pulls CUDA-only packages).
+CPU-TESTED ONLY.  SGLang 0.5.23 pins torch 2.14.1 and its sglang-kernel does not
+load on the fleet's (and the lent H200's) torch 2.11.0, so this worker has not
+served on a GPU; the 0.5.17 adapter (:mod:`sglang_ddtree.adapters.v0_5_17_worker`)
+is the one that ran on the H200.  Every SGLang name and keyword used here is
+checked against the installed 0.5.23 source by ``tests/plugin/test_worker_glue.py``;
+every index computation lives in :mod:`sglang_ddtree.step` (pure, CPU-tested).
 
-Modes
------
-* ``tree-verify`` decode (:meth:`DDTreeWorker._forward_tree_verify`): draft once
-  (DFlash drafter, its own block width ``blk``), per-depth top-K candidates from
-  the target LM head (vocab-parallel: per-shard top-K + all-gather + merge, so
-  token ids are global), tree build + compile, target verify with the ancestor
-  mask and depth positions (``D = B + 1`` tokens), SGLang's tree accept
-  (``verify_tree_greedy`` greedy, ``tree_speculative_sampling_target_only``
-  sampling), commit: ``req_to_token`` window permuted so the accepted path is
-  the sequence (rejected slots stay reserved to the request), recurrent state
-  of the deepest accepted node, accepted hidden states appended to the
-  drafter's KV, DFlash-shaped result.
-* ``shadow-linear`` decode: DFlash's own chain step (``super()``) commits; two
-  thin hooks capture the drafter's candidates (``_greedy_sample_from_vocab_
-  parallel_head``) and the chain verify's greedy predictions (``_accept_block``),
-  and :func:`sglang_ddtree.step.shadow_tree_accept` walks the tree built from the
-  same draft.  Per request, the would-accept length (tokens incl. bonus, like
-  ``accept_lens``) is returned in ``GenerationBatchResult.cap_lens`` - SGLang's
-  scheduler reports it as ``meta_info["spec_cap_length"]``, the ``cap len`` of the
-  decode log line and the ``sglang:spec_cap_length`` gauge (a reporting-only field
-  that DDTREE otherwise leaves unused) - and running sums are logged every
-  ``SGLANG_DDTREE_SHADOW_LOG_EVERY`` steps (default 200).  ``/get_server_info``
-  has no hook for a plugin worker's counters in 0.5.23 (only DSpark's).
-
-Refused (raise at init or at the first decode, with the reason): CUDA graphs on
-the target verify (captured with ``custom_mask=None``/``topk=1``: silently
-causal), selector / LiLiCorr / Domino drafters, compact draft window, DP
-attention, quantized LM head, LoRA-added vocab, grammar, logprobs, penalties /
-logit bias / custom logit processors in tree-verify (chain-accumulated
-penalties are not defined on a tree), drafter block wider than the ``2 * D``
-KV reservation.
+Same structure as the 0.5.17 worker: prefill / idle / shadow-linear commits are
+DFlash's own; tree-verify decode is :meth:`_tree_draft`, :meth:`_tree_verify`,
+:meth:`_tree_accept`, :meth:`_tree_commit`.  0.5.23 differences: the KV window
+goes through the KV index translator (``kv_loc_plan``), vocab-parallel heads
+may be deferred shards, TP sync sites, and a drafter-side ``topk > 1`` path that
+needs an explicit all-True drafter mask.
 """
 
 from __future__ import annotations
@@ -76,9 +48,14 @@ from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.srt.speculative.spec_tp_sync import SpecTpSyncSite
 from sglang.srt.speculative.spec_utils import draft_tp_context
 
-from .compile import FULL_MASK, compile_tree
-from .plugin import SHADOW_LINEAR, TREE_VERIFY, resolve_ddtree_config
-from .step import (
+from ..admission import tree_verify_rejection
+from ..compile import FULL_MASK, compile_tree
+from ..config import SHADOW_LINEAR, TREE_VERIFY, resolve_ddtree_config
+from ..indexing import recurrent_state_step
+from ..tree_sampling import max_bytes_from_env, sample_tree_accept
+from . import common
+from .v0_5_23 import attention_backends
+from ..step import (
     ShadowStats,
     build_tree_from_candidates,
     commit_from_accept,
@@ -110,7 +87,10 @@ class DDTreeWorker(DFlashWorkerV2):
 
     def __init__(self, server_args, *args, **kwargs):
         super().__init__(server_args, *args, **kwargs)
-        self.ddtree = resolve_ddtree_config(server_args, os.environ)
+        self.ddtree = resolve_ddtree_config(server_args, os.environ, backends=attention_backends(server_args))
+        common.set_active_mode(self.ddtree.mode)
+        self._sampling_bytes = max_bytes_from_env()
+        self._warned_unsupported = False
         self._tree_accept_slots: Optional[torch.Tensor] = None
         self._tree_accept_length: Optional[torch.Tensor] = None
         self._shadow_armed = False
@@ -159,17 +139,21 @@ class DDTreeWorker(DFlashWorkerV2):
             )
         if self.use_compact_draft_cache:
             raise NotImplementedError("DDTREE tree-verify does not support --speculative-draft-window-size.")
-        if getattr(self.model_runner, "decode_cuda_graph_runner", None) is not None:
-            raise RuntimeError(
-                "DDTREE tree-verify found a target decode CUDA graph: SGLang 0.5.23 captures the DFlash "
-                "verify graph with custom_mask=None and topk=1 (silently causal). Run with "
-                "--cuda-graph-backend-decode disabled."
-            )
         self.block_size = blk
         self.draft_model.set_block_size(blk)
         self._block_pos_offsets = build_block_pos_offsets(length=blk, device=self.device)
         self._draft_block_spec_info = make_draft_block_spec_info(draft_token_num=blk, device=self.device)
         self.speculative_num_draft_tokens = d
+
+    def init_cuda_graphs(self):
+        super().init_cuda_graphs()
+        # Checked here, after SGLang built (or skipped) its graphs: the target's decode graph is
+        # captured with custom_mask=None / topk=1 and would run the tree causally.
+        if self.ddtree.mode == TREE_VERIFY and getattr(self.model_runner, "decode_cuda_graph_runner", None):
+            raise RuntimeError(
+                "DDTREE tree-verify found a target decode CUDA graph (captured causal, topk=1); "
+                "run with --cuda-graph-backend-decode disabled."
+            )
 
     def _maybe_build_draft_sampler(self):
         # DDTREE needs the drafter's hidden states (full per-position distributions),
@@ -236,7 +220,6 @@ class DDTreeWorker(DFlashWorkerV2):
             )
         backend = self.target_worker.model_runner.attn_backend
         if hasattr(backend, "update_mamba_state_after_mtp_verify"):
-            from .indexing import recurrent_state_step
 
             backend.update_mamba_state_after_mtp_verify(
                 last_correct_step_indices=recurrent_state_step(slots, length),
@@ -322,23 +305,19 @@ class DDTreeWorker(DFlashWorkerV2):
         return self._forward_tree_verify(batch, on_publish)
 
     # ----- tree-verify decode step ----------------------------------------------
-    def _check_tree_batch(self, batch) -> None:
-        if batch.has_grammar:
-            raise NotImplementedError("DDTREE tree-verify does not support grammar-constrained decoding yet.")
-        if batch.return_logprob:
-            raise NotImplementedError("DDTREE tree-verify does not support return_logprob yet.")
-        si = batch.sampling_info
-        if si is not None and (
-            si.has_custom_logit_processor
-            or getattr(si, "acc_linear_penalties", None) is not None
-            or (si.penalizer_orchestrator is not None and si.penalizer_orchestrator.is_required)
-            or getattr(si, "logit_bias", None) is not None
-            or getattr(si, "grammar_mask", None) is not None
-        ):
-            raise NotImplementedError(
-                "DDTREE tree-verify supports temperature / top-k / top-p sampling only: penalties, logit bias "
-                "and custom logit processors accumulate along a chain and are not defined on a tree."
-            )
+    def _unsupported_in_batch(self, batch) -> None:
+        """Admission rejects these (sglang_ddtree.admission); if one reached a batch through a
+        path admission does not see, serve it with its plain sampling parameters and log why
+        once - raising here would stop the scheduler loop for every request."""
+        if self._warned_unsupported:
+            return
+        for req in batch.reqs:
+            why = tree_verify_rejection(req)
+            if why:
+                self._warned_unsupported = True
+                logger.error("DDTREE: a request reached tree-verify unchecked (%s); serving it without "
+                             "those features.", why)
+                return
 
     def _draft_block_input(self, bs, blk, prefix_lens, batch):
         """The drafter block's spec info with an explicit all-True mask (prefix and
@@ -352,9 +331,16 @@ class DDTreeWorker(DFlashWorkerV2):
         return info
 
     def _forward_tree_verify(self, batch, on_publish):
-        self._check_tree_batch(batch)
+        self._unsupported_in_batch(batch)
         if batch.spec_info is None:
             batch.spec_info = DFlashDraftInputV2.create_idle_input(device=self.device)
+        draft = self._tree_draft(batch)
+        vin, target_out, target_predict = self._tree_verify(batch, draft)
+        predict, accept_index, accept_num = self._tree_accept(batch, vin, target_out.logits_output, target_predict)
+        return self._tree_commit(batch, draft, vin, target_out, predict, accept_index, accept_num, on_publish)
+
+    def _tree_draft(self, batch) -> dict:
+        """The step's KV window and the drafter's per-depth global top-K candidates."""
         draft_input = batch.spec_info
         device = self.device
         bs = len(batch.seq_lens)
@@ -363,14 +349,13 @@ class DDTreeWorker(DFlashWorkerV2):
         w = max(blk, d)
         prefix_lens = batch.seq_lens
         req_to_token = self.model_runner.req_to_token_pool.req_to_token
-
         target_model = self.target_worker.model_runner.model
         embed_module = unwrap_lora_layer(_resolve_dflash_embedding_module(self.draft_model, target_model))
         lm_head = unwrap_lora_layer(getattr(target_model, "lm_head", None))
         if lm_head is None:
             raise RuntimeError("DDTREE requires the target model to expose lm_head.")
 
-        # --- 1) the step's KV window: req_to_token[prefix : prefix + w] (reserved by the scheduler)
+        # the step's KV window: req_to_token[prefix : prefix + w] (reserved by the scheduler)
         window = assign_extend_cache_locs_func(
             req_pool_indices=batch.req_pool_indices,
             req_to_token=req_to_token,
@@ -389,7 +374,7 @@ class DDTreeWorker(DFlashWorkerV2):
             read_extent=w,
         )
 
-        # --- 2) drafter block [bonus, mask * (blk - 1)]
+        # drafter block [bonus, mask * (blk - 1)]
         block_ids = torch.full((bs, blk), int(self._mask_token_id), dtype=torch.long, device=device)
         block_ids[:, 0].copy_(draft_input.bonus_tokens)
         positions_blk = (prefix_lens.unsqueeze(1).to(torch.int64) + self._block_pos_offsets).reshape(-1)
@@ -430,23 +415,26 @@ class DDTreeWorker(DFlashWorkerV2):
         if draft_hidden is None:
             raise RuntimeError("DDTREE: the DFlash draft model returned no hidden states.")
         draft_hidden = draft_hidden[: bs * blk].view(bs, blk, -1)
-
-        # --- 3) tree: per-depth global top-K -> build -> compile
         k = min(self.ddtree.budget, self._vocab_size)
         with draft_tp_context(self.draft_parallel_layout):
             lp, ids = self._draft_candidates(draft_hidden[:, 1:, :].reshape(-1, draft_hidden.shape[-1]), lm_head, k)
-        tree = build_tree_from_candidates(lp.view(bs, blk - 1, k), ids.view(bs, blk - 1, k), self.ddtree.budget)
+        return {"window": window, "kv_loc_plan": kv_loc_plan, "w": w,
+                "lp": lp.view(bs, blk - 1, k), "ids": ids.view(bs, blk - 1, k)}
+
+    def _tree_verify(self, batch, draft: dict):
+        """Tree over the candidates -> compiled verify inputs -> one target verify forward."""
+        draft_input = batch.spec_info
+        d = int(self.ddtree.num_draft_tokens)
+        tree = build_tree_from_candidates(draft["lp"], draft["ids"], self.ddtree.budget)
         vin = compile_tree(
             tree,
             draft_input.bonus_tokens,
-            prefix_lens,
+            batch.seq_lens,
             mask_mode=FULL_MASK,
             prefix_lens_sum=batch.seq_lens_sum if batch.seq_lens_cpu is not None else None,
             topk=self.ddtree.topk,
         )
         assert vin.draft_token_num == d
-
-        # --- 4) target verify: D tokens, ancestor mask, depth positions, tree links
         verify_input = DDTreeVerifyInput(
             draft_token=vin.draft_token,
             positions=vin.positions,
@@ -454,14 +442,14 @@ class DDTreeWorker(DFlashWorkerV2):
             topk=vin.topk,
             custom_mask=vin.custom_mask,
             capture_hidden_mode=CaptureHiddenMode.FULL,
-            kv_loc_plan=kv_loc_plan,
+            kv_loc_plan=draft["kv_loc_plan"],
             kv_loc_cols=slice(0, d),
             retrieve_index=vin.retrieve_index,
             retrieve_next_token=vin.retrieve_next_token,
             retrieve_next_sibling=vin.retrieve_next_sibling,
         )
-        batch.out_cache_loc = window[:, :d].reshape(-1)
-        seq_lens_pre_verify = batch.seq_lens.clone() if self._need_mamba_verify_commit else None
+        batch.out_cache_loc = draft["window"][:, :d].reshape(-1)
+        self._seq_lens_pre_verify = batch.seq_lens.clone() if self._need_mamba_verify_commit else None
         seq_lens_cpu_backup, seq_lens_sum_backup = batch.seq_lens_cpu, batch.seq_lens_sum
         if seq_lens_cpu_backup is not None:
             batch.seq_lens_cpu = seq_lens_cpu_backup + d
@@ -478,17 +466,21 @@ class DDTreeWorker(DFlashWorkerV2):
             batch=None, forward_batch=verify_fb, is_verify=True, skip_attn_backend_init=True
         )
         logits_output = target_out.logits_output
-        sampling_info = batch.sampling_info
         target_predict = None
         target_lp = self._target_logits_processor
         if target_lp is not None and target_lp.is_deferred_shard(logits_output.next_token_logits):
-            if self._can_skip_verify_logits(batch, sampling_info):
+            if self._can_skip_verify_logits(batch, batch.sampling_info):
                 target_predict = target_lp.deferred_argmax(logits_output.next_token_logits)
                 logits_output.next_token_logits = None
             else:
                 logits_output.next_token_logits = target_lp.finish_deferred_gather(logits_output.next_token_logits)
+        return vin, target_out, target_predict
 
-        # --- 5) SGLang's tree accept
+    def _tree_accept(self, batch, vin, logits_output, target_predict):
+        """SGLang's tree accept: greedy kernel, or bounded-memory target-only tree sampling."""
+        device = self.device
+        bs, d = len(batch.seq_lens), int(vin.draft_token_num)
+        sampling_info = batch.sampling_info
         candidates = vin.draft_token.view(bs, d)
         m = vin.max_tree_depth + 1
         predict = torch.zeros((bs * d,), dtype=torch.int32, device=device)
@@ -511,14 +503,49 @@ class DDTreeWorker(DFlashWorkerV2):
                 topk=vin.topk,
             )
         else:
-            self._tree_sample_accept(
-                batch, logits_output.next_token_logits, candidates, vin, predict, accept_index, accept_num
+            from sglang.kernels.ops.sampling.renorm import top_k_renorm_prob, top_p_renorm_prob
+            from sglang.kernels.ops.speculative.sampling import tree_speculative_sampling_target_only
+            from sglang.srt.speculative.eagle_utils import _verify_coins
+
+            si = sampling_info
+            coins, coins_final = _verify_coins(
+                sampling_info=si, seq_lens=batch.seq_lens, draft_token_num=d, candidates=candidates, device=device
+            )
+            sample_tree_accept(
+                logits=logits_output.next_token_logits,
+                d=d,
+                temperatures=si.temperatures,
+                top_ks=si.top_ks if si.need_top_k_sampling else None,
+                top_ps=si.top_ps if si.need_top_p_sampling else None,
+                min_ps=si.min_ps if getattr(si, "need_min_p_sampling", False) else None,
+                candidates=candidates,
+                retrieve_index=vin.retrieve_index,
+                retrieve_next_token=vin.retrieve_next_token,
+                retrieve_next_sibling=vin.retrieve_next_sibling,
+                coins=coins,
+                coins_final=coins_final,
+                predicts=predict,
+                accept_index=accept_index,
+                accept_num=accept_num,
+                kernel=tree_speculative_sampling_target_only,
+                top_k_renorm=top_k_renorm_prob,
+                top_p_renorm=top_p_renorm_prob,
+                max_bytes=self._sampling_bytes,
             )
             for t in (predict, accept_index, accept_num):
                 self._tp_sync.sync(SpecTpSyncSite.DFLASH_ACCEPT_SAMPLE, t)
+        return predict, accept_index, accept_num
 
-        # --- 6) commit
-        draft_window_ids = self._draft_write_ids(kv_loc_plan).view(bs, w)[:, :d]
+    def _tree_commit(self, batch, draft, vin, target_out, predict, accept_index, accept_num, on_publish):
+        """The accepted path becomes the sequence (KV window permutation, recurrent
+        state, drafter KV append) and the DFlash-shaped result."""
+        device = self.device
+        d = int(vin.draft_token_num)
+        bs = len(batch.seq_lens)
+        prefix_lens = batch.seq_lens
+        window = draft["window"]
+        logits_output = target_out.logits_output
+        draft_window_ids = self._draft_write_ids(draft["kv_loc_plan"]).view(bs, draft["w"])[:, :d]
         c = commit_from_accept(
             predicts=predict,
             accept_index=accept_index,
@@ -530,7 +557,7 @@ class DDTreeWorker(DFlashWorkerV2):
             out_width=d,
         )
         new_seq_lens = c.new_seq_lens.to(prefix_lens.dtype)
-        # keep the accepted path as the sequence: permute the window in req_to_token
+        req_to_token = self.model_runner.req_to_token_pool.req_to_token
         cols = prefix_lens.to(torch.int64).unsqueeze(1) + torch.arange(d, device=device).unsqueeze(0)
         req_to_token[batch.req_pool_indices.to(torch.int64).unsqueeze(1), cols] = c.window_locs.to(req_to_token.dtype)
 
@@ -539,7 +566,7 @@ class DDTreeWorker(DFlashWorkerV2):
             try:
                 self._update_target_mamba_state_after_verify(
                     batch=batch,
-                    seq_lens_pre_verify=seq_lens_pre_verify,
+                    seq_lens_pre_verify=self._seq_lens_pre_verify,
                     seq_lens_post_verify=new_seq_lens,
                     commit_lens=c.commit_lens,
                 )
@@ -548,7 +575,6 @@ class DDTreeWorker(DFlashWorkerV2):
         if on_publish is not None:
             on_publish(new_seq_lens)
 
-        # --- 7) drafter cache: the accepted path's target hidden states, sequence order
         hidden = logits_output.hidden_states
         if hidden is None:
             raise RuntimeError("DDTREE verify requires target hidden states, but got None.")
@@ -572,43 +598,4 @@ class DDTreeWorker(DFlashWorkerV2):
             new_seq_lens=new_seq_lens,
             routed_experts_output=target_out.routed_experts_output,
             indexer_topk_output=target_out.indexer_topk_output,
-        )
-
-    def _tree_sample_accept(self, batch, logits, candidates, vin, predict, accept_index, accept_num) -> None:
-        """Target-only tree sampling with SGLang's kernel (lossless: every emitted
-        token is a sample of the target's processed distribution at the accepted
-        prefix; draft probabilities are zero, so the residual at a stop is the
-        target's distribution with the rejected siblings removed)."""
-        from sglang.kernels.ops.sampling import softmax as sampling_softmax
-        from sglang.kernels.ops.sampling.renorm import top_k_renorm_prob, top_p_renorm_prob
-        from sglang.kernels.ops.speculative.sampling import tree_speculative_sampling_target_only
-        from sglang.srt.speculative.eagle_utils import _verify_coins
-
-        si = batch.sampling_info
-        bs, d = candidates.shape
-        temp = torch.repeat_interleave(si.temperatures, d, dim=0)
-        probs = sampling_softmax(logits, temperatures=temp)
-        if si.need_top_k_sampling:
-            probs = top_k_renorm_prob(probs, torch.repeat_interleave(si.top_ks, d, dim=0))
-        if si.need_top_p_sampling:
-            probs = top_p_renorm_prob(probs, torch.repeat_interleave(si.top_ps, d, dim=0))
-        probs = probs.reshape(bs, d, -1)
-        coins, coins_final = _verify_coins(
-            sampling_info=si, seq_lens=batch.seq_lens, draft_token_num=d, candidates=candidates, device=self.device
-        )
-        tree_speculative_sampling_target_only(
-            predicts=predict,
-            accept_index=accept_index,
-            accept_token_num=accept_num,
-            candidates=candidates,
-            retrive_index=vin.retrieve_index,
-            retrive_next_token=vin.retrieve_next_token,
-            retrive_next_sibling=vin.retrieve_next_sibling,
-            uniform_samples=coins,
-            uniform_samples_for_final_sampling=coins_final,
-            target_probs=probs,
-            draft_probs=torch.zeros_like(probs),
-            threshold_single=1.0,
-            threshold_acc=1.0,
-            deterministic=True,
         )

@@ -22,7 +22,7 @@ is unit-tested in ``tests/plugin/test_hybrid_reference.py``).
 
 Run on a GPU host::
 
-    python -m sglang_ddtree.checks.hybrid_gdn --budgets 16 64 128 --json out.json
+    python -m ddtree_checks.hybrid_gdn --budgets 16 64 128 --json out.json
 """
 
 from __future__ import annotations
@@ -826,7 +826,7 @@ def _run_parallel(cases, args, argv) -> list[dict]:
             dt, b = pending.pop(0)
             js = os.path.join(tmp, f"{dt}_{b}.json")
             log = os.path.join(tmp, f"{dt}_{b}.log")
-            cmd = [sys.executable, "-m", "sglang_ddtree.checks.hybrid_gdn", *kept,
+            cmd = [sys.executable, "-m", "ddtree_checks.hybrid_gdn", *kept,
                    "--budgets", str(b), "--dtypes", dt, "--json", js]
             running.append((subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT), js, log))
         time.sleep(1.0)
@@ -851,7 +851,7 @@ def _run_parallel(cases, args, argv) -> list[dict]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m sglang_ddtree.checks.hybrid_gdn", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m ddtree_checks.hybrid_gdn", description=__doc__.split("\n")[0])
     ap.add_argument("--budgets", type=int, nargs="+", default=[16, 64, 128])
     ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=sorted(TOLERANCES))
     ap.add_argument("--trees", type=int, default=8, help="trees (requests, one batch) per budget")

@@ -1,0 +1,210 @@
+"""Serve the tiny models with real SGLang on one GPU in every mode and measure them.
+
+``python -m ddtree_checks.serve_matrix --out DIR [--families hybrid dense] [--quick]``
+
+Per family (``hybrid``: Qwen3-Next with GDN layers; ``dense``: Qwen3), servers
+started side by side on the GPU (each its own port and memory fraction):
+``plain``, ``dflash`` (SGLang's own, block 8), DDTREE ``shadow-linear`` (block 8,
+B = 15) and DDTREE ``tree-verify`` at B = 7, 15, 31, 63, plus on the hybrid
+target a deliberately *leaky* tree-verify (``SGLANG_DDTREE_UNSAFE_CHAIN_STATE=1``:
+the recurrent layers process the tree's slots in chain order, so a node starts
+from its previous sibling's state, not its parent's).
+
+Measured per server, with the statistic of :mod:`sglang_ddtree.smoke`:
+greedy outputs of ``--prompts`` prompts x ``--tokens`` new tokens, one at a
+time and ``--concurrency`` at a time, each emitted token re-scored by one
+prefill of the plain server (top-2 log-probs; violation = not the argmax by
+more than the margin), exact-match rate against plain decoding, SGLang's
+reported accept length (and DDTREE shadow's would-accept length), tokens/s;
+sampling (temperature 1, top-p 0.9): all requests complete; an unsupported
+request (return_logprob) is rejected alone and the next one is served.
+Writes ``serve_matrix.json`` and a readable ``serve_matrix.txt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from sglang_ddtree import smoke, tiny
+
+
+def _specs(family: str, paths: dict, quick: bool, a=None):
+    t, d = paths["target"], paths["drafter"]
+    mf = a.mem_fraction
+    specs = {
+        "plain": (smoke.ServerSpec("plain", t, mem_fraction=mf), {}),
+        "dflash": (smoke.ServerSpec("dflash", t, d, block=8, mem_fraction=mf), {}),
+        "shadow-linear B=15": (smoke.ServerSpec("shadow-linear", t, d, budget=15, block=8, mem_fraction=mf), {}),
+    }
+    for b in ((15,) if quick else (7, 15, 31, 63)):
+        specs[f"tree-verify B={b}"] = (smoke.ServerSpec("tree-verify", t, d, budget=b, mem_fraction=mf), {})
+    if family == "hybrid":
+        specs["LEAKY tree-verify B=15"] = (smoke.ServerSpec("tree-verify", t, d, budget=15, mem_fraction=mf),
+                                           {"SGLANG_DDTREE_UNSAFE_CHAIN_STATE": "1"})
+    return specs
+
+
+def run_family(family: str, out: str, a) -> dict:
+    paths = tiny.write_family(os.path.join(a.work, "models"), family, seed=0)
+    specs = _specs(family, paths, a.quick, a)
+    if a.server_args:
+        import dataclasses
+        specs = {n: (dataclasses.replace(sp, extra_args=tuple(a.server_args.split())), e) for n, (sp, e) in specs.items()}
+    servers, bases = {}, {}
+    res = {"family": family, "models": paths, "servers": {}}
+    try:
+        for name, (spec, extra_env) in specs.items():
+            port = smoke.free_port()
+            env = smoke.server_env(spec, a.gpu)
+            env.update(extra_env)
+            log = os.path.join(a.work, f"{family}-{name.replace(' ', '_').replace('=', '')}.log")
+            srv = smoke.Server(smoke.server_argv(sys.executable, spec, port), env, log, launcher="process")
+            srv.start()
+            servers[name], bases[name] = srv, f"http://127.0.0.1:{port}"
+        t0 = time.time()
+
+        def up(name):
+            try:
+                return name, round(smoke.wait_healthy(bases[name], servers[name], a.start_timeout), 1), None
+            except Exception as e:  # noqa: BLE001
+                return name, None, str(e)[-3000:]
+
+        with ThreadPoolExecutor(len(servers)) as pool:
+            health = list(pool.map(up, servers))
+        print(f"[{family}] servers up in {time.time() - t0:.0f}s: {[(n, s) for n, s, _ in health]}", flush=True)
+        for name, secs, err in health:
+            res["servers"][name] = {"healthy_after_s": secs}
+            if err:
+                res["servers"][name]["error"] = err
+                print(f"[{family}] {name} FAILED to start:\n{err}", flush=True)
+        plain = bases["plain"]
+        prompts = smoke.make_prompts(a.prompts)
+        if res["servers"]["plain"].get("error"):
+            return res
+        plain_seq = [g["output_ids"] for g in smoke.generate(plain, prompts, a.tokens)]
+
+        def measure(name):
+            r = res["servers"][name]
+            if r.get("error"):
+                return
+            base = bases[name]
+            try:
+                for label, conc in (("sequential", 1), (f"concurrent{a.concurrency}", a.concurrency)):
+                    t1 = time.time()
+                    got = smoke.generate(base, prompts, a.tokens, concurrency=conc)
+                    wall = time.time() - t1
+                    outs = [g["output_ids"] for g in got]
+                    st = smoke.lossless_stats(outs, [smoke.rescore(plain, p, o) for p, o in zip(prompts, outs)],
+                                              a.margin)
+                    st["exact_match_vs_plain"] = smoke.exact_match(outs, plain_seq)
+                    st["tokens_per_s"] = round(sum(map(len, outs)) / wall, 1)
+                    acc = [g["meta_info"].get("spec_accept_length") for g in got]
+                    acc = [x for x in acc if x is not None]
+                    st["mean_accept_length"] = round(sum(acc) / len(acc), 3) if acc else None
+                    cap = [g["meta_info"].get("spec_cap_length") for g in got]
+                    cap = [x for x in cap if x is not None]
+                    st["mean_shadow_tree_accept_length"] = round(sum(cap) / len(cap), 3) if cap else None
+                    r[label] = st
+                t1 = time.time()
+                samp = smoke.generate(base, smoke.make_prompts(a.sampling_requests, seed=7), a.tokens,
+                                      concurrency=a.concurrency, sampling={"temperature": 1.0, "top_p": 0.9})
+                r["sampling"] = {"requests": a.sampling_requests,
+                                 "completed": sum(1 for g in samp if len(g["output_ids"]) == a.tokens),
+                                 "seconds": round(time.time() - t1, 1)}
+                if name != "plain":
+                    info = smoke._get(base + "/server_info")
+                    r["algorithm"] = info.get("speculative_algorithm")
+                    r["unsupported_request"] = smoke.unsupported_request_check(base, prompts[0], specs[name][0].mode)
+            except Exception as e:  # noqa: BLE001
+                r["error"] = f"{type(e).__name__}: {e}"[-3000:] + "\n" + servers[name].log_tail(40)
+            with open(os.path.join(out, f"partial-{family}.json"), "w") as fh:  # survives a timeout
+                json.dump(res, fh, indent=1)
+            print(f"[{family}] {name}: " + json.dumps({k: v for k, v in r.items() if k != "error"})[:1500]
+                  + (f"\n  ERROR {r['error'][-2500:]}" if r.get("error") else ""), flush=True)
+
+        with ThreadPoolExecutor(len(servers)) as pool:
+            list(pool.map(measure, list(servers)))
+    finally:
+        for srv in servers.values():
+            srv.stop()
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m ddtree_checks.serve_matrix")
+    ap.add_argument("--out", required=True, help="serve_matrix.json and serve_matrix.txt go here")
+    ap.add_argument("--work", default="/tmp/ddtree-matrix", help="models and server logs")
+    ap.add_argument("--families", nargs="+", default=["hybrid", "dense"])
+    ap.add_argument("--gpu", type=int, default=0)
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--sampling-requests", type=int, default=32)
+    ap.add_argument("--margin", type=float, default=smoke.DEFAULT_MARGIN)
+    ap.add_argument("--start-timeout", type=float, default=300)
+    ap.add_argument("--quick", action="store_true", help="B=15 only (a first look)")
+    ap.add_argument("--mem-fraction", type=float, default=0.05)
+    ap.add_argument("--server-args", default="", help="extra flags for every server (e.g. pool caps when many share a GPU)")
+    a = ap.parse_args(argv)
+    os.makedirs(a.out, exist_ok=True)
+    os.makedirs(a.work, exist_ok=True)
+    import importlib.metadata as md
+
+    import torch
+
+    doc = {"argv": sys.argv, "python": platform.python_version(), "torch": torch.__version__,
+           "sglang": md.version("sglang"), "sglang_ddtree": md.version("sglang-ddtree"),
+           "gpu": torch.cuda.get_device_name(a.gpu) if torch.cuda.is_available() else None,
+           "margin": a.margin, "prompts": a.prompts, "tokens": a.tokens, "families": {}}
+    t0 = time.time()
+    for fam in a.families:
+        doc["families"][fam] = run_family(fam, a.out, a)
+        with open(os.path.join(a.out, "serve_matrix.json"), "w") as fh:
+            json.dump(doc, fh, indent=1)
+    doc["seconds"] = round(time.time() - t0, 1)
+    with open(os.path.join(a.out, "serve_matrix.json"), "w") as fh:
+        json.dump(doc, fh, indent=1)
+    with open(os.path.join(a.out, "serve_matrix.txt"), "w") as fh:
+        fh.write(summary(doc))
+    print(summary(doc), flush=True)
+    print(f"done in {doc['seconds']}s", flush=True)
+    return 0
+
+
+def summary(doc: dict) -> str:
+    """One line per server: the lossless statistic, exact match, accept length, tokens/s, sampling."""
+    lines = [f"# {doc['gpu']}; torch {doc['torch']}; SGLang {doc['sglang']}; sglang-ddtree {doc['sglang_ddtree']}",
+             f"# {doc['prompts']} prompts x {doc['tokens']} new tokens, greedy; violation = emitted token not the "
+             f"target's argmax by more than {doc['margin']} nats (prefill re-score on the plain server)",
+             f"{'family':7} {'server':24} {'run':13} {'viol':>5} {'off':>4} {'maxgap':>7} {'exact':>6} "
+             f"{'acc_len':>7} {'shadow':>6} {'tok/s':>7}  sampling  unsupported"]
+    for fam, f in doc["families"].items():
+        for name, r in f["servers"].items():
+            if r.get("error") and not any(k.startswith(("sequential", "concurrent")) for k in r):
+                lines.append(f"{fam:7} {name:24} ERROR: {r['error'].splitlines()[0][:120]}")
+                continue
+            for run in [k for k in r if k.startswith(("sequential", "concurrent"))]:
+                st = r[run]
+                em = st["exact_match_vs_plain"]
+                samp = r.get("sampling", {})
+                un = r.get("unsupported_request", {})
+                lines.append(
+                    f"{fam:7} {name:24} {run:13} {st['violations']:5d} {st['off_argmax']:4d} "
+                    f"{st['max_off_argmax_gap']:7.3f} {em['identical']:3d}/{em['prompts']:<2d} "
+                    f"{st['mean_accept_length'] if st['mean_accept_length'] is not None else '-':>7} "
+                    f"{st['mean_shadow_tree_accept_length'] if st['mean_shadow_tree_accept_length'] is not None else '-':>6} "
+                    f"{st['tokens_per_s']:7.1f}  {samp.get('completed', '-')}/{samp.get('requests', '-')}  "
+                    f"{('rejected, next served' if un.get('rejected') and un.get('served_after') else un) if un else '-'}")
+            if r.get("error"):
+                lines.append(f"{fam:7} {name:24} ERROR after measuring: {r['error'].splitlines()[0][:120]}")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""One adapter per supported SGLang version, chosen at load.
+
+Everything that depends on an SGLang release's internals (its worker class, the
+names and signatures of the kernels and helpers the worker calls, how it
+resolves server arguments) lives in one adapter module per version:
+
+* :mod:`sglang_ddtree.adapters.v0_5_17` - SGLang 0.5.17, the last release pinned
+  to torch 2.11.0 (what the fleet runs);
+* :mod:`sglang_ddtree.adapters.v0_5_23` - SGLang 0.5.23 (torch 2.14.1).
+
+Each adapter module imports on a CPU host (registration glue only); its worker
+lives in a sibling ``*_worker`` module imported when SGLang builds the worker.
+Any other SGLang version is refused with a message naming the supported ones
+(``capabilities.json`` says per version what is supported).
+"""
+
+from __future__ import annotations
+
+import importlib
+from importlib.metadata import PackageNotFoundError, version
+from types import ModuleType
+from typing import Optional
+
+from ..capabilities import SUPPORTED_SGLANG_VERSIONS
+
+__all__ = ["UnsupportedSGLangVersion", "ADAPTER_MODULES", "check_sglang_version", "load_adapter"]
+
+# version -> adapter module (one file per SGLang release the plugin supports)
+ADAPTER_MODULES = {"0.5.17": "v0_5_17", "0.5.23": "v0_5_23"}
+
+
+class UnsupportedSGLangVersion(RuntimeError):
+    pass
+
+
+def check_sglang_version(installed: Optional[str] = None) -> str:
+    """Return the installed SGLang version, or raise naming the supported ones."""
+    if installed is None:
+        try:
+            installed = version("sglang")
+        except PackageNotFoundError as e:  # pragma: no cover - the plugin is loaded by SGLang
+            raise UnsupportedSGLangVersion("sglang-ddtree needs SGLang, which is not installed") from e
+    if installed not in SUPPORTED_SGLANG_VERSIONS or installed not in ADAPTER_MODULES:
+        raise UnsupportedSGLangVersion(
+            f"sglang-ddtree supports SGLang {', '.join(SUPPORTED_SGLANG_VERSIONS)} only (one adapter per "
+            f"release: the worker subclasses that release's DFlash v2 worker and calls its kernels); found "
+            f"SGLang {installed}. Install one of those SGLang versions, or a plugin build for {installed}."
+        )
+    return installed
+
+
+def load_adapter(installed: Optional[str] = None) -> ModuleType:
+    """The adapter module for the installed (or given) SGLang version."""
+    v = check_sglang_version(installed)
+    return importlib.import_module(f"{__name__}.{ADAPTER_MODULES[v]}")

@@ -1,0 +1,120 @@
+"""Registration glue shared by every adapter (imports SGLang lazily, CPU-safe).
+
+* :func:`spec_class` - the ``CustomSpecAlgo`` subclass SGLang dispatches on.  It
+  answers like the DFLASH family (``is_dflash()`` ...), so the scheduler and
+  model runner apply the DFlash plumbing the DDTree worker (a DFlash v2
+  subclass) relies on, and it carries every other method the builtin
+  ``SpeculativeAlgorithm`` has and ``CustomSpecAlgo`` lacks (SGLang 0.5.17 and
+  0.5.23 call ``carries_draft_hidden_states()``, ``create_future_map()`` and
+  ``need_topk()`` at startup; ``CustomSpecAlgo`` has none of them): those are
+  the builtin's own methods, evaluated on DDTREE's ``is_*()`` answers, so they
+  give what they give for DFLASH.
+* :func:`make_validator` - the ``validate_server_args`` hook.
+* admission - an AFTER hook on SGLang's ``validate_dflash_request`` (the check
+  the scheduler runs on every new request of a DFLASH-family server) that adds
+  DDTREE's rules (:mod:`sglang_ddtree.admission`), so a request tree-verify
+  cannot serve is finished alone with an error before it joins a batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from types import ModuleType
+from typing import Callable, Optional
+
+from ..admission import rejection
+from ..config import ALGORITHM_NAME, resolve_ddtree_config, server_arg_writes
+
+logger = logging.getLogger(__name__)
+
+ADMISSION_TARGET = "sglang.srt.speculative.dflash_utils.validate_dflash_request"
+
+# The DDTREE mode of the worker living in this process (set when SGLang builds it,
+# in the scheduler process that also admits requests); None: no DDTREE worker here.
+_ACTIVE_MODE: Optional[str] = None
+
+
+def set_active_mode(mode: Optional[str]) -> None:
+    global _ACTIVE_MODE
+    _ACTIVE_MODE = mode
+
+
+def active_mode() -> Optional[str]:
+    return _ACTIVE_MODE
+
+
+def admission_after_hook(result, req, *args, **kwargs):
+    """HookType.AFTER on ``validate_dflash_request(req, enable_overlap)``: keep
+    SGLang's own verdict, else DDTREE's (None on non-DDTREE servers)."""
+    if result is not None:
+        return result
+    return rejection(_ACTIVE_MODE, req)
+
+
+def missing_enum_methods(custom_cls: type, enum_cls: type) -> list[str]:
+    """Public methods of the builtin ``SpeculativeAlgorithm`` that ``custom_cls`` lacks."""
+    out = []
+    for name, fn in vars(enum_cls).items():
+        if name.startswith("_") or isinstance(fn, (classmethod, staticmethod, property)):
+            continue
+        if callable(fn) and not isinstance(fn, type) and not hasattr(custom_cls, name):
+            out.append(name)
+    return sorted(out)
+
+
+def spec_class(custom_base: type, enum_cls: type, overrides: dict) -> type:
+    """``custom_base`` (SGLang's ``CustomSpecAlgo``) + DFLASH-family answers +
+    the builtin's methods ``custom_base`` lacks (see module docstring)."""
+    ns = {
+        "__doc__": "DDTREE: answers like the DFLASH family; see sglang_ddtree.adapters.common.",
+        "is_dflash": lambda self: True,
+        "is_dflash_family": lambda self: True,
+        "supports_target_verify_for_draft": lambda self: True,
+    }
+    ns.update(overrides)
+    probe = type("_Probe", (custom_base,), ns)
+    for name in missing_enum_methods(probe, enum_cls):
+        ns[name] = vars(enum_cls)[name]
+    return type("DDTreeSpecAlgo", (custom_base,), ns)
+
+
+def make_validator(adapter: ModuleType) -> Callable:
+    """The ``validate_server_args`` hook: refuse what cannot work (with the
+    reason), then write what the builtin DFLASH handler would write."""
+
+    def validate_server_args(server_args) -> None:
+        from . import check_sglang_version
+
+        check_sglang_version()
+        cfg = resolve_ddtree_config(server_args, os.environ, backends=adapter.attention_backends(server_args))
+        steps = getattr(server_args, "speculative_num_steps", None)
+        if steps is not None and int(steps) != 1:
+            logger.warning("DDTREE drafts in one pass; overriding speculative_num_steps=%s to 1.", steps)
+        for k, v in server_arg_writes(server_args, cfg).items():
+            setattr(server_args, k, v)
+        logger.info(
+            "DDTREE: mode=%s budget B=%d verify width D=%d topk=%d (SGLang %s adapter)",
+            cfg.mode, cfg.budget, cfg.num_draft_tokens, cfg.topk, adapter.VERSION,
+        )
+
+    return validate_server_args
+
+
+def register(adapter: ModuleType) -> bool:
+    """Register DDTREE with SGLang for ``adapter``'s version; idempotent.
+    Returns True when this call registered it."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+    from sglang.srt.speculative.spec_registry import get_spec
+
+    if get_spec(ALGORITHM_NAME) is not None:
+        return False
+    SpeculativeAlgorithm.register(
+        ALGORITHM_NAME,
+        supports_overlap=False,
+        validate_server_args=make_validator(adapter),
+        spec_class=adapter.make_spec_class(),
+    )(adapter.worker_factory)
+    HookRegistry.register(ADMISSION_TARGET, admission_after_hook, HookType.AFTER)
+    return True

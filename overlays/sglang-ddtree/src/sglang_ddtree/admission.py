@@ -1,0 +1,73 @@
+"""Which requests a DDTREE server serves, decided when a request arrives (pure).
+
+A request tree-verify cannot serve is rejected alone, before it joins a batch,
+with a message that says why (SGLang finishes it with an abort, the client gets
+an error, the server keeps serving the others).  Deciding inside the decode
+step instead would raise in the scheduler loop and take every request down
+with it.
+
+Tree-verify serves greedy and temperature / top-k / top-p / min-p sampling.
+It rejects what is defined along a single chain only: logprobs (the verify
+returns one distribution per tree node, not per emitted position), grammar
+constraints, frequency / presence / repetition penalties, ``min_new_tokens``,
+``logit_bias`` and custom logit processors (they depend on the emitted history,
+which differs per tree branch).  Shadow-linear commits through SGLang's own
+DFlash chain step and admits what DFlash admits.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from .config import SHADOW_LINEAR, TREE_VERIFY
+
+__all__ = ["tree_verify_rejection", "rejection"]
+
+
+def _nonzero(v, neutral: float) -> bool:
+    try:
+        return v is not None and float(v) != neutral
+    except (TypeError, ValueError):
+        return True
+
+
+def tree_verify_rejection(req: Any) -> Optional[str]:
+    """The reason a tree-verify DDTREE server cannot serve ``req`` (an SGLang
+    ``Req``-like object with ``sampling_params``), or ``None``."""
+    sp = getattr(req, "sampling_params", None)
+    what = []
+    if getattr(req, "return_logprob", False):
+        what.append("return_logprob")
+    if sp is not None:
+        for name in ("json_schema", "regex", "ebnf", "structural_tag"):
+            if getattr(sp, name, None):
+                what.append(f"grammar ({name})")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if _nonzero(getattr(sp, name, 0.0), 0.0):
+                what.append(name)
+        if _nonzero(getattr(sp, "repetition_penalty", 1.0), 1.0):
+            what.append("repetition_penalty")
+        if int(getattr(sp, "min_new_tokens", 0) or 0) > 0:
+            what.append("min_new_tokens")
+        if getattr(sp, "logit_bias", None):
+            what.append("logit_bias")
+    if getattr(req, "custom_logit_processor", None):
+        what.append("custom_logit_processor")
+    if getattr(req, "grammar", None) is not None and "grammar" not in " ".join(what):
+        what.append("grammar")
+    if not what:
+        return None
+    return (
+        "DDTREE tree-verify does not support " + ", ".join(what) + ": these are defined along one emitted "
+        "chain, while a tree verify scores many branches at once. Send the request without them, or to a "
+        "server in DDTREE shadow-linear mode or without speculative decoding."
+    )
+
+
+def rejection(mode: Optional[str], req: Any) -> Optional[str]:
+    """Admission decision for the active DDTREE mode (``None``: not a DDTREE server)."""
+    if mode == TREE_VERIFY:
+        return tree_verify_rejection(req)
+    if mode == SHADOW_LINEAR:
+        return None
+    return None

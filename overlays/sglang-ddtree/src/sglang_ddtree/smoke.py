@@ -1,0 +1,448 @@
+"""Smoke test of the environment and the DDTree payload on one GPU: ``python -m sglang_ddtree.smoke``.
+
+Runs where SGLang and this plugin are installed (a fleet host's managed venv,
+driven by ``fab smoke``, or any GPU box).  It writes the tiny seeded model of
+the requested family (:mod:`sglang_ddtree.tiny`) into a private temporary
+directory, starts transient SGLang servers on one GPU (a free loopback port
+each, always torn down: ``systemd-run`` units with a runtime cap on a systemd
+host, or a process session otherwise) and checks:
+
+1. the mode's greedy tokens pass the *lossless statistic*: every emitted token
+   is re-scored by one prefill of the plain (non-speculative) server with its
+   top-2 log-probs, and a token that is not the target's argmax by more than
+   ``--margin`` nats (default 0.05, above bf16 noise) counts as a violation;
+   there must be none.  The exact-match rate against plain decoding is
+   reported too (it is not the test: bf16 verify and decode kernels round
+   differently at near-ties);
+2. the server reports the algorithm (``/server_info``) and, for speculative
+   modes, an accept length (``meta_info.spec_accept_length``);
+3. a request the mode cannot serve (``return_logprob``) is rejected alone and
+   the server answers the next request.
+
+Modes: ``tree-verify``, ``shadow-linear`` (DDTREE), ``dflash`` (SGLang's own),
+``plain``.  Exit status: 0 all checks passed, 1 a check failed, 2 the host
+cannot run it (no GPU device, SGLang missing) - said plainly on stderr.
+
+The pure parts (argv, environment, prompts, the statistic) are tested on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+from .config import BUDGET_ENV, MODE_ENV, SHADOW_LINEAR, TREE_VERIFY
+
+MODES = ("tree-verify", "shadow-linear", "dflash", "plain")
+DEFAULT_MARGIN = 0.05
+EXIT_OK, EXIT_FAILED, EXIT_CANNOT_RUN = 0, 1, 2
+
+__all__ = [
+    "MODES", "ServerSpec", "server_argv", "server_env", "make_prompts", "lossless_stats", "exact_match",
+    "gpu_device_problem", "run_smoke", "main",
+]
+
+
+# ----------------------------------------------------------------------------- pure parts
+@dataclass(frozen=True)
+class ServerSpec:
+    """One transient server: what to serve and how."""
+
+    mode: str  # one of MODES
+    target: str
+    drafter: Optional[str] = None
+    budget: int = 15  # B (tree-verify: D = B + 1; shadow-linear: the would-be tree's budget)
+    block: int = 8  # DFlash chain width (dflash, shadow-linear)
+    mem_fraction: float = 0.12
+    max_running: int = 8
+    context_length: int = 2048
+    extra_args: tuple = ()
+
+
+def server_argv(python: str, spec: ServerSpec, port: int, host: str = "127.0.0.1") -> List[str]:
+    """``python -m sglang.launch_server ...`` for ``spec`` on ``host:port``."""
+    if spec.mode not in MODES:
+        raise ValueError(f"unknown mode {spec.mode!r}; choose one of {MODES}")
+    argv = [
+        python, "-m", "sglang.launch_server", "--model-path", spec.target, "--host", host, "--port", str(port),
+        "--skip-tokenizer-init", "--attention-backend", "triton", "--grammar-backend", "none",
+        "--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled",
+        "--page-size", "1", "--context-length", str(spec.context_length),
+        "--max-running-requests", str(spec.max_running), "--mem-fraction-static", str(spec.mem_fraction),
+    ]
+    if spec.mode != "plain":
+        if not spec.drafter:
+            raise ValueError(f"mode {spec.mode} needs a drafter")
+        algo = "DFLASH" if spec.mode == "dflash" else "DDTREE"
+        width = spec.budget + 1 if spec.mode == TREE_VERIFY else spec.block
+        argv += ["--speculative-algorithm", algo, "--speculative-draft-model-path", spec.drafter,
+                 "--speculative-num-draft-tokens", str(width)]
+    return argv + list(spec.extra_args)
+
+
+def server_env(spec: ServerSpec, gpu: int, base: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    """The server's environment: its one GPU, the plugin allow-list, DDTREE's mode and budget."""
+    env = dict(os.environ if base is None else base)
+    env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+    env["PYTHONUNBUFFERED"] = "1"
+    for k in (MODE_ENV, BUDGET_ENV):
+        env.pop(k, None)
+    if spec.mode in (TREE_VERIFY, SHADOW_LINEAR):
+        env["SGLANG_PLUGINS"] = "ddtree"
+        env[MODE_ENV] = spec.mode
+        env[BUDGET_ENV] = str(spec.budget)
+    return env
+
+
+def make_prompts(n: int, length: int = 12, seed: int = 1, lo: int = 100, hi: int = 31000) -> List[List[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(lo, hi) for _ in range(length)] for _ in range(n)]
+
+
+def lossless_stats(outputs: Sequence[Sequence[int]], rescored: Sequence[Sequence[tuple]],
+                   margin: float = DEFAULT_MARGIN) -> dict:
+    """The lossless statistic.  ``rescored[i][j]`` is ``(token_logprob, top1_logprob,
+    top1_id)`` of emitted token ``outputs[i][j]`` under the target's prefill.
+    A token is *off-argmax* when it is not the top-1 id; a *violation* when it
+    is off-argmax by more than ``margin`` nats."""
+    tokens = off = viol = 0
+    gaps: List[float] = []
+    worst = None
+    for i, (out, rs) in enumerate(zip(outputs, rescored)):
+        if len(rs) != len(out):
+            raise ValueError(f"prompt {i}: {len(out)} emitted tokens but {len(rs)} re-scored")
+        for j, (tok, (lp, best_lp, best_id)) in enumerate(zip(out, rs)):
+            tokens += 1
+            if tok == best_id:
+                continue
+            off += 1
+            gap = float(best_lp) - float(lp)
+            gaps.append(gap)
+            if gap > margin:
+                viol += 1
+                if worst is None or gap > worst["gap"]:
+                    worst = {"prompt": i, "position": j, "token": tok, "argmax": best_id, "gap": round(gap, 4)}
+    return {"tokens": tokens, "off_argmax": off, "violations": viol, "margin": margin,
+            "max_off_argmax_gap": round(max(gaps), 4) if gaps else 0.0, "worst_violation": worst}
+
+
+def exact_match(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]]) -> dict:
+    """Prompts whose outputs are identical, and the mean first divergence position."""
+    same = sum(1 for x, y in zip(a, b) if list(x) == list(y))
+    firsts = [next((k for k, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
+              for x, y in zip(a, b) if list(x) != list(y)]
+    return {"identical": same, "prompts": min(len(a), len(b)),
+            "mean_first_divergence": round(sum(firsts) / len(firsts), 1) if firsts else None}
+
+
+def gpu_device_problem(gpu: int, dev: str = "/dev") -> Optional[str]:
+    """Why this host cannot run a GPU smoke test on ``gpu`` (None when it can)."""
+    missing = [p for p in (f"{dev}/nvidiactl", f"{dev}/nvidia{gpu}") if not os.path.exists(p)]
+    if missing:
+        return (f"no GPU device {' or '.join(missing)} on this host: the smoke test serves a real model on a "
+                "real GPU and cannot run here (a CPU lab host has an nvidia-smi stand-in, not a GPU)")
+    return None
+
+
+# ----------------------------------------------------------------------------- servers
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A transient server: a ``systemd-run`` unit (runtime-capped, stopped on exit)
+    where systemd runs, else a process session killed as a group."""
+
+    def __init__(self, argv, env, log_path, launcher="auto", runtime_max_s=1800, user=None):
+        self.argv, self.env, self.log_path = argv, env, log_path
+        self.launcher = launcher if launcher != "auto" else (
+            "systemd-run" if shutil.which("systemd-run") and os.path.isdir("/run/systemd/system") else "process")
+        self.runtime_max_s, self.user = runtime_max_s, user
+        self.proc = None
+        self.unit = None
+
+    def start(self) -> None:
+        if self.launcher == "systemd-run":
+            self.unit = f"ddtree-smoke-{os.getpid()}-{int(time.time() * 1000) % 10**8}"
+            keep = {k: v for k, v in self.env.items()
+                    if k in ("CUDA_VISIBLE_DEVICES", "PYTHONUNBUFFERED", "SGLANG_PLUGINS", MODE_ENV, BUDGET_ENV,
+                             "PATH", "HOME", "SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK", "PYTHONPATH")}
+            argv = ["systemd-run", f"--unit={self.unit}", "--collect", "--quiet",
+                    f"--property=RuntimeMaxSec={self.runtime_max_s}", f"--property=StandardOutput=file:{self.log_path}",
+                    f"--property=StandardError=file:{self.log_path}", "--property=KillMode=control-group"]
+            if self.user:
+                argv.append(f"--uid={self.user}")
+            argv += [f"--setenv={k}={v}" for k, v in sorted(keep.items())] + ["--"] + list(self.argv)
+            subprocess.run(argv, check=True, timeout=30, capture_output=True, text=True)
+        else:
+            log = open(self.log_path, "ab")
+            self.proc = subprocess.Popen(self.argv, env=self.env, stdout=log, stderr=log,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def alive(self) -> bool:
+        if self.unit:
+            r = subprocess.run(["systemctl", "is-active", "--quiet", self.unit], timeout=10)
+            return r.returncode == 0
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self) -> None:
+        if self.unit:
+            subprocess.run(["systemctl", "stop", self.unit], timeout=60, capture_output=True)
+            return
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.proc.wait(timeout=wait)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+    def log_tail(self, n: int = 30) -> str:
+        try:
+            with open(self.log_path, errors="replace") as fh:
+                lines = [ln for ln in fh.read().splitlines() if ln.strip()]
+            return "\n".join(lines[-n:])
+        except OSError:
+            return ""
+
+
+def _post(url: str, body: dict, timeout: float = 300) -> dict:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.load(r)
+
+
+def _get(url: str, timeout: float = 10) -> dict:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return json.load(r)
+
+
+def wait_healthy(base: str, server: Server, timeout: float) -> float:
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=3) as r:
+                if r.status == 200:
+                    return time.time() - t0
+        except (urllib.error.URLError, OSError):
+            pass
+        if not server.alive():
+            raise RuntimeError(f"server exited during start-up:\n{server.log_tail()}")
+        time.sleep(1)
+    raise RuntimeError(f"server not healthy after {timeout:.0f}s:\n{server.log_tail()}")
+
+
+def generate(base: str, prompts: Sequence[Sequence[int]], max_new: int, concurrency: int = 1,
+             sampling: Optional[dict] = None) -> List[dict]:
+    """``/generate`` by input_ids; returns per prompt {output_ids, meta_info}, in order."""
+    sp = dict(sampling or {"temperature": 0}, max_new_tokens=max_new, ignore_eos=True)
+    out: List[Optional[dict]] = [None] * len(prompts)
+    errors: List[str] = []
+    lock = threading.Lock()
+    nxt = [0]
+
+    def worker():
+        while True:
+            with lock:
+                i = nxt[0]
+                nxt[0] += 1
+            if i >= len(prompts):
+                return
+            try:
+                r = _post(base + "/generate", {"input_ids": list(prompts[i]), "sampling_params": sp})
+                out[i] = {"output_ids": r["output_ids"], "meta_info": r.get("meta_info", {})}
+            except Exception as e:  # noqa: BLE001 - reported, the caller decides
+                errors.append(f"prompt {i}: {type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=worker) for _ in range(max(1, concurrency))]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    if errors:
+        raise RuntimeError("; ".join(errors[:3]))
+    return out  # type: ignore[return-value]
+
+
+def rescore(base: str, prompt: Sequence[int], output: Sequence[int]) -> List[tuple]:
+    """One prefill of ``prompt + output`` on a plain server with top-2 log-probs:
+    ``(token_logprob, top1_logprob, top1_id)`` per emitted token."""
+    r = _post(base + "/generate", {
+        "input_ids": list(prompt) + list(output),
+        "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+        "return_logprob": True, "logprob_start_len": len(prompt) - 1, "top_logprobs_num": 2,
+    })
+    tok = r["meta_info"]["input_token_logprobs"]
+    top = r["meta_info"]["input_top_logprobs"]
+    # entry 0 is the last prompt token (its predicting distribution is not returned)
+    rows = []
+    for (lp, tid, *_), tp in list(zip(tok, top))[1:]:
+        best = tp[0]
+        rows.append((float(lp), float(best[0]), int(best[1])))
+    return rows
+
+
+UNSUPPORTED = {  # mode -> requests that mode cannot serve (rejected alone, the server keeps serving)
+    "tree-verify": [{"return_logprob": True}, {"sampling_params": {"frequency_penalty": 0.5}}],
+    "shadow-linear": [{"return_logprob": True}],
+    "dflash": [{"return_logprob": True}],
+}
+
+
+def unsupported_request_check(base: str, prompt: Sequence[int], mode: str = "tree-verify") -> dict:
+    """Each request ``mode`` cannot serve is rejected alone, and the server answers the next one."""
+    cases = []
+    for extra in UNSUPPORTED.get(mode, []):
+        body = {"input_ids": list(prompt), "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+        for k, v in extra.items():
+            body[k] = dict(body[k], **v) if isinstance(v, dict) else v
+        rejected, detail = False, ""
+        try:
+            r = _post(base + "/generate", body, timeout=120)
+            fin = (r.get("meta_info") or {}).get("finish_reason") or {}
+            rejected = isinstance(fin, dict) and fin.get("type") == "abort"
+            detail = json.dumps(fin)[:300]
+        except urllib.error.HTTPError as e:
+            rejected, detail = True, f"HTTP {e.code}: {e.read()[:300].decode(errors='replace')}"
+        nxt = generate(base, [prompt], 8)[0]
+        cases.append({"request": extra, "rejected": rejected, "detail": detail,
+                      "served_after": len(nxt["output_ids"]) == 8})
+    return {"cases": cases, "rejected": all(c["rejected"] for c in cases),
+            "served_after": all(c["served_after"] for c in cases)}
+
+
+# ----------------------------------------------------------------------------- the run
+@dataclass
+class SmokeResult:
+    ok: bool
+    checks: Dict[str, dict] = field(default_factory=dict)
+    problems: List[str] = field(default_factory=list)
+
+
+def run_smoke(*, mode: str, family: str, gpu: int, python: str, workdir: str, prompts: int, tokens: int,
+              budget: int, margin: float, launcher: str, start_timeout: float, concurrency: int,
+              log=print) -> SmokeResult:
+    from . import tiny
+
+    res = SmokeResult(ok=True)
+    paths = tiny.write_family(workdir, family, seed=0)
+    ps = make_prompts(prompts)
+    servers: List[Server] = []
+    try:
+        plain = ServerSpec("plain", paths["target"], mem_fraction=0.1)
+        specs = [plain] if mode == "plain" else [plain, ServerSpec(mode, paths["target"], paths["drafter"],
+                                                                     budget=budget, mem_fraction=0.1)]
+        bases = []
+        for s in specs:
+            port = free_port()
+            srv = Server(server_argv(python, s, port), server_env(s, gpu), os.path.join(workdir, f"{s.mode}.log"),
+                         launcher=launcher)
+            servers.append(srv)
+            srv.start()
+            bases.append(f"http://127.0.0.1:{port}")
+        for s, srv, base in zip(specs, servers, bases):
+            t = wait_healthy(base, srv, start_timeout)
+            log(f"{s.mode}: healthy after {t:.0f}s at {base}")
+        plain_base, base = bases[0], bases[-1]
+        t0 = time.time()
+        got = generate(base, ps, tokens, concurrency=concurrency)
+        wall = time.time() - t0
+        outs = [g["output_ids"] for g in got]
+        ref = generate(plain_base, ps, tokens) if mode != "plain" else got
+        stats = lossless_stats(outs, [rescore(plain_base, p, o) for p, o in zip(ps, outs)], margin)
+        stats["exact_match_vs_plain"] = exact_match(outs, [g["output_ids"] for g in ref])
+        stats["tokens_per_s"] = round(sum(len(o) for o in outs) / wall, 1)
+        res.checks["lossless"] = stats
+        if stats["violations"]:
+            res.ok = False
+            res.problems.append(f"{stats['violations']} emitted tokens are not the target's argmax by more than "
+                                f"{margin} nats (worst {stats['worst_violation']})")
+        info = _get(base + "/server_info") if mode != "plain" else {}
+        algo = (info.get("speculative_algorithm") or (info.get("server_args") or {}).get("speculative_algorithm"))
+        accept = [g["meta_info"].get("spec_accept_length") for g in got]
+        accept = [a for a in accept if a is not None]
+        res.checks["reports"] = {"algorithm": algo, "mean_accept_length": round(sum(accept) / len(accept), 3)
+                                 if accept else None,
+                                 "spec_cap_length": [g["meta_info"].get("spec_cap_length") for g in got][:4]}
+        if mode != "plain":
+            want = "DFLASH" if mode == "dflash" else "DDTREE"
+            if algo != want or not accept:
+                res.ok = False
+                res.problems.append(f"server reports algorithm {algo!r} (want {want}) and accept lengths {accept[:3]}")
+            un = unsupported_request_check(base, ps[0], mode)
+            res.checks["unsupported_request"] = un
+            if not (un["rejected"] and un["served_after"]):
+                res.ok = False
+                res.problems.append(f"unsupported request: {un}")
+    finally:
+        for srv in servers:
+            srv.stop()
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m sglang_ddtree.smoke", description=__doc__.split("\n")[0])
+    ap.add_argument("--mode", choices=MODES, default="tree-verify")
+    ap.add_argument("--family", choices=("hybrid", "dense"), default="hybrid")
+    ap.add_argument("--gpu", type=int, default=0)
+    ap.add_argument("--budget", type=int, default=15)
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--concurrency", type=int, default=1)
+    ap.add_argument("--margin", type=float, default=DEFAULT_MARGIN)
+    ap.add_argument("--launcher", choices=("auto", "systemd-run", "process"), default="auto")
+    ap.add_argument("--start-timeout", type=float, default=300)
+    ap.add_argument("--python", default=sys.executable, help="the interpreter of the venv SGLang runs from")
+    ap.add_argument("--json", help="write the report here too")
+    a = ap.parse_args(argv)
+    problem = gpu_device_problem(a.gpu)
+    if problem:
+        print(f"smoke: cannot run: {problem}", file=sys.stderr)
+        report = {"ok": False, "cannot_run": problem}
+        if a.json:
+            with open(a.json, "w") as fh:
+                json.dump(report, fh, indent=1)
+        print(json.dumps(report))
+        return EXIT_CANNOT_RUN
+    workdir = tempfile.mkdtemp(prefix="ddtree-smoke-")  # 0700: private to the smoke run
+    try:
+        res = run_smoke(mode=a.mode, family=a.family, gpu=a.gpu, python=a.python, workdir=workdir,
+                        prompts=a.prompts, tokens=a.tokens, budget=a.budget, margin=a.margin, launcher=a.launcher,
+                        start_timeout=a.start_timeout, concurrency=a.concurrency,
+                        log=lambda m: print(m, file=sys.stderr, flush=True))
+    except Exception as e:  # noqa: BLE001 - one clear line, non-zero exit
+        report = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        print(json.dumps(report))
+        return EXIT_FAILED
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    report = {"ok": res.ok, "mode": a.mode, "family": a.family, "gpu": a.gpu, "checks": res.checks,
+              "problems": res.problems}
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(report, fh, indent=1)
+    print(json.dumps(report))
+    return EXIT_OK if res.ok else EXIT_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""Request admission for DDTREE (sglang_ddtree.admission, adapters.common): pure rules, and the hook
+on the real SGLang's validate_dflash_request that the scheduler calls for every new request."""
+
+import types
+
+import pytest
+
+from sglang_ddtree import admission
+from sglang_ddtree.adapters import common
+
+
+def _req(return_logprob=False, custom_logit_processor=None, **sp):
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    params = SamplingParams(max_new_tokens=8, **sp)
+    return types.SimpleNamespace(sampling_params=params, return_logprob=return_logprob,
+                                 custom_logit_processor=custom_logit_processor, grammar=None,
+                                 return_hidden_states=False)
+
+
+SERVED = [dict(), dict(temperature=0.0), dict(temperature=1.0, top_p=0.9), dict(temperature=0.7, top_k=20),
+          dict(temperature=1.0, min_p=0.05), dict(stop_token_ids=[5])]
+REJECTED = [
+    (dict(return_logprob=True), "return_logprob"),
+    (dict(frequency_penalty=0.5), "frequency_penalty"),
+    (dict(presence_penalty=-0.2), "presence_penalty"),
+    (dict(repetition_penalty=1.1), "repetition_penalty"),
+    (dict(min_new_tokens=4), "min_new_tokens"),
+    (dict(logit_bias={"7": 2.0}), "logit_bias"),
+    (dict(json_schema='{"type": "object"}'), "grammar (json_schema)"),
+    (dict(regex="[ab]+"), "grammar (regex)"),
+    (dict(custom_logit_processor="serialized"), "custom_logit_processor"),
+]
+
+
+@pytest.mark.parametrize("sp", SERVED)
+def test_tree_verify_serves_plain_sampling(sp):
+    assert admission.tree_verify_rejection(_req(**sp)) is None
+
+
+@pytest.mark.parametrize("kw,what", REJECTED, ids=[r[1] for r in REJECTED])
+def test_tree_verify_rejects_chain_only_features_with_the_reason(kw, what):
+    msg = admission.tree_verify_rejection(_req(**kw))
+    assert msg and msg.startswith("DDTREE tree-verify does not support ") and what in msg
+
+
+def test_several_features_named_together_and_other_modes_admit():
+    msg = admission.rejection("tree-verify", _req(return_logprob=True, frequency_penalty=0.3))
+    assert "return_logprob" in msg and "frequency_penalty" in msg
+    assert admission.rejection("shadow-linear", _req(frequency_penalty=0.3)) is None
+    assert admission.rejection(None, _req(frequency_penalty=0.3)) is None  # no DDTREE worker here
+
+
+def test_after_hook_keeps_sglangs_own_verdict():
+    common.set_active_mode("tree-verify")
+    try:
+        assert common.admission_after_hook("SGLang says no", _req()) == "SGLang says no"
+        assert common.admission_after_hook(None, _req()) is None
+        assert "frequency_penalty" in common.admission_after_hook(None, _req(frequency_penalty=1.0), False)
+    finally:
+        common.set_active_mode(None)
+
+
+@pytest.mark.sglang_api
+def test_hook_patches_the_function_the_scheduler_calls():
+    """Through SGLang's real HookRegistry: the scheduler module's validate_dflash_request
+    (what Scheduler.handle_generate_request calls) carries DDTREE's rule once registered."""
+    import subprocess
+    import sys
+
+    code = (
+        "import types\n"
+        "from sglang_ddtree.adapters import common\n"
+        "from sglang.srt.plugins.hook_registry import HookRegistry, HookType\n"
+        "HookRegistry.register(common.ADMISSION_TARGET, common.admission_after_hook, HookType.AFTER)\n"
+        "HookRegistry.apply_hooks()\n"
+        "import sglang.srt.speculative.dflash_utils as du\n"
+        "from sglang.srt.sampling.sampling_params import SamplingParams\n"
+        "req = types.SimpleNamespace(sampling_params=SamplingParams(frequency_penalty=0.5), return_logprob=False,\n"
+        "                            custom_logit_processor=None, grammar=None, return_hidden_states=False)\n"
+        "print('before', du.validate_dflash_request(req, False))\n"
+        "common.set_active_mode('tree-verify')\n"
+        "print('after', du.validate_dflash_request(req, False))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if line.startswith(("before", "after")))
+    assert lines["before"] == "None"
+    assert "DDTREE tree-verify does not support frequency_penalty" in lines["after"]

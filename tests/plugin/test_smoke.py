@@ -1,0 +1,77 @@
+"""The smoke test's pure parts (sglang_ddtree.smoke), and its refusal on a host without a GPU."""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from sglang_ddtree import smoke
+
+
+def test_lossless_stats_counts_violations_beyond_the_margin():
+    outs = [[5, 6, 7], [8, 9]]
+    rescored = [[(-0.1, -0.1, 5), (-0.52, -0.50, 4), (-3.0, -1.0, 1)],  # exact, near-tie (0.02), violation (2.0)
+                [(-0.2, -0.2, 8), (-0.3, -0.3, 9)]]
+    st = smoke.lossless_stats(outs, rescored, margin=0.05)
+    assert (st["tokens"], st["off_argmax"], st["violations"]) == (5, 2, 1)
+    assert st["worst_violation"] == {"prompt": 0, "position": 2, "token": 7, "argmax": 1, "gap": 2.0}
+    assert smoke.lossless_stats(outs, rescored, margin=3.0)["violations"] == 0
+    with pytest.raises(ValueError, match="re-scored"):
+        smoke.lossless_stats(outs, [rescored[0][:2], rescored[1]])
+
+
+def test_exact_match_and_prompts():
+    assert smoke.exact_match([[1, 2, 3], [4, 5]], [[1, 2, 3], [4, 6]]) == {
+        "identical": 1, "prompts": 2, "mean_first_divergence": 1.0}
+    assert smoke.make_prompts(3, seed=9) == smoke.make_prompts(3, seed=9) != smoke.make_prompts(3, seed=8)
+    assert all(len(p) == 12 and all(100 <= t < 31000 for t in p) for p in smoke.make_prompts(4))
+
+
+@pytest.mark.sglang_api
+@pytest.mark.parametrize("mode", smoke.MODES)
+def test_server_argv_parses_with_sglangs_real_parser(mode):
+    from sglang.srt.server_args import ServerArgs
+
+    spec = smoke.ServerSpec(mode, "/m/target", None if mode == "plain" else "/m/drafter", budget=31)
+    argv = smoke.server_argv("/venv/bin/python", spec, 31234)
+    assert argv[:3] == ["/venv/bin/python", "-m", "sglang.launch_server"]
+    p = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(p)
+    ns = p.parse_args(argv[3:])
+    assert (ns.host, ns.port, ns.attention_backend, ns.skip_tokenizer_init) == ("127.0.0.1", 31234, "triton", True)
+    want = {"plain": None, "dflash": ("DFLASH", 8), "shadow-linear": ("DDTREE", 8), "tree-verify": ("DDTREE", 32)}[mode]
+    got = None if ns.speculative_algorithm is None else (ns.speculative_algorithm, ns.speculative_num_draft_tokens)
+    assert got == want
+    env = smoke.server_env(spec, 3, base={"PATH": "/bin", "SGLANG_DDTREE_BUDGET": "99"})
+    assert env["CUDA_VISIBLE_DEVICES"] == "3"
+    if mode in ("tree-verify", "shadow-linear"):
+        assert (env["SGLANG_PLUGINS"], env["SGLANG_DDTREE_MODE"], env["SGLANG_DDTREE_BUDGET"]) == ("ddtree", mode, "31")
+    else:
+        assert "SGLANG_DDTREE_BUDGET" not in env and "SGLANG_DDTREE_MODE" not in env
+
+
+def test_server_argv_refuses_what_cannot_run():
+    with pytest.raises(ValueError, match="needs a drafter"):
+        smoke.server_argv("python", smoke.ServerSpec("tree-verify", "/m"), 1)
+    with pytest.raises(ValueError, match="unknown mode"):
+        smoke.server_argv("python", smoke.ServerSpec("beam", "/m", "/d"), 1)
+
+
+def test_gpu_device_problem(tmp_path):
+    assert "no GPU device" in smoke.gpu_device_problem(0, dev=str(tmp_path))
+    (tmp_path / "nvidiactl").touch()
+    (tmp_path / "nvidia1").touch()
+    assert smoke.gpu_device_problem(1, dev=str(tmp_path)) is None
+    assert "nvidia0" in smoke.gpu_device_problem(0, dev=str(tmp_path))
+
+
+@pytest.mark.skipif(os.path.exists("/dev/nvidia0"), reason="this host has a GPU; the refusal is for hosts without one")
+def test_cli_on_a_host_without_gpu_says_so_and_exits_2(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "sglang_ddtree.smoke", "--json", str(tmp_path / "r.json")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == smoke.EXIT_CANNOT_RUN == 2
+    assert "cannot run: no GPU device /dev/nvidiactl or /dev/nvidia0" in out.stderr
+    assert json.loads((tmp_path / "r.json").read_text())["ok"] is False
