@@ -331,3 +331,15 @@ def native_verdict(report: dict) -> Verdict:
             warnings.append(describe(r))
     return Verdict("native", not reasons, tuple(reasons), tuple(warnings),
                    details={"sm": report.get("sm"), "checked": [r["path"] for r in report.get("startup", [])]})
+
+
+def host_verdicts(collected: dict, native: dict | None, caps: dict, tags: list[Tag] | None = None) -> list[Verdict]:
+    """Every verdict for one host, from what its collectors printed: `collected` is
+    dists.collect()'s document, `native` elfsyms.check_site()'s (None: not gathered). The deploy
+    preflight refuses the host when any of them is not ok."""
+    dists, env = collected["distributions"], collected["environment"]
+    prefix = next((p.split("/lib/python", 1)[0] for p in collected.get("paths", []) if p.endswith("site-packages")), None)
+    out = [coherence_verdict(dists, env, tags, prefix), deploy_verdict(dists, env, caps)]
+    if native is not None:
+        out.append(native_verdict(native))
+    return out

@@ -272,3 +272,13 @@ def test_native_verdict_lazy_extensions_warn_and_errors_refuse():
     rep["errors"] = ["sgl_kernel: no common_ops for sm90"]
     assert C.native_verdict(rep).reasons == ("sgl_kernel: no common_ops for sm90",)
     assert C.native_verdict({"torch_lib": False}).ok
+
+
+def test_host_verdicts_from_collector_documents():
+    collected = {"distributions": _with(("sglang-kernel", "0.4.10")), "environment": ENV,
+                 "paths": ["/opt/sglang/venv/lib/python3.11/site-packages"]}
+    pip, deploy, native = C.host_verdicts(collected, _report("0.4.10", "2.11.0+cu130", "sm_90"), CAPS_BOTH)
+    assert (pip.check, deploy.check, native.check) == ("pip-check", "deploy", "native")
+    assert not pip.ok and pip.reasons[0] == "sglang 0.5.17 has requirement sglang-kernel==0.4.5, but you have sglang-kernel 0.4.10."
+    assert not deploy.ok and not native.ok
+    assert [v.ok for v in C.host_verdicts(dict(collected, distributions=CLOSURE["distributions"]), None, CAPS_BOTH)] == [True, True]

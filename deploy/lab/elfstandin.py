@@ -27,6 +27,22 @@ _SYMBOL = re.compile(r"^[A-Za-z_][A-Za-z0-9_.$]*$")
 _LIBNAME = re.compile(r"^lib[A-Za-z0-9_.+-]+\.so(\.[0-9]+)*$")
 
 
+# A program (`python3 -c DLOPEN_CHECK TORCH_LIB EXTENSION`) that asks the real dynamic linker: it loads
+# torch/lib's libraries globally, as `import torch` has them loaded, then the extension with RTLD_NOW,
+# as Python imports one; prints LOADED or the linker's error ("... undefined symbol: NAME").
+DLOPEN_CHECK = r"""
+import ctypes, os, sys
+lib, ext = sys.argv[1], sys.argv[2]
+for n in ("libc10.so", "libtorch_cpu.so", "libc10_cuda.so", "libtorch_nvshmem.so", "libtorch_cuda.so", "libtorch.so"):
+    ctypes.CDLL(os.path.join(lib, n), mode=ctypes.RTLD_GLOBAL)
+try:
+    ctypes.CDLL(ext, mode=os.RTLD_NOW)
+    print("LOADED")
+except OSError as exc:
+    print(exc)
+"""
+
+
 class StandinError(RuntimeError):
     pass
 

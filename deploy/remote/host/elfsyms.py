@@ -85,13 +85,14 @@ def _cstr(buf, off: int) -> str:
     return buf[off:end].decode("utf-8", "replace")
 
 
-def parse_elf(data) -> dict:
+def parse_elf(data, symbols: bool = True) -> dict:
     """An ELF64 little-endian shared object (bytes or mmap) -> its dynamic linking facts:
 
     {"soname", "needed": [...], "runpath": [...], "rpath": [...],
      "undefined": [[name, version or None, weak], ...],  # what it needs from others
      "defined": [[name, version or None], ...]}          # what it exports (global/weak, default or
                                                           # protected visibility, not a hidden version)
+    symbols=False reads the dynamic section only (undefined/defined stay empty).
     """
     if len(data) < _EHDR.size or bytes(data[:4]) != b"\x7fELF":
         raise ElfError("not an ELF file")
@@ -131,7 +132,7 @@ def parse_elf(data) -> dict:
                 out["runpath"] = _cstr(strtab, val).split(":")
             elif tag == DT_RPATH:
                 out["rpath"] = _cstr(strtab, val).split(":")
-    if SHT_DYNSYM not in by_type:
+    if SHT_DYNSYM not in by_type or not symbols:
         return out
     si = by_type[SHT_DYNSYM]
     dynstr = body(secs[si][6])
@@ -186,7 +187,7 @@ def parse_elf(data) -> dict:
     return out
 
 
-def read_elf(path: str) -> dict:
+def read_elf(path: str, symbols: bool = True) -> dict:
     """parse_elf of a file, read through mmap (libtorch_cuda.so is ~0.5 GB; only its tables are touched)."""
     with open(path, "rb") as fh:
         size = os.fstat(fh.fileno()).st_size
@@ -194,7 +195,7 @@ def read_elf(path: str) -> dict:
             raise ElfError(f"{path}: not an ELF file")
         with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
             try:
-                return parse_elf(mm)
+                return parse_elf(mm, symbols)
             except ElfError as exc:
                 raise ElfError(f"{path}: {exc}") from None
 
@@ -460,7 +461,7 @@ def torch_linked(site: str, skip=("torch", "nvidia")) -> list[str]:
                 continue
             p = os.path.join(root, f)
             try:
-                needed = read_elf(p)["needed"]
+                needed = read_elf(p, symbols=False)["needed"]
             except (OSError, ElfError):
                 continue
             if any(n.startswith(TORCH_LIB_PREFIXES) for n in needed):
