@@ -263,3 +263,16 @@ def test_check_site_without_torch_or_common_ops(standins, tmp_path):
     shutil.rmtree(site / "sgl_kernel" / "sm90")
     rep = E.check_site(str(site), "sm_90", all_linked=False)
     assert rep["startup"] == [] and rep["errors"] == ["sgl_kernel: no common_ops for sm90"]
+
+
+def test_per_torch_addons_only_for_the_installed_torch(standins, tmp_path):
+    """torch_c_dlpack_ext ships one add-on per torch release; tvm_ffi loads the running torch's only."""
+    site = _site(standins, tmp_path, "0.4.5", "2.11.0+cu130")
+    (site / "torch" / "version.py").write_text("__version__ = '2.11.0+cu130'\n")
+    addons = site / "torch_c_dlpack_ext"
+    addons.mkdir()
+    for v in ("211", "25"):
+        shutil.copyfile(site / "other" / "_ext.so", addons / f"libtorch_c_dlpack_addon_torch{v}-cuda.so")
+    paths = {r["path"] for r in E.check_site(str(site), "sm_90")["other"]}
+    assert "torch_c_dlpack_ext/libtorch_c_dlpack_addon_torch211-cuda.so" in paths
+    assert "torch_c_dlpack_ext/libtorch_c_dlpack_addon_torch25-cuda.so" not in paths

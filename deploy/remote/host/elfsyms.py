@@ -40,6 +40,7 @@ import glob
 import json
 import mmap
 import os
+import re
 import struct
 import sys
 from collections import deque
@@ -469,12 +470,28 @@ def torch_linked(site: str, skip=("torch", "nvidia")) -> list[str]:
     return sorted(found)
 
 
+# Add-ons built once per torch release, of which the loader picks the one for the running torch
+# (torch_c_dlpack_ext's libtorch_c_dlpack_addon_torch<MAJ><MIN>-<device>.so, loaded by tvm_ffi):
+# the others are never loaded and not judged.
+_PER_TORCH = re.compile(r"_torch(\d)(\d+)-[^/]*\.so$")
+
+
+def _torch_version(site: str) -> tuple[int, int] | None:
+    try:
+        with open(os.path.join(site, "torch", "version.py")) as fh:
+            m = re.search(r"^__version__\s*=\s*['\"](\d+)\.(\d+)", fh.read(), re.M)
+    except OSError:
+        return None
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
 def check_site(site: str, sm: str | None = None, all_linked: bool = True) -> dict:
     """Host-side collector: the native-extension report of one site-packages for a GPU arch.
 
     `startup` lists what SGLang loads when it starts (sgl_kernel's common_ops for `sm`); `other` every
-    other torch-linked extension found (FA3's flash_ops, torchvision, ... loaded lazily or by some
-    models only). Paths are relative to `site`."""
+    other torch-linked extension found (FA3's flash_ops, torchvision, deep_gemm, torchao, ... loaded
+    lazily or by some models only), but per-torch add-ons built for another torch release. Paths are
+    relative to `site`."""
     torch_lib = os.path.join(site, "torch", "lib")
     out = {"site": site, "sm": sm, "torch_lib": os.path.isdir(torch_lib), "startup": [], "other": [], "errors": []}
     if not out["torch_lib"]:
@@ -499,8 +516,10 @@ def check_site(site: str, sm: str | None = None, all_linked: bool = True) -> dic
         out["startup"].append(r)
     if all_linked:
         started = {p for _, _, p in startup}
+        tv = _torch_version(site)
         for path in torch_linked(site):
-            if path in started:
+            m = _PER_TORCH.search(path)
+            if path in started or (m and tv and (int(m.group(1)), int(m.group(2))) != tv):
                 continue
             try:
                 r = check_extension(path, torch_lib, libs)
