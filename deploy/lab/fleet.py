@@ -24,8 +24,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from packaging.utils import canonicalize_name
+
 from . import persona
-from .wheels import build_lab_wheels, dist_info_dirname, find_meta, load_closure, metadata_only, write_dist_info
+from .wheels import build_lab_wheels, dist_info_dirname, find_meta, load_closure, write_dist_info
 
 # DDTREE_LAB_ID (0-9) runs several labs side by side on one machine (one per work tree): each id has its
 # own subnet, bridge, namespaces, veths and state directory. Id 0 is the default and keeps the names that
@@ -292,11 +294,13 @@ def _prepare(h: LabHost, root: Path, wheels: dict[str, Path]) -> None:
               f"> /etc/sudoers.d/{SUDO_USER}; chmod 440 /etc/sudoers.d/{SUDO_USER}")
     _run(["systemd-nspawn", "--quiet", "--register=no", "--keep-unit", "--private-network",
           "-D", str(root), "/bin/sh", "-c", script])
-    # Everything else of the real SGLang 0.5.17 closure, metadata-only (real pins, no code).
+    # Everything else of the real SGLang 0.5.17 closure, metadata-only (real pins, no code), but what the
+    # venv already has (its own pip and setuptools stay). Copied by cp: no Python work per host.
     site = _site_packages(root)
-    present = {d.name.split("-")[0].lower().replace("_", "-") for d in site.glob("*.dist-info")}
-    for meta in metadata_only(load_closure(), present):
-        write_dist_info(site, meta)
+    present = {canonicalize_name(d.name.split("-")[0]) for d in site.glob("*.dist-info")}
+    todo = [str(d) for d in sorted(wheels["closure"].glob("*.dist-info"))
+            if canonicalize_name(d.name.split("-")[0]) not in present]
+    _run(["cp", "-a", *todo, str(site)])
     _lab_models(root)
     (d / "host.json").write_text(json.dumps(asdict(h)))
 

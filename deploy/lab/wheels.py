@@ -235,14 +235,15 @@ def _sglang_kernel(out: Path, version: str, closure: dict, abi: dict, torch_lib:
 
 def build_lab_wheels(out: Path) -> dict[str, Path]:
     """Build (once per content: the lab code and the captures) the lab wheels into out/<key>:
-    torch-cu130, torch-cu128, triton, sglang-kernel-0.4.5, sglang-kernel-0.4.10."""
+    torch-cu130, torch-cu128, triton, sglang-kernel-0.4.5, sglang-kernel-0.4.10; and "closure", a folder
+    of the closure's metadata-only .dist-info directories (all but the lab-built ones) to copy into venvs."""
     out = Path(out) / _content_key()
     done = out / ".complete"
     names = ["torch-cu130", "torch-cu128", "triton"] + [f"sglang-kernel-{v}" for v in KERNEL_VERSIONS]
     if done.exists():
         built = json.loads(done.read_text())
-        if all((out / built.get(n, "-")).is_file() for n in names):
-            return {n: out / built[n] for n in names}
+        if all((out / built.get(n, "-")).exists() for n in names + ["closure"]):
+            return {n: out / built[n] for n in names + ["closure"]}
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     abi = elfstandin.load_abi_capture()
@@ -264,5 +265,8 @@ def build_lab_wheels(out: Path) -> dict[str, Path]:
                                       f'__version__ = "{TRITON_VERSION}"\n'})
         for v in KERNEL_VERSIONS:
             wheels[f"sglang-kernel-{v}"] = _sglang_kernel(out, v, closure, abi, torch_lib)
+    for meta in metadata_only(closure, set()):
+        write_dist_info(out / "closure", meta)
+    wheels["closure"] = out / "closure"
     done.write_text(json.dumps({n: p.name for n, p in wheels.items()}))
     return wheels
