@@ -335,8 +335,9 @@ def native_verdict(report: dict) -> Verdict:
 
 def host_verdicts(collected: dict, native: dict | None, caps: dict, tags: list[Tag] | None = None) -> list[Verdict]:
     """Every verdict for one host, from what its collectors printed: `collected` is
-    dists.collect()'s document, `native` elfsyms.check_site()'s (None: not gathered). The deploy
-    preflight refuses the host when any of them is not ok."""
+    dists.collect()'s document, `native` elfsyms.check_site()'s (None: not gathered). Returns
+    [pip-check, deploy, native]: `fab inventory` flags the first; the deploy preflight refuses on the
+    deploy and native verdicts and shows the pip-check one."""
     dists, env = collected["distributions"], collected["environment"]
     prefix = next((p.split("/lib/python", 1)[0] for p in collected.get("paths", []) if p.endswith("site-packages")), None)
     out = [coherence_verdict(dists, env, tags, prefix), deploy_verdict(dists, env, caps)]
