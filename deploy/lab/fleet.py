@@ -24,8 +24,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from packaging.utils import canonicalize_name
+
 from . import persona
-from .wheels import build_lab_wheels
+from .wheels import build_lab_wheels, dist_info_dirname, find_meta, load_closure, write_dist_info
 
 # DDTREE_LAB_ID (0-9) runs several labs side by side on one machine (one per work tree): each id has its
 # own subnet, bridge, namespaces, veths and state directory. Id 0 is the default and keeps the names that
@@ -276,10 +278,11 @@ def _prepare(h: LabHost, root: Path, wheels: dict[str, Path]) -> None:
     smi = root / "usr/bin/nvidia-smi"
     shutil.copyfile(STANDIN, smi)
     os.chmod(smi, 0o755)
-    # The managed venv with a torch build matching the persona (ct200: the seed's +cu128 drift).
+    # The managed venv with a torch build matching the persona (ct200: the seed's +cu128 drift), and
+    # sglang-kernel 0.4.5 (what SGLang 0.5.17 pins), installed by pip from lab wheels.
     stage = root / "var/tmp/lab-wheels"
     stage.mkdir(parents=True, exist_ok=True)
-    picked = [wheels[f"torch-{h.torch_tag}"], wheels["triton"]]
+    picked = [wheels[f"torch-{h.torch_tag}"], wheels["triton"], wheels["sglang-kernel-0.4.5"]]
     for w in picked:
         shutil.copyfile(w, stage / w.name)
     script = (f"set -e; python3 -m venv {VENV}; {VENV}/bin/pip install -q --no-index --no-deps "
@@ -291,8 +294,98 @@ def _prepare(h: LabHost, root: Path, wheels: dict[str, Path]) -> None:
               f"> /etc/sudoers.d/{SUDO_USER}; chmod 440 /etc/sudoers.d/{SUDO_USER}")
     _run(["systemd-nspawn", "--quiet", "--register=no", "--keep-unit", "--private-network",
           "-D", str(root), "/bin/sh", "-c", script])
+    # Everything else of the real SGLang 0.5.17 closure, metadata-only (real pins, no code), but what the
+    # venv already has (its own pip and setuptools stay). Copied by cp: no Python work per host.
+    site = _site_packages(root)
+    present = {canonicalize_name(d.name.split("-")[0]) for d in site.glob("*.dist-info")}
+    todo = [str(d) for d in sorted(wheels["closure"].glob("*.dist-info"))
+            if canonicalize_name(d.name.split("-")[0]) not in present]
+    _run(["cp", "-a", *todo, str(site)])
     _lab_models(root)
     (d / "host.json").write_text(json.dumps(asdict(h)))
+
+
+def _site_packages(root: Path) -> Path:
+    found = sorted(root.glob(VENV.lstrip("/") + "/lib/python3*/site-packages"))
+    if len(found) != 1:
+        raise LabError(f"{root}: expected one site-packages in {VENV}, found {len(found)}")
+    return found[0]
+
+
+# ------------------------------------------------------------------ drift knobs
+
+# Ways to make one lab host incoherent on purpose (fab lab.drift HOST KIND), all from real captured
+# metadata, so refusals can be tested on real pins. "coherent" puts the default back.
+DRIFTS = {
+    "coherent": "SGLang 0.5.17 and sglang-kernel 0.4.5 (the default)",
+    "sglang-kernel-0.4.10": "sglang-kernel 0.4.10: its real metadata (torch==2.14.1) and common_ops stand-ins "
+                            "importing its real torch symbols, which the lab's torch 2.11 does not export",
+    "sglang-0.5.16": "SGLang 0.5.16's real metadata: a version the plugin does not support (and unmet pins)",
+    "sglang-0.5.23": "SGLang 0.5.23's real metadata: supported by the plugin, but it pins torch==2.14.1, "
+                     "sglang-kernel==0.4.10, flashinfer-python==0.7.2",
+}
+
+
+def _ssh_argv(h: LabHost, command: str) -> list[str]:
+    return ["ssh", "-i", str(control_key()), "-o", f"UserKnownHostsFile={known_hosts()}",
+            "-o", "StrictHostKeyChecking=yes", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5",
+            f"root@{h.address}", command]
+
+
+def _host(name: str) -> LabHost:
+    p = LAB_DIR / "hosts" / name / "host.json"
+    if not p.exists():
+        raise LabError(f"no lab host {name!r} (fab lab.up)")
+    h = LabHost(**json.loads(p.read_text()))
+    if _pid(h) is None:
+        raise LabError(f"lab host {name} is not running (fab lab.up)")
+    return h
+
+
+def _swap_sglang(site: Path, version: str) -> None:
+    """Replace the metadata-only sglang distribution by another captured version's (atomically per dir)."""
+    meta = find_meta(load_closure(), "sglang", version)
+    new = site / dist_info_dirname("sglang", version)
+    tmp = site / f".lab-drift-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    write_dist_info(tmp, meta)
+    for old in site.glob("sglang-*.dist-info"):
+        shutil.rmtree(old)
+    (tmp / new.name).rename(new)
+    tmp.rmdir()
+
+
+def set_drift(name: str, kind: str, log=print) -> str:
+    """Apply a drift knob (DRIFTS) to a running lab host's managed venv; returns the previous kind.
+
+    sglang-kernel changes go through the venv's own pip (uninstall by RECORD, install the lab wheel);
+    sglang's metadata-only distribution is swapped in place."""
+    if kind not in DRIFTS:
+        raise LabError(f"unknown drift {kind!r}; one of: {', '.join(DRIFTS)}")
+    h = _host(name)
+    state = host_dir(h) / "drift"
+    before = state.read_text().strip() if state.exists() else "coherent"
+    wheels = build_lab_wheels(CACHE_DIR / f"wheels{_SUFFIX}")
+    root = host_dir(h) / "root"
+    site = _site_packages(root)
+    kernel = "0.4.10" if kind == "sglang-kernel-0.4.10" else "0.4.5"
+    have = [d.name for d in site.glob("sglang_kernel-*.dist-info")]
+    if have != [dist_info_dirname("sglang-kernel", kernel)]:
+        whl = wheels[f"sglang-kernel-{kernel}"]
+        stage = root / "var/tmp/lab-drift"
+        stage.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(whl, stage / whl.name)
+        p = _run(_ssh_argv(h, f"{VENV}/bin/pip install -q --no-index --no-deps --force-reinstall "
+                              f"--disable-pip-version-check /var/tmp/lab-drift/{whl.name}; rc=$?; "
+                              f"rm -rf /var/tmp/lab-drift; exit $rc"), check=False, timeout=120)
+        if p.returncode != 0:
+            raise LabError(f"{name}: installing sglang-kernel {kernel} failed: {p.stderr.strip()[-800:]}")
+    sglang = kind.split("-", 1)[1] if kind.startswith("sglang-0.") else "0.5.17"
+    if not (site / dist_info_dirname("sglang", sglang)).is_dir():
+        _swap_sglang(site, sglang)
+    state.write_text(kind + "\n")
+    log(f"{name}: drift {before} -> {kind}")
+    return before
 
 
 def _boot(h: LabHost, root: Path) -> int:
@@ -442,8 +535,10 @@ def status() -> list[dict]:
                     ssh_ok = s.recv(8).startswith(b"SSH-")
             except OSError:
                 pass
+        drift = host_dir(h) / "drift"
         rows.append({"host": h.name, "address": h.address, "state": "running" if pid else "stopped", "pid": pid,
-                     "sshd": ssh_ok, "persona": h.persona, "gpus": h.gpus, "torch": f"2.11.0+{h.torch_tag}"})
+                     "sshd": ssh_ok, "persona": h.persona, "gpus": h.gpus, "torch": f"2.11.0+{h.torch_tag}",
+                     "drift": drift.read_text().strip() if drift.exists() else "coherent"})
     return rows
 
 

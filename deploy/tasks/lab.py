@@ -31,6 +31,17 @@ def down(c):
     print("lab down: " + ", ".join(f"{v} {k}" for k, v in removed.items()))
 
 
+@task(help={"host": "the lab host (ct129, ct200, h200, ...)",
+            "kind": "one of: " + ", ".join(fleet.DRIFTS)})
+def drift(c, host, kind):
+    """Make one lab host's managed venv incoherent on purpose (real captured metadata), or 'coherent' again."""
+    try:
+        fleet.set_drift(host, kind)
+    except fleet.LabError as exc:
+        raise Exit(f"lab.drift failed: {exc}", code=1)
+    print(f"{host}: {fleet.DRIFTS[kind]}")
+
+
 @task(help={"json": "print JSON"})
 def status(c, json=False):
     """Show the lab hosts: running, address, sshd, GPU persona, torch build."""
@@ -39,9 +50,9 @@ def status(c, json=False):
         print(jsonlib.dumps(rows, indent=1))
         return
     t = Table(title="lab")
-    for col in ("host", "address", "state", "sshd", "persona", "gpus", "torch (as built)"):
+    for col in ("host", "address", "state", "sshd", "persona", "gpus", "torch (as built)", "drift"):
         t.add_column(col)
     for r in rows:
         t.add_row(r["host"], r["address"], r["state"], "yes" if r["sshd"] else "no", r["persona"], str(r["gpus"]),
-                  r["torch"])
+                  r["torch"], r["drift"])
     Console().print(t if rows else "lab: no hosts (fab lab.up)")

@@ -1,0 +1,346 @@
+"""Coherence before change: is a host's environment whole, and can the plugin run on it?
+
+Pure functions over what the host-side collectors report (deploy/remote/host/dists.py: installed
+distributions and the marker environment; deploy/remote/host/elfsyms.py: native extensions against
+torch), evaluated with `packaging`. Three verdicts, each a value with human-readable reasons:
+
+- `coherence_verdict`: the environment's unmet requirements, exactly as `pip check` lists them
+  (same discovery, same marker and extra handling, same output lines);
+- `deploy_verdict`: the installed SGLang is one the plugin supports (capabilities.json) and the pins
+  among sglang / sglang-kernel / torch / flashinfer-python are met;
+- `native_verdict`: the native extensions SGLang loads at startup resolve against the host's torch.
+"""
+from __future__ import annotations
+
+import json
+import zipfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from packaging.markers import UndefinedComparison, UndefinedEnvironmentName
+from packaging.requirements import InvalidRequirement, Requirement
+from packaging.tags import Tag, compatible_tags, cpython_tags, parse_tag
+from packaging.utils import canonicalize_name
+from packaging.version import InvalidVersion, Version
+
+# The distributions whose pins on each other decide whether SGLang can start at all.
+CORE = ("sglang", "sglang-kernel", "torch", "flashinfer-python")
+# pip's stdlib_pkgs: never reported as unsupported.
+STDLIB_PKGS = frozenset({"python", "wsgiref", "argparse"})
+CAPABILITIES = Path(__file__).resolve().parents[1] / "overlays/sglang-ddtree/src/sglang_ddtree/capabilities.json"
+# Since pip 24.2, pip check takes a distribution's name and version from its .dist-info directory name
+# before METADATA, and reports installed wheels whose tags the interpreter does not support.
+MODERN_PIP = Version("24.2")
+
+
+class CoherenceError(ValueError):
+    pass
+
+
+# ---------------------------------------------------------------- pip check
+
+@dataclass(frozen=True)
+class Installed:
+    """One distribution as pip check sees it."""
+    name: str                      # canonical
+    raw_name: str
+    version: Version
+    requires: tuple[Requirement, ...]
+    path: str | None = None
+    wheel_tags: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Unmet:
+    """One unmet requirement: `installed` is None when the dependency is missing."""
+    package: str
+    version: str
+    requirement: str
+    dependency: str
+    installed: str | None
+
+    @property
+    def missing(self) -> bool:
+        return self.installed is None
+
+    def pip_line(self) -> str:
+        """The line `pip check` prints for it."""
+        if self.missing:
+            return f"{self.package} {self.version} requires {self.dependency}, which is not installed."
+        return (f"{self.package} {self.version} has requirement {self.requirement}, but you have "
+                f"{self.dependency} {self.installed}.")
+
+
+def modern_pip(dists: list[dict]) -> bool:
+    """Does the environment's own pip (found among its distributions) follow pip >= 24.2's rules?
+    An environment without pip is judged by today's pip."""
+    for d in dists:
+        if canonicalize_name(d.get("name") or "") == "pip":
+            try:
+                return Version(d.get("version") or "") >= MODERN_PIP
+            except InvalidVersion:
+                return True
+    return True
+
+
+def _pip_identity(d: dict, modern: bool = True) -> tuple[str | None, str | None]:
+    """Name and version the way pip reads them: pip >= 24.2 from the dist-info directory name first,
+    then METADATA; older pips from METADATA."""
+    if modern:
+        return d.get("dir_name") or d.get("name"), d.get("dir_version") or d.get("version")
+    return d.get("name"), d.get("version")
+
+
+def _evaluate(marker, environment: dict, extra: str) -> bool:
+    return marker.evaluate(dict(environment, extra=extra))
+
+
+def package_set(dists: list[dict], environment: dict, modern: bool | None = None) -> tuple[dict[str, Installed], list[str]]:
+    """pip's `create_package_set_from_installed` over collected distributions: first of a name wins;
+    each one's requirements filtered as `iter_dependencies()` filters them (no marker, or a marker true
+    with extra == ""). A distribution whose version or requirements do not parse is left out and
+    reported as a problem, as pip does. `modern`: pip >= 24.2's rules (default: the environment's pip)."""
+    modern = modern_pip(dists) if modern is None else modern
+    out: dict[str, Installed] = {}
+    problems: list[str] = []
+    for d in dists:
+        raw, ver = _pip_identity(d, modern)
+        if not raw:
+            problems.append(f"{d.get('path') or '?'}: no name")
+            continue
+        name = canonicalize_name(raw)
+        if name in out:
+            continue
+        try:
+            version = Version(ver or "")
+            reqs = []
+            for line in d.get("requires_dist") or []:
+                req = Requirement(line.strip())
+                if req.marker is None or _evaluate(req.marker, environment, ""):
+                    reqs.append(req)
+        except (InvalidVersion, InvalidRequirement, UndefinedComparison, UndefinedEnvironmentName, ValueError) as exc:
+            problems.append(f"Error parsing dependencies of {name}: {exc}")
+            continue
+        out[name] = Installed(name, d.get("name") or raw, version, tuple(reqs), d.get("path"),
+                              tuple(d.get("wheel_tags") or ()))
+    return out, problems
+
+
+def pip_check(dists: list[dict], environment: dict, modern: bool | None = None) -> tuple[list[Unmet], list[str]]:
+    """`pip check`'s missing and conflicting requirements, in its order (all missing first, then all
+    conflicts; per package sorted as pip sorts them), and the metadata problems."""
+    pkgs, problems = package_set(dists, environment, modern)
+    missing: list[Unmet] = []
+    conflicting: list[Unmet] = []
+    for name, det in pkgs.items():
+        miss, conf = set(), set()
+        for req in det.requires:
+            dep = canonicalize_name(req.name)
+            if dep not in pkgs:
+                if req.marker is None or _evaluate(req.marker, environment, ""):
+                    miss.add((dep, req))
+                continue
+            have = pkgs[dep].version
+            if not req.specifier.contains(have, prereleases=True):
+                conf.add((dep, have, req))
+        for dep, req in sorted(miss, key=str):
+            missing.append(Unmet(name, str(det.version), str(req), dep, None))
+        for dep, have, req in sorted(conf, key=str):
+            conflicting.append(Unmet(name, str(det.version), str(req), dep, str(have)))
+    return missing + conflicting, problems
+
+
+def supported_tags(python_version: str, machine: str = "x86_64", glibc: str | None = None) -> list[Tag]:
+    """The wheel tags a CPython `python_version` on Linux `machine` with `glibc` accepts, in preference
+    order (what packaging.tags.sys_tags gives on that host; pip's get_supported)."""
+    v = Version(python_version)
+    pyv = (v.major, v.minor)
+    platforms: list[str] = []
+    if glibc:
+        g = Version(glibc)
+        legacy = {(2, 17): "manylinux2014", (2, 12): "manylinux2010", (2, 5): "manylinux1"}
+        floor = 17 if machine not in ("x86_64", "i686") else 5
+        for minor in range(g.minor, floor - 1, -1):
+            platforms.append(f"manylinux_{g.major}_{minor}_{machine}")
+            if (g.major, minor) in legacy and (machine in ("x86_64", "i686") or (g.major, minor) == (2, 17)):
+                platforms.append(f"{legacy[(g.major, minor)]}_{machine}")
+    platforms.append(f"linux_{machine}")
+    interp = f"cp{pyv[0]}{pyv[1]}"
+    return list(cpython_tags(pyv, abis=[interp], platforms=platforms)) + \
+        list(compatible_tags(pyv, interpreter=interp, platforms=platforms))
+
+
+def unsupported(dists: list[dict], tags: list[Tag], prefix: str | None = None) -> list[tuple[str, str]]:
+    """pip check's "X is not supported on this platform": distributions (local to `prefix`, as pip takes
+    them from a venv) whose WHEEL tags the interpreter accepts none of. No WHEEL file: not judged."""
+    supported = frozenset(tags)
+    out = []
+    for d in dists:
+        raw, ver = _pip_identity(d, True)
+        if not raw or canonicalize_name(raw) in STDLIB_PKGS or not d.get("wheel_tags"):
+            continue
+        if prefix and not str(d.get("path") or "").startswith(prefix.rstrip("/") + "/"):
+            continue
+        wheel = frozenset(t for tag in d["wheel_tags"] for t in parse_tag(tag))
+        if wheel.isdisjoint(supported):
+            out.append((d.get("name") or raw, ver))
+    return out
+
+
+def pip_check_lines(dists: list[dict], environment: dict, tags: list[Tag] | None = None,
+                    prefix: str | None = None, modern: bool | None = None) -> list[str]:
+    """What the environment's `pip check` prints on stdout (its last line when all is well included).
+    Unsupported wheels are judged when `tags` are given and the pip is >= 24.2 (older ones do not)."""
+    modern = modern_pip(dists) if modern is None else modern
+    unmet, problems = pip_check(dists, environment, modern)
+    lines = [u.pip_line() for u in unmet]
+    bad_tags = unsupported(dists, tags, prefix) if tags is not None and modern else []
+    lines += [f"{n} {v} is not supported on this platform" for n, v in bad_tags]
+    if not lines and not problems:
+        lines.append("No broken requirements found.")
+    return lines
+
+
+# ---------------------------------------------------------------- verdicts
+
+@dataclass(frozen=True)
+class Verdict:
+    """A yes/no with its reasons: `reasons` refuse, `warnings` are shown and do not refuse."""
+    check: str
+    ok: bool
+    reasons: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()
+    details: dict = field(default_factory=dict, compare=False)
+
+    def summary(self) -> str:
+        if self.ok:
+            return f"{self.check}: ok" + (f" ({len(self.warnings)} warning(s))" if self.warnings else "")
+        return f"{self.check}: " + "; ".join(self.reasons)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def coherence_verdict(dists: list[dict], environment: dict, tags: list[Tag] | None = None,
+                      prefix: str | None = None) -> Verdict:
+    """Is the environment pip-check clean? Each reason is the line pip check would print."""
+    modern = modern_pip(dists)
+    unmet, problems = pip_check(dists, environment, modern)
+    reasons = [u.pip_line() for u in unmet]
+    if tags is not None and modern:
+        reasons += [f"{n} {v} is not supported on this platform" for n, v in unsupported(dists, tags, prefix)]
+    reasons += problems
+    return Verdict("pip-check", not reasons, tuple(reasons),
+                   details={"unmet": [asdict(u) for u in unmet], "distributions": len(dists)})
+
+
+def load_capabilities(source: str | Path | None = None) -> dict:
+    """The plugin's capabilities.json: from a file, a plugin source tree or an sglang-ddtree wheel
+    (default: this repository's plugin)."""
+    p = Path(source) if source else CAPABILITIES
+    try:
+        if p.suffix == ".whl":
+            with zipfile.ZipFile(p) as z:
+                return json.loads(z.read("sglang_ddtree/capabilities.json"))
+        if p.is_dir():
+            p = p / "src/sglang_ddtree/capabilities.json"
+        return json.loads(p.read_text())
+    except (OSError, KeyError, ValueError, zipfile.BadZipFile) as exc:
+        raise CoherenceError(f"{p}: cannot read the plugin's capabilities.json: {exc}") from None
+
+
+def supported_sglang_versions(caps: dict) -> tuple[str, ...]:
+    """The SGLang versions a capabilities document declares. Accepts the list form
+    ("sglang_versions": ["0.5.23"]) and per-version forms ({"0.5.17": {...}} or [{"version": ...}])."""
+    v = caps.get("sglang_versions", caps.get("sglang"))
+    if isinstance(v, dict):
+        v = v.get("versions", v)
+    if isinstance(v, dict):
+        out = list(v)
+    elif isinstance(v, list):
+        out = [x if isinstance(x, str) else (x.get("version") or x.get("sglang")) for x in v]
+    else:
+        out = []
+    if not out or not all(isinstance(x, str) and x for x in out):
+        raise CoherenceError(f"capabilities.json declares no SGLang versions: {v!r}")
+    return tuple(out)
+
+
+def deploy_verdict(dists: list[dict], environment: dict, caps: dict) -> Verdict:
+    """May the plugin be deployed onto this environment? Refused when SGLang is missing or a version the
+    plugin does not support (the plugin compares the metadata version string, so this does), or when a
+    pin among sglang / sglang-kernel / torch / flashinfer-python is unmet. Other unmet requirements are
+    warnings."""
+    supported = supported_sglang_versions(caps)
+    pkgs, problems = package_set(dists, environment)
+    reasons: list[str] = []
+    meta_version = {canonicalize_name(d.get("name") or ""): d.get("version") for d in dists if d.get("name")}
+    sglang = pkgs.get("sglang")
+    if sglang is None:
+        reasons.append("SGLang is not installed")
+    else:
+        have = meta_version.get("sglang") or str(sglang.version)
+        if have not in supported:
+            reasons.append(f"SGLang {have} is not supported by the plugin (supported: {', '.join(supported)})")
+    unmet, _ = pip_check(dists, environment)
+    core = [u for u in unmet if u.package in CORE and u.dependency in CORE]
+    for u in core:
+        if u.missing:
+            reasons.append(f"{u.package} {u.version} requires {u.requirement}, which is not installed")
+        else:
+            reasons.append(f"{u.package} {u.version} requires {u.requirement}, found {u.dependency} {u.installed}")
+    others = [u for u in unmet if u not in core]
+    warnings = [f"{len(others)} other unmet requirement(s), e.g. {others[0].pip_line()}"] if others else []
+    warnings += problems
+    return Verdict("deploy", not reasons, tuple(reasons), tuple(warnings),
+                   details={"sglang": meta_version.get("sglang"), "supported": list(supported),
+                            "core": {n: str(pkgs[n].version) if n in pkgs else None for n in CORE}})
+
+
+def native_verdict(report: dict) -> Verdict:
+    """From elfsyms.check_site's report: refused when an extension SGLang loads at startup has torch
+    symbols that the host's torch does not export (or needs a torch library that is absent), or when
+    sgl_kernel has no common_ops for the GPU arch. Other torch-linked extensions that do not resolve
+    (loaded lazily, by some backends or models) are warnings."""
+    reasons: list[str] = []
+    warnings: list[str] = []
+    if not report.get("torch_lib"):
+        return Verdict("native", True, (), ("torch is not installed: no native extension to check",),
+                       details={"sm": report.get("sm")})
+
+    def describe(r: dict) -> str:
+        what = r.get("role") or r["path"]
+        if r.get("variant"):
+            what += f" ({r['variant']})"
+        bits = []
+        if r.get("missing_libraries"):
+            bits.append("needs " + ", ".join(r["missing_libraries"]) + ", absent from torch/lib")
+        if r.get("unresolved"):
+            names = [f"{u['symbol']} ({u['name']})" if u["name"] != u["symbol"] else u["symbol"]
+                     for u in r["unresolved"]]
+            bits.append(f"{len(names)} of its {r['torch_undefined']} torch symbols are not exported by the "
+                        f"host's torch: " + ", ".join(names))
+        return f"{what} ({r['path']}): " + "; ".join(bits)
+
+    for r in report.get("startup", []):
+        if not r.get("ok"):
+            reasons.append(describe(r))
+    reasons += list(report.get("errors", []))
+    for r in report.get("other", []):
+        if not r.get("ok"):
+            warnings.append(describe(r))
+    return Verdict("native", not reasons, tuple(reasons), tuple(warnings),
+                   details={"sm": report.get("sm"), "checked": [r["path"] for r in report.get("startup", [])]})
+
+
+def host_verdicts(collected: dict, native: dict | None, caps: dict, tags: list[Tag] | None = None) -> list[Verdict]:
+    """Every verdict for one host, from what its collectors printed: `collected` is
+    dists.collect()'s document, `native` elfsyms.check_site()'s (None: not gathered). Returns
+    [pip-check, deploy, native]: `fab inventory` flags the first; the deploy preflight refuses on the
+    deploy and native verdicts and shows the pip-check one."""
+    dists, env = collected["distributions"], collected["environment"]
+    prefix = next((p.split("/lib/python", 1)[0] for p in collected.get("paths", []) if p.endswith("site-packages")), None)
+    out = [coherence_verdict(dists, env, tags, prefix), deploy_verdict(dists, env, caps)]
+    if native is not None:
+        out.append(native_verdict(native))
+    return out

@@ -1,0 +1,1 @@
+"""The agent runtime that runs on fleet hosts."""

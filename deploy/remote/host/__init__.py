@@ -1,0 +1,1 @@
+"""Host-side library of the agent runtime (stdlib only)."""
