@@ -20,7 +20,9 @@ Like SGLang it listens on --host (the inventory's listen_address) and, given an 
 `Authorization: Bearer KEY` -- SGLang 0.5.23's decide_request_auth for normal endpoints, re-implemented here
 (compare_digest, case-insensitive "Bearer"). `--config` is merged as SGLang's ConfigArgumentMerger does (config
 arguments first, so the command line wins; .yaml/.yml only; one --config); without PyYAML the file is read as
-flat `key: value` lines. Unlike SGLang, /server_info never echoes the API keys.
+flat `key: value` lines. Like SGLang 0.5.23 (engine.py) it logs `server_args={...}` at INFO at start-up,
+api_key included, so the lab shows whether the unit keeps the key out of the journal. Unlike SGLang, its
+/server_info never echoes the API keys.
 
 Misbehaviour on request, from the unit's EnvironmentFile (so gates and automatic rollback are tested for real):
 
@@ -300,6 +302,9 @@ def main(argv=None):
     sys.stderr.write("labserver: SGLang %s STAND-IN (not SGLang) model=%s port=%s algorithm=%s mode=%s%s\n" % (
         VERSION, args["model_path"], args["port"], args.get("speculative_algorithm"),
         os.environ.get("SGLANG_DDTREE_MODE", "-"), " unknown flags: " + " ".join(unknown) if unknown else ""))
+    import logging  # SGLang's start-up line, as engine.py writes it (resolved args, secrets and all)
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(message)s", force=True)
+    logging.getLogger("labserver").info(f"server_args={ {k: v for k, v in args.items() if k != 'config'} }")
     if os.environ.get("LABSERVER_FAIL_AT_START") == "1":
         sys.stderr.write("labserver: LABSERVER_FAIL_AT_START=1: failing to load the model\n")
         return 1

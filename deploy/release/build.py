@@ -36,6 +36,7 @@ DEFAULT_OVERLAY_SPEC = REPO / "overlays" / "file-overlays.yaml"
 LABSERVER = REPO / "deploy" / "labserver" / "server.py"
 WAIT_READY = Path(__file__).parent / "wait_ready.py"
 SERVER_SECRETS = Path(__file__).parent / "server_secrets.py"
+SITECUSTOMIZE = Path(__file__).parent / "sitecustomize.py"  # masks the API key in the service's logs
 SKIP_DIRS = {"__pycache__", "build", "dist", ".pytest_cache", ".git"}
 
 
@@ -189,7 +190,8 @@ def host_files(host: Host, plugin: Plugin, overlays: list[dict]) -> tuple[dict[s
     files: dict[str, bytes] = {f"systemd/{render.UNIT_FILE}": unit.encode(),
                                f"wheels/{plugin.wheel.name}": plugin.wheel.read_bytes(),
                                "bin/wait_ready.py": WAIT_READY.read_bytes(),
-                               "bin/server_secrets.py": SERVER_SECRETS.read_bytes()}
+                               "bin/server_secrets.py": SERVER_SECRETS.read_bytes(),
+                               "site/sitecustomize.py": SITECUSTOMIZE.read_bytes()}
     if host.vars.get("server") == "labserver":
         files["labserver/server.py"] = LABSERVER.read_bytes()
     for o in overlays:

@@ -182,6 +182,9 @@ def test_api_key_from_a_root_only_file_through_a_credential(env, fab):
     leaks = ssh(lab, HOST, f"grep -rl '{KEY}' /opt/ddtree /etc/systemd/system /proc/{pid}/environ; "
                            f"journalctl --no-pager -u 'sglang-ddtree@*' | grep -c '{KEY}'", check=False).stdout.split()
     assert leaks == ["0"], leaks
+    # the stand-in logs its resolved arguments, key included, as SGLang does: the release's redactor masked it
+    started = ssh(lab, HOST, "journalctl --no-pager -u sglang-ddtree@gpu0 | grep 'server_args=' | tail -1").stdout
+    assert "'api_key': '<redacted>'" in started, started
     cred = ssh(lab, HOST, "stat -c '%a %U' /run/credentials/sglang-ddtree@gpu0.service/sglang-server.yaml").stdout
     assert cred.split() == ["400", "sglang"]
     assert row["release"]

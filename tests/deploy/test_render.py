@@ -111,6 +111,7 @@ def test_api_key_reaches_sglang_only_through_a_credential(seed):
     assert "ExecStart=/opt/sglang/.venv/bin/python -m sglang.launch_server $SGLANG_ARGS --config " \
            "%d/sglang-server.yaml\n" in unit
     assert "--api-key-file /etc/ddtree/api-key.yaml --credential %d/sglang-server.yaml" in unit
+    assert "Environment=PYTHONPATH=/opt/ddtree/releases/current/site\n" in unit  # the log redactor
     assert "IPAddressDeny" not in unit  # clients come from other machines; the key guards it
     env = render.render_env(host.services[3], CAPS)
     assert "--host 10.0.0.5 --port 30003" in env and "SGLANG_HOST=10.0.0.5" in env and "api" not in env.lower()
