@@ -6,7 +6,6 @@ import json as jsonlib
 from invoke import Exit, task
 from rich.console import Console
 from rich.table import Table
-from rich.text import Text
 
 from ..lab import fleet
 
@@ -42,7 +41,7 @@ def status(c, json=False):
     t = Table(title="lab")
     for col in ("host", "address", "state", "sshd", "persona", "gpus", "torch (as built)"):
         t.add_column(col)
-    for r in rows:  # plain text, never markup (values read from the hosts)
-        t.add_row(*(Text(str(x)) for x in (r["host"], r["address"], r["state"], "yes" if r["sshd"] else "no",
-                                            r["persona"], r["gpus"], r["torch"])))
+    for r in rows:
+        t.add_row(r["host"], r["address"], r["state"], "yes" if r["sshd"] else "no", r["persona"], str(r["gpus"]),
+                  r["torch"])
     Console().print(t if rows else "lab: no hosts (fab lab.up)")
