@@ -8,17 +8,14 @@ Which file: `DEPLOY_INVENTORY=path` in the environment, else `inventory/hosts.ya
 """
 from __future__ import annotations
 
-import ipaddress
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import modes
+from . import modes, values
 from .yamlpos import PosDict, PosList, YamlPosError, load_yaml
 
 DEFAULT_INVENTORY = "inventory/hosts.yaml"
-HOSTNAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 
 
 class InventoryError(ValueError):
@@ -33,10 +30,6 @@ def _is_port(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 65535
 
 
-def _is_abs_path(v) -> bool:
-    return isinstance(v, str) and v.startswith("/")
-
-
 def _in_range(lo, hi):
     def check(v):
         return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
@@ -49,34 +42,62 @@ def _str_list(v) -> bool:
     return isinstance(v, list) and all(isinstance(x, str) for x in v)
 
 
-def _str_map(v) -> bool:
-    return isinstance(v, dict) and all(isinstance(k, str) and isinstance(x, (str, int, float)) for k, x in v.items())
+def _each(item_check, desc: str):
+    """A list whose every item passes `item_check` (problems point at the item's own line)."""
+    def check(v):
+        if not isinstance(v, list):
+            return f"must be {desc}, got {v!r}"
+        return [(i, p) for i, x in enumerate(v) if (p := item_check(x))]
+    return check
 
 
-# key -> (check, description). Shared variables may appear in fleet, group, host and service scope.
+def _env_map(v):
+    if not isinstance(v, dict):
+        return f"must be a mapping of names to strings, got {v!r}"
+    out = []
+    for k, x in v.items():
+        if not isinstance(x, (str, int, float)) or isinstance(x, bool):
+            out.append((k, f"{k}: must be a string or a number, got {x!r}"))
+        elif p := (values.env_key(k) or values.env_value(x)):
+            out.append((k, f"{k}: {p}" if not p.startswith(repr(k)) else p))
+    return out
+
+
+def _api_key_file(v):
+    return None if v is None else values.abs_path(v)
+
+
+# key -> (check, description). A check returns True/None (fine), False (must be <description>), a message,
+# or a list of (item index or key, message) for list and mapping items. Shared variables may appear in fleet,
+# group, host and service scope. Every string that is rendered into a unit, an environment file or argv, or
+# used as a path on a host, is matched whole against a strict pattern (deploy/values.py).
 VARS: dict[str, tuple] = {
-    "venv": (_is_abs_path, "an absolute path"),
-    "model": (_is_abs_path, "an absolute path"),
-    "draft_model": (_is_abs_path, "an absolute path"),
-    "served_model_name": (lambda v: isinstance(v, str) and v != "", "a non-empty string"),
+    "venv": (values.abs_path, "an absolute path"),
+    "model": (values.abs_path, "an absolute path"),
+    "draft_model": (values.abs_path, "an absolute path"),
+    "served_model_name": (values.served_model_name, "a model name"),
     "mode": (lambda v: v in modes.MODES, "one of " + ", ".join(modes.MODES)),
     "budget": (_in_range(modes.BUDGET_MIN, modes.BUDGET_MAX), f"an integer in [{modes.BUDGET_MIN}, {modes.BUDGET_MAX}]"),
     "block_size": (_in_range(modes.BLOCK_SIZE_MIN, modes.BLOCK_SIZE_MAX),
                    f"an integer in [{modes.BLOCK_SIZE_MIN}, {modes.BLOCK_SIZE_MAX}]"),
     "base_port": (_is_port, "a TCP port (1-65535)"),
-    "extra_args": (_str_list, "a list of strings"),
-    "env": (_str_map, "a mapping of names to strings"),
-    "service_user": (lambda v: isinstance(v, str) and re.match(r"^[a-z_][a-z0-9_-]*$", v) and v != "root",
-                     "a non-root user name"),
-    "release_root": (_is_abs_path, "an absolute path"),
+    "extra_args": (_each(values.extra_arg, "a list of strings"), "a list of strings"),
+    "env": (_env_map, "a mapping of names to strings"),
+    "service_user": (values.service_user, "a non-root user name"),
+    "release_root": (values.deep_abs_path, "an absolute path"),
     "releases_keep": (_in_range(1, 100), "an integer in [1, 100]"),
     "max_unavailable": (_in_range(1, 64), "an integer in [1, 64]"),
     "start_timeout": (_in_range(1, 7200), "seconds, an integer in [1, 7200]"),
     "gate_timeout": (_in_range(1, 3600), "seconds, an integer in [1, 3600]"),
-    "managed": (_str_list, "a list of distribution name patterns"),
-    "wheelhouse": (lambda v: _str_list(v) and all(x.startswith("/") for x in v), "a list of absolute paths"),
+    "managed": (_each(values.dist_pattern, "a list of distribution name patterns"),
+                "a list of distribution name patterns"),
+    "wheelhouse": (_each(values.abs_path, "a list of absolute paths"), "a list of absolute paths"),
     # what ExecStart runs: SGLang from the venv, or the lab's named stand-in (deploy/labserver) on CPU lab hosts
     "server": (lambda v: v in ("sglang", "labserver"), "'sglang' or 'labserver'"),
+    # where each server listens (--host); anything but loopback needs an API key (checked per host below)
+    "listen_address": (values.listen_address, "an IP address"),
+    # the host's root-only 0600 file holding `api-key: KEY` (SGLang --config YAML), or null for no key
+    "api_key_file": (_api_key_file, "an absolute path or null"),
 }
 SERVICE_KEYS = {"port": (_is_port, "a TCP port (1-65535)"), "enabled": (lambda v: isinstance(v, bool), "true or false")}
 SERVICE_VARS = ("model", "draft_model", "served_model_name", "mode", "budget", "block_size", "extra_args", "env")
@@ -97,12 +118,14 @@ DEFAULT_VARS = {
     "managed": ["torch", "triton", "sglang", "sglang-kernel", "flashinfer*", "nvidia-*", "cuda-*", "sglang-ddtree"],
     "wheelhouse": [],
     "server": "sglang",
+    "listen_address": "127.0.0.1",
+    "api_key_file": None,
 }
 SSH_KEYS = {
-    "user": (lambda v: isinstance(v, str) and v != "", "a user name"),
+    "user": (values.ssh_user, "a user name"),
     "port": (_is_port, "a TCP port (1-65535)"),
-    "known_hosts": (lambda v: isinstance(v, str), "a path"),
-    "identity_file": (lambda v: isinstance(v, str), "a path"),
+    "known_hosts": (values.local_path, "a path"),
+    "identity_file": (values.local_path, "a path"),
     "connect_timeout": (_in_range(1, 600), "seconds, an integer in [1, 600]"),
 }
 SETTINGS_KEYS = {
@@ -129,6 +152,7 @@ class Service:
     extra_args: tuple = ()
     env: tuple = ()  # sorted (name, value) pairs: hashable and printable
     enabled: bool = True
+    listen: str = "127.0.0.1"  # --host: the host's listen_address
 
     @property
     def instance(self) -> str:
@@ -224,11 +248,24 @@ class _Checker:
         for k, v in node.items():
             if k in table:
                 check, desc = table[k]
-                if not check(v):
-                    self.err(node.line_of(k), f"{where}.{k}", f"must be {desc}, got {v!r}")
-                else:
+                if self.check(node, k, v, check, desc, f"{where}.{k}"):
                     out[k] = list(v) if isinstance(v, list) else (dict(v) if isinstance(v, dict) else v)
         return out
+
+    def check(self, node: PosDict, k, v, check, desc: str, key: str) -> bool:
+        """Run one check (see VARS); report its problems at the value's line, or at each bad item's line."""
+        r = check(v)
+        if r is True or r is None or r == []:
+            return True
+        if r is False:
+            self.err(node.line_of(k), key, f"must be {desc}, got {v!r}")
+        elif isinstance(r, str):
+            self.err(node.line_of(k), key, r)
+        else:
+            for item, msg in r:
+                line = v.line_of(item) if isinstance(v, (PosList, PosDict)) else node.line_of(k)
+                self.err(line, key, msg)
+        return False
 
 
 def load_inventory(path: str | None = None) -> Inventory:
@@ -282,6 +319,8 @@ def parse_inventory(doc, path: str) -> Inventory:
             if m not in hosts_node:
                 c.err(members.line_of(i) if isinstance(members, PosList) else g.line, f"{where}.hosts",
                       f"{m!r} is not a host of this inventory")
+        if not isinstance(gname, str) or not values.GROUP_RE.fullmatch(gname):
+            c.err(groups_node.line_of(gname), where, f"group names are letters, digits, '_', '.', '-', got {gname!r}")
         if gname in hosts_node:
             c.err(groups_node.line_of(gname), where, "a group cannot have the name of a host")
         groups[gname] = tuple(m for m in members if m in hosts_node)
@@ -292,25 +331,19 @@ def parse_inventory(doc, path: str) -> Inventory:
     for hname, hnode in hosts_node.items():
         where = f"hosts.{hname}"
         hline = hosts_node.line_of(hname)
-        if not isinstance(hname, str) or not HOSTNAME_RE.match(hname):
-            c.err(hline, where, "host names are lower-case letters, digits and '-'")
+        if not isinstance(hname, str) or not values.HOSTNAME_RE.fullmatch(hname):
+            c.err(hline, where, f"host names are lower-case letters, digits and '-', got {hname!r}")
         h = c.mapping(hnode, where, hline)
         if h is None:
             continue
         c.known(h, HOST_KEYS, where)
         address = h.get("address")
-        if not isinstance(address, str) or not address:
-            c.err(h.line_of("address") if "address" in h else hline, f"{where}.address", "required: an IP address or DNS name")
+        if problem := values.address(address):
+            c.err(h.line_of("address") if "address" in h else hline, f"{where}.address", problem)
             address = ""
-        else:
-            try:
-                ipaddress.ip_address(address)
-            except ValueError:
-                if not re.match(r"^[A-Za-z0-9.-]+$", address):
-                    c.err(h.line_of("address"), f"{where}.address", f"not an IP address or DNS name: {address!r}")
         user = h.get("user", ssh.get("user", "root"))
-        if not isinstance(user, str) or not user:
-            c.err(h.line_of("user"), f"{where}.user", "must be a user name")
+        if "user" in h and (problem := values.ssh_user(user)):
+            c.err(h.line_of("user"), f"{where}.user", problem)
         port = h.get("port", ssh.get("port", 22))
         if not _is_port(port):
             c.err(h.line_of("port"), f"{where}.port", f"must be a TCP port (1-65535), got {port!r}")
@@ -336,6 +369,10 @@ def parse_inventory(doc, path: str) -> Inventory:
             if g in member_of:
                 resolved |= group_vars.get(g, {})
         resolved |= _vars(c, h.get("vars"), f"{where}.vars", h.line_of("vars"))
+        _check_exposure(c, resolved, [(h.get("vars"), f"{where}.vars")]
+                        + [(groups_node[g].get("vars"), f"groups.{g}.vars") for g in reversed(list(groups_node))
+                           if g in member_of and isinstance(groups_node[g], dict)] + [(doc.get("vars"), "vars")],
+                        hline, hname)
         services = _services(c, h, where, hname, gpus, resolved)
         hosts[hname] = Host(hname, address, user, port, gpus, resolved, services, member_of)
 
@@ -343,11 +380,26 @@ def parse_inventory(doc, path: str) -> Inventory:
     if "reference" in doc and (not isinstance(ref, str) or ref not in hosts_node):
         c.err(doc.line_of("reference"), "reference", f"{ref!r} is not one of the listed hosts ({', '.join(map(str, hosts_node))})")
     fleet = doc.get("fleet", Path(path).stem)
-    if not isinstance(fleet, str):
-        c.err(doc.line_of("fleet"), "fleet", "must be a string")
+    if "fleet" in doc and (not isinstance(fleet, str) or not values.FLEET_RE.fullmatch(fleet)):
+        c.err(doc.line_of("fleet"), "fleet", f"must be a name (letters, digits, '_', '.', '-'), got {fleet!r}")
     if c.problems:
         raise InventoryError(c.problems)
     return Inventory(path, fleet, ref, hosts, groups, ssh, settings)
+
+
+def _check_exposure(c: _Checker, resolved: dict, scopes: list, hline: int, hname: str) -> None:
+    """A server reachable from other machines must ask for an API key: a listen address other than loopback
+    needs api_key_file. Reported where listen_address was set (the most specific scope that sets it)."""
+    listen = resolved.get("listen_address")
+    if values.listen_address(listen) or values.is_loopback(listen) or resolved.get("api_key_file"):
+        return
+    for node, where in scopes:
+        if isinstance(node, dict) and "listen_address" in node:
+            c.err(node.line_of("listen_address"), f"{where}.listen_address",
+                  f"{listen} is reachable from other machines: host {hname} also needs api_key_file (a root-only "
+                  "0600 file on the host holding `api-key: KEY`), or listen on 127.0.0.1")
+            return
+    c.err(hline, f"hosts.{hname}", "listen_address is not loopback and no api_key_file is set")
 
 
 def _vars(c: _Checker, node, where: str, line: int) -> dict:
@@ -407,5 +459,6 @@ def _services(c: _Checker, h: PosDict, where: str, hname: str, gpus, resolved: d
         ports[port] = gpu
         out.append(Service(hname, gpu, port, v.get("model"), v.get("draft_model"), v.get("served_model_name"),
                            v["mode"], v["budget"], v["block_size"], tuple(v["extra_args"]),
-                           tuple(sorted((k, str(x)) for k, x in v["env"].items())), o.get("enabled", True)))
+                           tuple(sorted((k, str(x)) for k, x in v["env"].items())), o.get("enabled", True),
+                           resolved["listen_address"]))
     return tuple(out)

@@ -76,9 +76,11 @@ def drift(ref: dict | None, facts: dict) -> dict[str, str]:
 
 
 def inventory_table(inv, facts_by_host: dict[str, dict], errors: dict[str, tuple[str, str]]) -> Table:
+    """Every value from a host or the inventory is a rich Text (plain text): `[...]` in a host's output or error
+    is shown as is, never read as markup (a stray `[/x]` would crash the table, `[green]` would fake a style)."""
     ref = facts_by_host.get(inv.reference_name)
-    table = Table(title=f"fleet {inv.fleet} — reference {inv.reference_name}"
-                        + ("" if ref else " (no facts: drift not shown)"), header_style="bold")
+    table = Table(title=Text(f"fleet {inv.fleet} — reference {inv.reference_name}"
+                             + ("" if ref else " (no facts: drift not shown)")), header_style="bold")
     table.add_column("host")
     for col in COLUMNS:
         table.add_column(col, overflow="fold")
@@ -92,7 +94,8 @@ def inventory_table(inv, facts_by_host: dict[str, dict], errors: dict[str, tuple
             v = vals[col] or "-"
             style = {"abi": "bold red", "differs": "yellow"}.get(marks.get(col, ""), "")
             cells.append(Text(v + (" (ABI≠ref)" if marks.get(col) == "abi" else ""), style=style))
-        table.add_row(label, *cells, _age(facts))
+        table.add_row(label, *cells, Text(_age(facts)))
     for name, (kind, err) in errors.items():
-        table.add_row(Text(name, style="bold red"), Text(f"{kind}: {err}", style="red"), *[""] * (len(COLUMNS) - 1), "")
+        table.add_row(Text(name, style="bold red"), Text(f"{kind}: {err}", style="red"),
+                      *[Text("")] * (len(COLUMNS) - 1), Text(""))
     return table

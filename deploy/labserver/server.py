@@ -14,6 +14,16 @@ answers the endpoints the deploy gate uses, with the JSON shapes of SGLang 0.5.2
                                                 version "0.5.23"
     GET  /model_info, /get_model_info
 
+Like SGLang it listens on --host (the inventory's listen_address) and, given an API key (`--api-key`, or
+`api-key:` in the YAML file of `--config FILE`, which is how the unit passes it), answers every endpoint but
+/health*, /ready* and /metrics* with 401 {"error": "Unauthorized"} unless the request carries
+`Authorization: Bearer KEY` -- SGLang 0.5.23's decide_request_auth for normal endpoints, re-implemented here
+(compare_digest, case-insensitive "Bearer"). `--config` is merged as SGLang's ConfigArgumentMerger does (config
+arguments first, so the command line wins; .yaml/.yml only; one --config); without PyYAML the file is read as
+flat `key: value` lines. Like SGLang 0.5.23 (engine.py) it logs `server_args={...}` at INFO at start-up,
+api_key included, so the lab shows whether the unit keeps the key out of the journal. Unlike SGLang, its
+/server_info never echoes the API keys.
+
 Misbehaviour on request, from the unit's EnvironmentFile (so gates and automatic rollback are tested for real):
 
     LABSERVER_FAIL_AT_START=1        exit 1 before listening ("model failed to load")
@@ -25,8 +35,10 @@ Misbehaviour on request, from the unit's EnvironmentFile (so gates and automatic
 Stdlib only: it runs with the lab host's /usr/bin/python3.
 """
 import argparse
+import hmac
 import json
 import os
+import socket
 import sys
 import threading
 import time
@@ -41,19 +53,82 @@ SUBSET_FLAGS = {  # flag -> type; the subset of SGLang 0.5.23's ServerArgs this 
     "--tp-size": int, "--dp-size": int, "--mem-fraction-static": float, "--context-length": int,
     "--max-running-requests": int, "--log-level": str, "--page-size": int, "--attention-backend": str,
     "--dtype": str, "--trust-remote-code": None, "--enable-metrics": None,
+    "--config": str, "--api-key": str, "--admin-api-key": str,
 }
+SECRET_ARGS = ("api_key", "admin_api_key")
+
+
+def _yaml_scalar(v):
+    """A flat YAML scalar as PyYAML's safe_load reads the values the deploy tool allows (quoted strings, words)."""
+    if len(v) >= 2 and v[0] == v[-1] and v[0] in "\"'":
+        return v[1:-1]
+    return {"true": True, "false": False}.get(v.lower(), v)
+
+
+def _read_config(path):
+    if os.path.splitext(path)[1].lower() not in (".yaml", ".yml"):
+        raise ValueError("Config file must be YAML format, got: %s" % os.path.splitext(path)[1])
+    if not os.path.exists(path):
+        raise ValueError("Config file not found: %s" % path)
+    with open(path) as f:
+        text = f.read()
+    try:
+        import yaml
+        data = yaml.safe_load(text) or {}
+    except ImportError:
+        data = {}
+        for line in text.splitlines():
+            if line.strip() and not line.lstrip().startswith("#"):
+                k, sep, v = line.partition(":")
+                if not sep:
+                    raise ValueError("Config file must contain a dictionary at root level")
+                data[k.strip()] = _yaml_scalar(v.strip())
+    if not isinstance(data, dict):
+        raise ValueError("Config file must contain a dictionary at root level")
+    return data
+
+
+def merge_config(argv):
+    """SGLang's ConfigArgumentMerger: `--config FILE` replaced by the file's arguments, placed first."""
+    idx = [i for i, a in enumerate(argv) if a == "--config"]
+    if not idx:
+        return argv
+    if len(idx) > 1:
+        raise ValueError("Multiple config files specified! Only one allowed.")
+    i = idx[0]
+    if i == len(argv) - 1:
+        raise ValueError("No config file specified after --config flag!")
+    args = []
+    for k, v in _read_config(argv[i + 1]).items():
+        if isinstance(v, bool):
+            args += ["--%s" % k] if v else []
+        else:
+            args += ["--%s" % k, str(v)]
+    return args + argv[:i] + argv[i + 2:]
+
+
+def authorized(path, header, api_key):
+    """SGLang 0.5.23 decide_request_auth for normal endpoints (all the stand-in has)."""
+    if path.startswith(("/health", "/ready", "/metrics")) or not api_key:
+        return True
+    parts = (header or "").split(" ", 1)
+    return len(parts) == 2 and parts[0].lower() == "bearer" and hmac.compare_digest(parts[1], api_key)
 
 
 def parse_args(argv):
-    try:  # the real parser, where SGLang is installed
+    try:  # the real parser and config merger, where SGLang is installed
         from sglang.srt.server_args import ServerArgs  # noqa: F401
+        from sglang.srt.utils.server_args_config_parser import ConfigArgumentMerger
         import argparse as _ap
         p = _ap.ArgumentParser(prog="sglang serve")
         ServerArgs.add_cli_args(p)
+        if "--config" in argv:
+            argv = ConfigArgumentMerger(p).merge_config_with_args(argv)
         ns = p.parse_args(argv)
         return vars(ns), []
     except ImportError:
         pass
+    argv = merge_config(argv)
     p = argparse.ArgumentParser(prog="labserver (SGLang stand-in)")
     for flag, typ in SUBSET_FLAGS.items():
         if typ is None:
@@ -102,7 +177,8 @@ class State:
         return round(1.0 + min(6.0, n ** 0.5) * (1.2 if self.algorithm == "DDTREE" else 0.8), 3)
 
     def server_info(self):
-        info = {k: v for k, v in self.args.items() if isinstance(v, (str, int, float, bool, type(None)))}
+        info = {k: v for k, v in self.args.items() if isinstance(v, (str, int, float, bool, type(None)))
+                and k not in SECRET_ARGS}
         info.update(speculative_algorithm=self.algorithm, served_model_name=self.served,
                     launch_command=" ".join(["sglang", "serve"] + self.argv), version=VERSION, frontend="python",
                     startup_time=self.started,
@@ -135,8 +211,16 @@ def make_handler(state):
             except ValueError:
                 return None
 
+        def denied(self, p):
+            if authorized(p, self.headers.get("Authorization"), state.args.get("api_key")):
+                return False
+            self.send(401, {"error": "Unauthorized"})
+            return True
+
         def do_GET(self):
             p = self.path.split("?", 1)[0]
+            if self.denied(p):
+                return
             if p in ("/health", "/health_generate", "/ready"):
                 if not state.ready():
                     return self.send(503)
@@ -174,6 +258,8 @@ def make_handler(state):
 
         def do_POST(self):
             p = self.path.split("?", 1)[0]
+            if self.denied(p):
+                return
             state.count()
             if not state.ready():
                 return self.send(503, {"error": {"message": "server is starting"}})
@@ -216,11 +302,16 @@ def main(argv=None):
     sys.stderr.write("labserver: SGLang %s STAND-IN (not SGLang) model=%s port=%s algorithm=%s mode=%s%s\n" % (
         VERSION, args["model_path"], args["port"], args.get("speculative_algorithm"),
         os.environ.get("SGLANG_DDTREE_MODE", "-"), " unknown flags: " + " ".join(unknown) if unknown else ""))
+    import logging  # SGLang's start-up line, as engine.py writes it (resolved args, secrets and all)
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(message)s", force=True)
+    logging.getLogger("labserver").info(f"server_args={ {k: v for k, v in args.items() if k != 'config'} }")
     if os.environ.get("LABSERVER_FAIL_AT_START") == "1":
         sys.stderr.write("labserver: LABSERVER_FAIL_AT_START=1: failing to load the model\n")
         return 1
     state = State(args, argv)
-    srv = ThreadingHTTPServer((args["host"], int(args["port"])), make_handler(state))
+    srv_cls = ThreadingHTTPServer if ":" not in args["host"] else type(
+        "ThreadingHTTPServer6", (ThreadingHTTPServer,), {"address_family": socket.AF_INET6})  # an IPv6 address
+    srv = srv_cls((args["host"], int(args["port"])), make_handler(state))
     srv.daemon_threads = True
     try:
         srv.serve_forever(poll_interval=0.2)

@@ -346,45 +346,51 @@ STYLE = {"sync": "green", "missing": "yellow", "other-version": "yellow", "local
 
 
 def render(plan: Plan, console, show_sync: bool = False) -> None:
+    """The plan as a table. Names, versions, details and messages come from hosts and wheels: they are rich
+    Text (plain), never markup, so `[...]` in them is shown as is and cannot restyle or crash the output."""
     from rich.table import Table
-    title = f"provision {plan.host} from {plan.reference}"
+    from rich.text import Text
+    title = Text(f"provision {plan.host} from {plan.reference}")
     if plan.blocked:
-        title += "  [bold red]BLOCKED[/]"
+        title.append("  BLOCKED", style="bold red")
     elif plan.empty:
-        title += "  [green]in sync, nothing to do[/]"
+        title.append("  in sync, nothing to do", style="green")
     t = Table(title=title, title_justify="left")
     for col in ("distribution", f"{plan.reference} (reference)", plan.host, "status", "action", "wheel source"):
-        t.add_column(col)
+        t.add_column(Text(col))
     shown = 0
     for i in plan.items:
         if i.status == "sync" and not show_sync:
             continue
         shown += 1
         s = plan.sources.get(i.name) or {}
-        src = ""
+        src = Text()
         if i.action == "install" and s:
-            src = s.get("kind", "")
-            if src == "rebuild":
-                src = f"rebuild from RECORD ({human(s.get('installed_bytes'))} installed)"
-            elif s.get("size"):
-                src += f" {human(s['size'])}"
+            kind = str(s.get("kind", ""))
+            if kind == "rebuild":
+                src.append(f"rebuild from RECORD ({human(s.get('installed_bytes'))} installed)")
+            else:
+                src.append(kind + (f" {human(s['size'])}" if s.get("size") else ""))
             if s.get("staged"):
-                src += " (on target)"
+                src.append(" (on target)")
             if s.get("drift"):
-                src += f" [red]DRIFT {s['drift']} file(s)[/]"
-        status = f"[{STYLE[i.status]}]{i.status}[/]" + (f"\n{i.detail}" if i.detail else "")
-        t.add_row(i.name, i.reference or "-", i.target or "-", status, i.action or "", src)
+                src.append(f" DRIFT {s['drift']} file(s)", style="red")
+        status = Text(str(i.status), style=STYLE.get(i.status, ""))
+        if i.detail:
+            status.append(f"\n{i.detail}")
+        t.add_row(Text(str(i.name)), Text(str(i.reference or "-")), Text(str(i.target or "-")), status,
+                  Text(str(i.action or "")), src)
     nsync = sum(1 for i in plan.items if i.status == "sync")
     if shown:
         console.print(t)
     else:
-        console.print(f"[bold]{title}[/]")
+        console.print(Text(title.plain, style="bold"))
     unsized = [i.name for i in plan.installs if not (plan.sources.get(i.name) or {}).get("size")
                and not (plan.sources.get(i.name) or {}).get("staged")]
     xfer = human(plan.transfer_bytes()) + (f" + {len(unsized)} wheel(s) rebuilt first" if unsized else "")
-    console.print(f"  {nsync} managed distribution(s) in sync, {len(plan.installs)} to install, "
-                  f"{len(plan.removals)} to remove; {xfer} to transfer")
+    console.print(Text(f"  {nsync} managed distribution(s) in sync, {len(plan.installs)} to install, "
+                       f"{len(plan.removals)} to remove; {xfer} to transfer"))
     for b in plan.blockers:
-        console.print(f"  [bold red]BLOCKER[/] {b.code}: {b.message}")
+        console.print(Text.assemble("  ", ("BLOCKER", "bold red"), f" {b.code}: {b.message}"))
     for w in plan.warnings:
-        console.print(f"  [yellow]warning[/] {w.code}: {w.message}")
+        console.print(Text.assemble("  ", ("warning", "yellow"), f" {w.code}: {w.message}"))

@@ -163,10 +163,15 @@ def journal_lines(inst, n=20, since=None):
 
 # ---------------------------------------------------------------- HTTP gate
 
-def http(port, method, path, body=None, timeout=5.0):
+def http(port, method, path, body=None, timeout=5.0, address="127.0.0.1", api_key=None):
+    """One request to a GPU service on this host; `address` is where it listens (the manifest's "address"),
+    `api_key` goes in the Authorization header as SGLang expects (never printed or returned)."""
     data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request("http://127.0.0.1:%d%s" % (port, path), data=data, method=method,
-                                 headers={"Content-Type": "application/json"} if data else {})
+    headers = {"Content-Type": "application/json"} if data else {}
+    if api_key:
+        headers["Authorization"] = "Bearer " + api_key
+    host = "[%s]" % address if ":" in address else address
+    req = urllib.request.Request("http://%s:%d%s" % (host, port, path), data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             raw = r.read()
@@ -177,7 +182,36 @@ def http(port, method, path, body=None, timeout=5.0):
         return None, str(e).encode()
 
 
-def gate(port, expect, start_timeout, gate_timeout, inst=None, restarts_before=None, poll=0.3, old_invocation=None):
+SECRETS_ENV = "/etc/ddtree/secrets.env"  # render.SECRETS_FILE: the unit's optional EnvironmentFile of secrets
+
+
+def server_secrets(root, release):
+    """The release's own bin/server_secrets.py (the unit's ExecStartPre check), imported from the root-owned,
+    sha256-verified release directory."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "ddtree_server_secrets", os.path.join(root, release, "bin", "server_secrets.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def secrets_preflight(root, release, gates):
+    """Before anything restarts: the secrets env file and each service's API-key file must be root-owned
+    0600/0400 regular files (else the unit's ExecStartPre would refuse to start and leave it down). Returns
+    {instance: api key or None}; raises ValueError/OSError (the message never holds a secret)."""
+    if not any(g.get("api_key_file") for g in gates.values()) and not os.path.lexists(SECRETS_ENV):
+        return {i: None for i in gates}
+    if not os.path.isfile(os.path.join(root, release, "bin", "server_secrets.py")):
+        return {i: None for i in gates}  # a release from before the check: its unit has neither check nor key
+    mod = server_secrets(root, release)
+    if os.path.lexists(SECRETS_ENV):
+        mod.check_owner_mode(SECRETS_ENV)
+    return {i: mod.read_api_key(g["api_key_file"]) if g.get("api_key_file") else None for i, g in gates.items()}
+
+
+def gate(port, expect, start_timeout, gate_timeout, inst=None, restarts_before=None, poll=0.3, old_invocation=None,
+         address="127.0.0.1", api_key=None):
     """The health gate for one service; returns {ok, step, detail, timings, accept_length}.
 
     Steps: ready (/health 200 while the unit is not failing), /health_generate, /v1/models lists the served
@@ -212,7 +246,7 @@ def gate(port, expect, start_timeout, gate_timeout, inst=None, restarts_before=N
                     return fail("start", "unit %s was not restarted within %ss" % (unit(inst), start_timeout))
                 time.sleep(poll)
                 continue
-        code, _ = http(port, "GET", "/health", timeout=2)
+        code, _ = http(port, "GET", "/health", timeout=2, address=address)
         if code == 200:
             break
         if time.monotonic() > deadline:
@@ -225,13 +259,13 @@ def gate(port, expect, start_timeout, gate_timeout, inst=None, restarts_before=N
         return max(1.0, gdl - time.monotonic())
 
     t = time.monotonic()
-    code, body = http(port, "GET", "/health_generate", timeout=left())
+    code, body = http(port, "GET", "/health_generate", timeout=left(), address=address, api_key=api_key)
     if code != 200:
         return fail("health_generate", "HTTP %s %s" % (code, body[:200].decode("utf-8", "replace")))
     res["steps"]["health_generate"] = round(time.monotonic() - t, 2)
 
     t = time.monotonic()
-    code, body = http(port, "GET", "/v1/models", timeout=left())
+    code, body = http(port, "GET", "/v1/models", timeout=left(), address=address, api_key=api_key)
     try:
         ids = [m.get("id") for m in json.loads(body).get("data", [])] if code == 200 else []
     except ValueError:
@@ -243,7 +277,7 @@ def gate(port, expect, start_timeout, gate_timeout, inst=None, restarts_before=N
     t = time.monotonic()
     code, body = http(port, "POST", "/generate", {"text": "The capital of France is",
                                                   "sampling_params": {"max_new_tokens": 8, "temperature": 0}},
-                      timeout=left())
+                      timeout=left(), address=address, api_key=api_key)
     try:
         out = json.loads(body) if code == 200 else {}
     except ValueError:
@@ -257,9 +291,9 @@ def gate(port, expect, start_timeout, gate_timeout, inst=None, restarts_before=N
         res["accept_length"] = meta["spec_accept_length"]
 
     t = time.monotonic()
-    code, body = http(port, "GET", "/server_info", timeout=left())
+    code, body = http(port, "GET", "/server_info", timeout=left(), address=address, api_key=api_key)
     if code == 404:
-        code, body = http(port, "GET", "/get_server_info", timeout=left())
+        code, body = http(port, "GET", "/get_server_info", timeout=left(), address=address, api_key=api_key)
     try:
         info = json.loads(body) if code == 200 else {}
     except ValueError:
@@ -443,6 +477,12 @@ def op_activate(a):
         if code != 0:
             raise RuntimeError("daemon-reload: " + out)
         steps["unit"] = "updated"
+    # 3b. per-GPU device drop-ins (DeviceAllow for each service's own GPU): those of this release, none other
+    if sync_dropins(tdir, man):
+        code, out = _run(["systemctl", "daemon-reload"])
+        if code != 0:
+            raise RuntimeError("daemon-reload: " + out)
+        steps["dropins"] = "updated"
     # 4. current -> target, atomically
     tmp = os.path.join(root, ".current-tmp")
     if os.path.lexists(tmp):
@@ -460,9 +500,45 @@ def op_activate(a):
     return {"previous": prev, "current": target, "steps": steps, "seconds": round(time.monotonic() - t0, 2)}
 
 
+DROPIN_NAME = "50-ddtree-gpu.conf"
+
+
+def sync_dropins(tdir, man):
+    """Install the release's `systemd/sglang-ddtree@<inst>.service.d/50-ddtree-gpu.conf` files and remove ours
+    from instances the release does not have one for; True when anything changed (daemon-reload needed)."""
+    want = {}
+    for inst, s in man.get("services", {}).items():
+        rel = s.get("dropin")
+        if rel:
+            want[os.path.join(UNIT_DIR, "sglang-ddtree@%s.service.d" % inst, DROPIN_NAME)] = os.path.join(
+                tdir, "systemd", rel)
+    changed = False
+    for old in glob.glob(os.path.join(UNIT_DIR, "sglang-ddtree@*.service.d", DROPIN_NAME)):
+        if old not in want:
+            os.unlink(old)
+            changed = True
+    for dst, src in sorted(want.items()):
+        if os.path.isfile(dst) and not os.path.islink(dst) and _sha(dst) == _sha(src):
+            continue
+        d = os.path.dirname(dst)
+        if os.path.islink(d):
+            raise RuntimeError("%s is a symbolic link" % d)
+        os.makedirs(d, mode=0o755, exist_ok=True)
+        shutil.copyfile(src, dst + ".tmp")
+        os.chmod(dst + ".tmp", 0o644)
+        os.replace(dst + ".tmp", dst)
+        changed = True
+    return changed
+
+
 def op_restart(a):
     """(Re)start instances together (one batch), then gate each; records services.json on success."""
     insts = a["instances"]
+    try:
+        keys = secrets_preflight(a["root"], a.get("release") or current_release(a["root"]), a["gates"])
+    except (OSError, ValueError) as e:  # nothing was restarted: the running services keep serving
+        return {"results": {i: {"ok": False, "step": "secrets", "detail": str(e), "port": a["gates"][i]["port"]}
+                            for i in insts}}
     before = unit_states(insts)
     action = a.get("action", "restart")
     for i in insts:  # clear a start-limit hit or failed state from earlier attempts
@@ -477,7 +553,8 @@ def op_restart(a):
         g = a["gates"][i]
         results[i] = gate(g["port"], g["expect"], a["start_timeout"], a["gate_timeout"], inst=i,
                           restarts_before=int(before[i].get("NRestarts") or 0),
-                          old_invocation=before[i].get("InvocationID", ""))
+                          old_invocation=before[i].get("InvocationID", ""),
+                          address=g.get("address") or "127.0.0.1", api_key=keys.get(i))
         results[i]["restart_seconds"] = round(time.monotonic() - t0, 2)
     rec = _read_json(os.path.join(a["state_dir"], "services.json"), {})
     for i in insts:
@@ -526,9 +603,10 @@ def op_status(a):
                    key=lambda s: (len(s), s))
     health = {}
     for i in insts:
-        port = ((man or {}).get("services", {}).get(i) or {}).get("port") or a.get("ports", {}).get(i)
-        if port:
-            code, _ = http(int(port), "GET", "/health", timeout=2)
+        ms = (man or {}).get("services", {}).get(i) or {}
+        port = ms.get("port") or a.get("ports", {}).get(i)
+        if port:  # /health needs no API key (SGLang exempts /health*)
+            code, _ = http(int(port), "GET", "/health", timeout=2, address=ms.get("address") or "127.0.0.1")
             health[i] = code
     plugin = None
     try:

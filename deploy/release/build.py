@@ -26,6 +26,7 @@ from pathlib import Path
 
 import yaml
 
+from .. import values
 from ..inventory import Host
 from . import render
 
@@ -34,6 +35,8 @@ DEFAULT_PLUGIN_DIR = REPO / "overlays" / "sglang-ddtree"
 DEFAULT_OVERLAY_SPEC = REPO / "overlays" / "file-overlays.yaml"
 LABSERVER = REPO / "deploy" / "labserver" / "server.py"
 WAIT_READY = Path(__file__).parent / "wait_ready.py"
+SERVER_SECRETS = Path(__file__).parent / "server_secrets.py"
+SITECUSTOMIZE = Path(__file__).parent / "sitecustomize.py"  # masks the API key in the service's logs
 SKIP_DIRS = {"__pycache__", "build", "dist", ".pytest_cache", ".git"}
 
 
@@ -186,7 +189,9 @@ def host_files(host: Host, plugin: Plugin, overlays: list[dict]) -> tuple[dict[s
     unit = render.render_unit(host)
     files: dict[str, bytes] = {f"systemd/{render.UNIT_FILE}": unit.encode(),
                                f"wheels/{plugin.wheel.name}": plugin.wheel.read_bytes(),
-                               "bin/wait_ready.py": WAIT_READY.read_bytes()}
+                               "bin/wait_ready.py": WAIT_READY.read_bytes(),
+                               "bin/server_secrets.py": SERVER_SECRETS.read_bytes(),
+                               "site/sitecustomize.py": SITECUSTOMIZE.read_bytes()}
     if host.vars.get("server") == "labserver":
         files["labserver/server.py"] = LABSERVER.read_bytes()
     for o in overlays:
@@ -194,12 +199,17 @@ def host_files(host: Host, plugin: Plugin, overlays: list[dict]) -> tuple[dict[s
     services = {}
     for s in host.services:
         env = render.render_env(s, plugin.capabilities)
+        dropin = render.render_dropin(s)
         files[f"env/{s.instance}.env"] = env.encode()
+        files[f"systemd/{render.dropin_path(s.instance)}"] = dropin.encode()
         services[s.instance] = {
             "gpu": s.gpu, "port": s.port, "unit": render.unit_name(s.instance), "enabled": s.enabled,
             "mode": s.mode, "algorithm": render.ALGORITHM[s.mode], "budget": s.budget, "block_size": s.block_size,
             "model": s.model, "draft_model": s.draft_model, "served_model_name": s.served_model_name,
-            "digest": render.service_digest(unit, env, payload)}
+            # how the gate and status reach it from the host itself; the key file's path (never the key)
+            "listen": s.listen, "address": values.connect_address(s.listen),
+            "api_key_file": host.vars.get("api_key_file"), "dropin": render.dropin_path(s.instance),
+            "digest": render.service_digest(unit, env, payload, dropin)}
     return files, {"services": services, "payload_digest": payload}
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import jinja2
 
+from .. import values
 from ..inventory import Host, Service
 
 REPO = Path(__file__).resolve().parents[2]
@@ -29,6 +30,13 @@ UNIT_FILE = "sglang-ddtree@.service"
 UNIT_PREFIX = "sglang-ddtree@"
 SECRETS_FILE = "/etc/ddtree/secrets.env"
 SYSTEM_PYTHON = "/usr/bin/python3"
+# The API key reaches the service as a systemd credential of this name (SGLang's --config wants a .yaml suffix);
+# systemd 252 puts it at /run/credentials/<unit>/<name>, which is what %d/<name> expands to in the unit.
+CREDENTIAL = "sglang-server.yaml"
+DROPIN_TEMPLATE = "gpu-devices.conf.j2"
+GPU_DROPIN = "50-ddtree-gpu.conf"
+# NVIDIA's shared nodes every CUDA process opens (as nvidia-container-toolkit exposes them); /dev/nvidiaN per GPU.
+NVIDIA_SHARED_DEVICES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
 
 # --- the plugin's contract (see module docstring) ---
 PLUGIN_NAME = "ddtree"            # entry-point name in group sglang.srt.plugins, allow-listed by SGLANG_PLUGINS
@@ -36,9 +44,9 @@ MODE_ENV = "SGLANG_DDTREE_MODE"   # tree-verify | shadow-linear
 BUDGET_ENV = "SGLANG_DDTREE_BUDGET"  # the node budget B
 ALGORITHM = {"linear": "DFLASH", "shadow-linear": "DDTREE", "tree-verify": "DDTREE"}
 
-ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 SECRET_KEY_RE = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|CREDENTIAL|PRIVATE_KEY)", re.I)
-RESERVED_ENV = {"CUDA_VISIBLE_DEVICES", "SGLANG_ARGS", "SGLANG_PORT", "SGLANG_PLUGINS", MODE_ENV, BUDGET_ENV}
+RESERVED_ENV = {"CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "SGLANG_ARGS", "SGLANG_HOST", "SGLANG_PORT",
+                "SGLANG_PLUGINS", "PYTHONPATH", MODE_ENV, BUDGET_ENV}
 
 
 class RenderError(ValueError):
@@ -47,6 +55,21 @@ class RenderError(ValueError):
 
 def unit_name(instance: str) -> str:
     return f"{UNIT_PREFIX}{instance}.service"
+
+
+def credential_path(instance: str) -> str:
+    """Where systemd 252 puts the API-key credential for this instance (`%d/<CREDENTIAL>` in the unit)."""
+    return f"/run/credentials/{unit_name(instance)}/{CREDENTIAL}"
+
+
+def _check_host(host: Host) -> None:
+    """The host values a unit renders, matched whole again (a Host may be built without the inventory loader)."""
+    v = host.vars
+    for key, check in (("release_root", values.deep_abs_path), ("venv", values.abs_path),
+                       ("service_user", values.service_user), ("listen_address", values.listen_address),
+                       ("api_key_file", lambda x: None if x is None else values.abs_path(x))):
+        if problem := check(v.get(key, "127.0.0.1" if key == "listen_address" else None)):
+            raise RenderError(f"{host.name}: {key}: {problem}")
 
 
 def launcher_argv(host: Host) -> list[str]:
@@ -64,7 +87,7 @@ def server_args(svc: Service) -> list[str]:
     args = ["--model-path", svc.model]
     if svc.served_model_name:
         args += ["--served-model-name", svc.served_model_name]
-    args += ["--host", "0.0.0.0", "--port", str(svc.port)]
+    args += ["--host", svc.listen, "--port", str(svc.port)]
     if not svc.draft_model:
         raise RenderError(f"{where}: mode {svc.mode} needs a draft model (vars.draft_model)")
     args += ["--speculative-algorithm", ALGORITHM[svc.mode], "--speculative-draft-model-path", svc.draft_model,
@@ -74,11 +97,17 @@ def server_args(svc: Service) -> list[str]:
         # so the plugin requires decode CUDA graphs off in tree-verify (it refuses otherwise).
         args += ["--speculative-num-draft-tokens", str(svc.budget + 1), "--cuda-graph-backend-decode", "disabled"]
     # shadow-linear commits through the DFlash chain: D stays the block size; B travels in the budget env.
+    for a in svc.extra_args:  # no secrets, no flag the deploy tool sets (the inventory loader says file:line)
+        if problem := values.extra_arg(a):
+            raise RenderError(f"{where}: extra_args: {problem}")
     args += list(svc.extra_args)
+    if problem := values.listen_address(svc.listen):
+        raise RenderError(f"{where}: listen_address: {problem}")
     for a in args:
-        if not a or re.search(r"[\s'\"\\$%;`]", a):
-            raise RenderError(f"{where}: argument {a!r} is empty or has whitespace, quotes, '$', '%' or ';' "
-                              "(systemd splits $SGLANG_ARGS on whitespace; put such values in a config file)")
+        if not values.ARG_RE.fullmatch(a):
+            raise RenderError(f"{where}: argument {a!r} is empty or has whitespace, control characters, quotes, "
+                              "'$', '%', '#', ';' or '\\' (systemd splits $SGLANG_ARGS on whitespace; put such "
+                              "values in a config file)")
     return args
 
 
@@ -96,30 +125,33 @@ def service_env(svc: Service, caps: dict | None = None) -> list[tuple[str, str]]
     `caps` is the plugin's capabilities.json: its entry-point name, mode and budget variables are used."""
     where = f"{svc.host} gpu{svc.gpu}"
     c = plugin_contract(caps)
-    env = [("CUDA_VISIBLE_DEVICES", str(svc.gpu)), ("SGLANG_PORT", str(svc.port)),
-           ("SGLANG_ARGS", " ".join(server_args(svc)))]
+    # PCI_BUS_ID: CUDA numbers GPUs as nvidia-smi does, so index N is /dev/nvidiaN (the unit's device drop-in)
+    env = [("CUDA_DEVICE_ORDER", "PCI_BUS_ID"), ("CUDA_VISIBLE_DEVICES", str(svc.gpu)),
+           ("SGLANG_HOST", svc.listen), ("SGLANG_PORT", str(svc.port)), ("SGLANG_ARGS", " ".join(server_args(svc)))]
     if svc.mode != "linear":
         env += [(c["allowlist_env"], c["plugin"]), (c["mode_env"], svc.mode)]
         if c["budget_env"]:
             env.append((c["budget_env"], str(svc.budget)))
     reserved = RESERVED_ENV | {c["allowlist_env"], c["mode_env"]} | ({c["budget_env"]} if c["budget_env"] else set())
     for k, v in svc.env:
-        if not ENV_KEY_RE.match(k):
+        if values.env_key(k):
             raise RenderError(f"{where}: env {k!r} is not a valid variable name")
         if k in reserved:
             raise RenderError(f"{where}: env {k} is set by the deploy tool; use the inventory's own settings")
         if SECRET_KEY_RE.search(k):
             raise RenderError(f"{where}: env {k} looks like a secret; secrets never go into releases or units: "
                               f"put it in {SECRETS_FILE} on the host (mode 0600)")
-        if "\n" in v or "\r" in v:
-            raise RenderError(f"{where}: env {k} has a newline")
+        if problem := values.env_value(v):
+            raise RenderError(f"{where}: env {k}: {problem}")
         env.append((k, v))
     return env
 
 
 def service_argv(host: Host, svc: Service) -> list[str]:
-    """The full argv systemd runs for this service (ExecStart with $SGLANG_ARGS split as systemd does)."""
-    return launcher_argv(host) + server_args(svc)
+    """The full argv systemd runs for this service (ExecStart with $SGLANG_ARGS split as systemd does, and
+    `--config %d/sglang-server.yaml` expanded where the host has an API key)."""
+    key = ["--config", credential_path(svc.instance)] if host.vars.get("api_key_file") else []
+    return launcher_argv(host) + server_args(svc) + key
 
 
 def _jinja() -> jinja2.Environment:
@@ -128,12 +160,32 @@ def _jinja() -> jinja2.Environment:
 
 
 def render_unit(host: Host) -> str:
+    _check_host(host)
     v = host.vars
+    listen = v.get("listen_address", "127.0.0.1")
     return _jinja().get_template(UNIT_TEMPLATE).render(
         unit_name=UNIT_FILE, release_root=v["release_root"], state_dir=state_dir(host),
         service_user=v["service_user"], exec_start=" ".join(launcher_argv(host)), system_python=SYSTEM_PYTHON,
         start_timeout=v["start_timeout"], stop_timeout=60, restart_sec=10,
-        start_limit_interval=max(600, 3 * v["start_timeout"]), start_limit_burst=3, secrets_file=SECRETS_FILE)
+        start_limit_interval=max(600, 3 * v["start_timeout"]), start_limit_burst=3, secrets_file=SECRETS_FILE,
+        api_key_file=v.get("api_key_file"), credential=CREDENTIAL, listen_address=listen,
+        loopback=values.is_loopback(listen), shared_devices=NVIDIA_SHARED_DEVICES, gpu_dropin=GPU_DROPIN)
+
+
+def gpu_devices(svc: Service) -> list[str]:
+    """The device nodes of this service's own GPU(s)."""
+    return [f"/dev/nvidia{svc.gpu}"]
+
+
+def dropin_path(instance: str) -> str:
+    """Relative to /etc/systemd/system (and to a release's systemd/ folder)."""
+    return f"{UNIT_PREFIX}{instance}.service.d/{GPU_DROPIN}"
+
+
+def render_dropin(svc: Service) -> str:
+    """The per-GPU drop-in: DeviceAllow for this service's own GPU (the template unit allows no GPU)."""
+    return _jinja().get_template(DROPIN_TEMPLATE).render(unit=unit_name(svc.instance), dropin=GPU_DROPIN,
+                                                         host=svc.host, gpu=svc.gpu, devices=gpu_devices(svc))
 
 
 def render_env(svc: Service, caps: dict | None = None) -> str:
@@ -150,6 +202,7 @@ def sha256(data: bytes | str) -> str:
     return hashlib.sha256(data.encode() if isinstance(data, str) else data).hexdigest()
 
 
-def service_digest(unit_text: str, env_text: str, payload_digest: str) -> str:
-    """What decides a restart: the unit, this GPU's env file and the payload (plugin source, overlays, launcher)."""
-    return sha256("\0".join([unit_text, env_text, payload_digest]))
+def service_digest(unit_text: str, env_text: str, payload_digest: str, dropin_text: str = "") -> str:
+    """What decides a restart: the unit, this GPU's env file and device drop-in, and the payload (plugin source,
+    overlays, launcher)."""
+    return sha256("\0".join([unit_text, env_text, payload_digest] + ([dropin_text] if dropin_text else [])))

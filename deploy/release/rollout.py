@@ -233,7 +233,10 @@ def restart_batch(conn, host: Host, manifest: dict, insts: list[str], out: Print
     gates = {i: {"port": manifest["services"][i]["port"],
                  "expect": {"model": manifest["services"][i]["served_model_name"] or manifest["services"][i]["model"],
                             "algorithm": manifest["services"][i]["algorithm"]},
-                 "digest": manifest["services"][i]["digest"]} for i in insts}
+                 "digest": manifest["services"][i]["digest"],
+                 # where it listens and the host's API-key file (the agent reads the key there; never sent)
+                 "address": manifest["services"][i].get("address"),
+                 "api_key_file": manifest["services"][i].get("api_key_file")} for i in insts}
     r = call(conn, "restart", host_args(host) | {
         "instances": insts, "gates": gates, "action": action, "release": manifest["release"],
         "start_timeout": host.vars["start_timeout"], "gate_timeout": host.vars["gate_timeout"]},

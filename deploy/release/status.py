@@ -58,26 +58,37 @@ def rows(gathered: list[dict], hosts: dict[str, Host]) -> list[dict]:
     return out
 
 
-def print_table(rs: list[dict]) -> None:
-    from rich.console import Console
+def cell(value, style: str = ""):
+    """A table cell holding a host's string as plain text: rich never reads markup in it, so `[...]` in an error
+    cannot crash the table and `[green]` in a state cannot fake one."""
+    from rich.text import Text
+    return Text("" if value is None else str(value), style=style)
+
+
+def status_table(rs: list[dict]):
+    """The `fab status` table; every value from a host (state, error, release, lock, journal) is plain text."""
     from rich.table import Table
     t = Table(title="sglang-ddtree services")
     for col in ("host", "gpu", "state", "port", "health", "mode", "release", "unsafe", "lock", "last deploy"):
         t.add_column(col)
     for r in rs:
         if r.get("error"):
-            t.add_row(r["host"], "-", f"[red]{r['error']}[/red]", *[""] * 7)
+            t.add_row(cell(r["host"]), cell("-"), cell(r["error"], "red"), *[cell("")] * 7)
             continue
         state = r["state"] + (f" ({r['restarts']} restarts)" if r["restarts"] else "")
         color = "green" if r["state"].startswith("active/running") and r["health"] == "ok" else "red"
         rel = r["release"] or "-"
         if r["running_release"] and r["running_release"] != r["release"]:
             rel += f" (running {r['running_release']})"
-        t.add_row(r["host"], str(r["gpu"]), f"[{color}]{state}[/{color}]", str(r["port"]),
-                  f"[{color}]{r['health']}[/{color}]", r["mode"] or "-", rel,
-                  "[bold red]HYBRID-UNSAFE[/bold red]" if r["unsafe"] else "", r["lock"] or "",
-                  r["last_deploy"] or "")
-    Console(width=200).print(t)
+        t.add_row(cell(r["host"]), cell(r["gpu"]), cell(state, color), cell(r["port"]), cell(r["health"], color),
+                  cell(r["mode"] or "-"), cell(rel), cell("HYBRID-UNSAFE" if r["unsafe"] else "", "bold red"),
+                  cell(r["lock"] or ""), cell(r["last_deploy"] or ""))
+    return t
+
+
+def print_table(rs: list[dict], console=None) -> None:
+    from rich.console import Console
+    (console or Console(width=200)).print(status_table(rs))
 
 
 def logs(inv: Inventory, hosts: list[Host], gpus: list[int] | None, n: int, since: str | None) -> list:

@@ -42,7 +42,7 @@ def env(lab, tmp_path_factory):
 
 
 CLEAN = ("systemctl stop 'sglang-ddtree@*' 2>/dev/null; systemctl reset-failed 'sglang-ddtree@*' 2>/dev/null; "
-         "rm -rf /opt/ddtree /etc/systemd/system/sglang-ddtree@.service "
+         "rm -rf /opt/ddtree /etc/systemd/system/sglang-ddtree@.service /etc/systemd/system/sglang-ddtree@*.service.d "
          "/etc/systemd/system/multi-user.target.wants/sglang-ddtree@*; systemctl daemon-reload")
 
 
