@@ -9,12 +9,16 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# The repo's own `deploy` package first: pytest puts tests/ on sys.path, where tests/deploy (a test
-# package) would shadow it in an interpreter without the toolkit installed (the SGLang 0.5.17 test venv).
-sys.path.insert(0, str(ROOT))
-
 # inventory/lab.yaml, or for a second lab on this machine (DDTREE_LAB_ID) its own copy of it
-from deploy.lab.fleet import lab_inventory_path  # noqa: E402
+try:
+    from deploy.lab.fleet import lab_inventory_path
+except ImportError:
+    # An interpreter without the toolkit installed (the SGLang 0.5.17 venv runs tests/plugin only): there
+    # `deploy` resolved to the test package tests/deploy, which pytest's path insertion puts first.
+    for _m in [m for m in sys.modules if m == "deploy" or m.startswith("deploy.")]:
+        del sys.modules[_m]
+    sys.path.insert(0, str(ROOT))
+    from deploy.lab.fleet import lab_inventory_path
 
 LAB_INVENTORY = lab_inventory_path()
 
