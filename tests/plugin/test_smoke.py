@@ -42,7 +42,8 @@ def test_server_argv_parses_with_sglangs_real_parser(mode):
     ServerArgs.add_cli_args(p)
     ns = p.parse_args(argv[3:])
     assert (ns.host, ns.port, ns.attention_backend, ns.skip_tokenizer_init) == ("127.0.0.1", 31234, "triton", True)
-    want = {"plain": None, "dflash": ("DFLASH", 8), "shadow-linear": ("DDTREE", 8), "tree-verify": ("DDTREE", 32)}[mode]
+    want = {"plain": None, "dflash": ("DFLASH", 8), "linear": ("DFLASH", 8), "shadow-linear": ("DDTREE", 8),
+            "tree-verify": ("DDTREE", 32)}[mode]
     got = None if ns.speculative_algorithm is None else (ns.speculative_algorithm, ns.speculative_num_draft_tokens)
     assert got == want
     env = smoke.server_env(spec, 3, base={"PATH": "/bin", "SGLANG_DDTREE_BUDGET": "99"})

@@ -26,17 +26,6 @@ def test_configs_are_what_sglang_0517_can_serve():
         tiny.target_config("moe")
 
 
-@pytest.mark.parametrize("cfg,family", [
-    ({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}, "dense"),
-    ({"architectures": ["Qwen3NextForCausalLM"], "full_attention_interval": 4}, "hybrid"),
-    ({"architectures": ["X"], "layer_types": ["linear_attention", "full_attention"]}, "hybrid"),
-    ({"architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": {"layer_types": ["full_attention"]}}, "hybrid"),
-    ({"architectures": ["Gemma3ForCausalLM"], "layer_types": ["sliding_attention", "full_attention"]}, "dense"),
-])
-def test_family_of_config(cfg, family):
-    assert tiny.family_of_config(cfg) == family
-
-
 @pytest.mark.sglang_api
 @pytest.mark.parametrize("family", tiny.FAMILIES)
 def test_writes_seeded_weights_that_load_and_vary(family, tmp_path):

@@ -19,8 +19,10 @@ host, or a process session otherwise) and checks:
 3. a request the mode cannot serve (``return_logprob``) is rejected alone and
    the server answers the next request.
 
-Modes: ``tree-verify``, ``shadow-linear`` (DDTREE), ``dflash`` (SGLang's own),
-``plain``.  Exit status: 0 all checks passed, 1 a check failed, 2 the host
+Modes: ``tree-verify``, ``shadow-linear`` (DDTREE), ``linear`` / ``dflash`` (SGLang's
+own DFLASH chain, what a fleet service in mode ``linear`` runs), ``plain``.  With
+``--user`` the servers run as that user (``systemd-run --uid``) and the private
+work directory is handed to it.  Exit status: 0 all checks passed, 1 a check failed, 2 the host
 cannot run it (no GPU device, SGLang missing) - said plainly on stderr.
 
 The pure parts (argv, environment, prompts, the statistic) are tested on CPU.
@@ -47,7 +49,7 @@ from typing import Dict, List, Optional, Sequence
 
 from .config import BUDGET_ENV, MODE_ENV, SHADOW_LINEAR, TREE_VERIFY
 
-MODES = ("tree-verify", "shadow-linear", "dflash", "plain")
+MODES = ("tree-verify", "shadow-linear", "linear", "dflash", "plain")  # linear = dflash: SGLang's own DFLASH chain
 DEFAULT_MARGIN = 0.05
 EXIT_OK, EXIT_FAILED, EXIT_CANNOT_RUN = 0, 1, 2
 
@@ -87,7 +89,7 @@ def server_argv(python: str, spec: ServerSpec, port: int, host: str = "127.0.0.1
     if spec.mode != "plain":
         if not spec.drafter:
             raise ValueError(f"mode {spec.mode} needs a drafter")
-        algo = "DFLASH" if spec.mode == "dflash" else "DDTREE"
+        algo = "DFLASH" if spec.mode in ("dflash", "linear") else "DDTREE"
         width = spec.budget + 1 if spec.mode == TREE_VERIFY else spec.block
         argv += ["--speculative-algorithm", algo, "--speculative-draft-model-path", spec.drafter,
                  "--speculative-num-draft-tokens", str(width)]
@@ -305,6 +307,7 @@ UNSUPPORTED = {  # mode -> requests that mode cannot serve (rejected alone, the 
     "tree-verify": [{"return_logprob": True}, {"sampling_params": {"frequency_penalty": 0.5}}],
     "shadow-linear": [{"return_logprob": True}],
     "dflash": [{"return_logprob": True}],
+    "linear": [{"return_logprob": True}],
 }
 
 
@@ -340,7 +343,7 @@ class SmokeResult:
 
 def run_smoke(*, mode: str, family: str, gpu: int, python: str, workdir: str, prompts: int, tokens: int,
               budget: int, margin: float, launcher: str, start_timeout: float, concurrency: int,
-              log=print) -> SmokeResult:
+              user: Optional[str] = None, log=print) -> SmokeResult:
     from . import tiny
 
     res = SmokeResult(ok=True)
@@ -355,7 +358,7 @@ def run_smoke(*, mode: str, family: str, gpu: int, python: str, workdir: str, pr
         for s in specs:
             port = free_port()
             srv = Server(server_argv(python, s, port), server_env(s, gpu), os.path.join(workdir, f"{s.mode}.log"),
-                         launcher=launcher)
+                         launcher=launcher, user=user)
             servers.append(srv)
             srv.start()
             bases.append(f"http://127.0.0.1:{port}")
@@ -384,7 +387,7 @@ def run_smoke(*, mode: str, family: str, gpu: int, python: str, workdir: str, pr
                                  if accept else None,
                                  "spec_cap_length": [g["meta_info"].get("spec_cap_length") for g in got][:4]}
         if mode != "plain":
-            want = "DFLASH" if mode == "dflash" else "DDTREE"
+            want = "DFLASH" if mode in ("dflash", "linear") else "DDTREE"
             if algo != want or not accept:
                 res.ok = False
                 res.problems.append(f"server reports algorithm {algo!r} (want {want}) and accept lengths {accept[:3]}")
@@ -412,6 +415,7 @@ def main(argv=None) -> int:
     ap.add_argument("--launcher", choices=("auto", "systemd-run", "process"), default="auto")
     ap.add_argument("--start-timeout", type=float, default=300)
     ap.add_argument("--python", default=sys.executable, help="the interpreter of the venv SGLang runs from")
+    ap.add_argument("--user", help="run the servers as this user (systemd-run --uid); the work dir is handed to it")
     ap.add_argument("--json", help="write the report here too")
     a = ap.parse_args(argv)
     problem = gpu_device_problem(a.gpu)
@@ -424,10 +428,12 @@ def main(argv=None) -> int:
         print(json.dumps(report))
         return EXIT_CANNOT_RUN
     workdir = tempfile.mkdtemp(prefix="ddtree-smoke-")  # 0700: private to the smoke run
+    if a.user:
+        shutil.chown(workdir, user=a.user)  # the servers (run as the user) read the models and write their logs
     try:
         res = run_smoke(mode=a.mode, family=a.family, gpu=a.gpu, python=a.python, workdir=workdir,
                         prompts=a.prompts, tokens=a.tokens, budget=a.budget, margin=a.margin, launcher=a.launcher,
-                        start_timeout=a.start_timeout, concurrency=a.concurrency,
+                        start_timeout=a.start_timeout, concurrency=a.concurrency, user=a.user,
                         log=lambda m: print(m, file=sys.stderr, flush=True))
     except Exception as e:  # noqa: BLE001 - one clear line, non-zero exit
         report = {"ok": False, "error": f"{type(e).__name__}: {e}"}

@@ -62,7 +62,7 @@ _COMMON = {
     "bos_token_id": 1, "eos_token_id": 2,
 }
 
-__all__ = ["FAMILIES", "target_config", "drafter_config", "write_family", "family_of_config"]
+__all__ = ["FAMILIES", "target_config", "drafter_config", "write_family"]
 
 
 def target_config(family: str) -> dict:
@@ -93,18 +93,6 @@ def drafter_config(family: str) -> dict:
         dflash_config={"block_size": DRAFT_BLOCK, "num_target_layers": LAYERS,
                        "target_layer_ids": TARGET_LAYER_IDS, "mask_token_id": MASK_TOKEN_ID},
     )
-
-
-def family_of_config(cfg: dict) -> str:
-    """``hybrid`` for a model config with linear-attention (recurrent) layers, else ``dense``."""
-    text = (cfg.get("text_config") or {}) if isinstance(cfg.get("text_config"), dict) else {}
-    types = cfg.get("layer_types") or text.get("layer_types") or []
-    arch = " ".join(cfg.get("architectures") or [])
-    if any(t != "full_attention" and "attention" in str(t) and t != "sliding_attention" for t in types):
-        return "hybrid"
-    if any(k in arch for k in ("Next", "Qwen3_5", "Mamba", "Jamba", "GatedDelta")) or "full_attention_interval" in cfg:
-        return "hybrid"
-    return "dense"
 
 
 def _write_target(out: Path, family: str, seed: int) -> None:
