@@ -35,13 +35,15 @@ def test_exact_match_and_prompts():
 def test_server_argv_parses_with_sglangs_real_parser(mode):
     from sglang.srt.server_args import ServerArgs
 
-    spec = smoke.ServerSpec(mode, "/m/target", None if mode == "plain" else "/m/drafter", budget=31)
+    spec = smoke.ServerSpec(mode, "/m/target", None if mode == "plain" else "/m/drafter", budget=31,
+                            max_total_tokens=65536, max_mamba_cache=48)
     argv = smoke.server_argv("/venv/bin/python", spec, 31234)
     assert argv[:3] == ["/venv/bin/python", "-m", "sglang.launch_server"]
     p = argparse.ArgumentParser()
     ServerArgs.add_cli_args(p)
     ns = p.parse_args(argv[3:])
     assert (ns.host, ns.port, ns.attention_backend, ns.skip_tokenizer_init) == ("127.0.0.1", 31234, "triton", True)
+    assert (ns.max_total_tokens, ns.max_mamba_cache_size) == (65536, 48)
     want = {"plain": None, "dflash": ("DFLASH", 8), "linear": ("DFLASH", 8), "shadow-linear": ("DDTREE", 8),
             "tree-verify": ("DDTREE", 32)}[mode]
     got = None if ns.speculative_algorithm is None else (ns.speculative_algorithm, ns.speculative_num_draft_tokens)
@@ -76,3 +78,18 @@ def test_cli_on_a_host_without_gpu_says_so_and_exits_2(tmp_path):
     assert out.returncode == smoke.EXIT_CANNOT_RUN == 2
     assert "cannot run: no GPU device /dev/nvidiactl or /dev/nvidia0" in out.stderr
     assert json.loads((tmp_path / "r.json").read_text())["ok"] is False
+
+
+def test_shared_gpu_fraction_covers_what_others_use():
+    assert smoke.shared_gpu_fraction(0, 143771) == round(4096 / 143771, 3) or smoke.shared_gpu_fraction(0, 143771) == 0.1
+    f = smoke.shared_gpu_fraction(0.85 * 143771, 143771)
+    assert 0.85 < f <= 0.97 and (f * 143771 - 0.85 * 143771) >= 4000
+    assert smoke.shared_gpu_fraction(140000, 143771) == 0.97
+
+
+def test_pool_caps_reach_the_command_line():
+    spec = smoke.ServerSpec("tree-verify", "/m", "/d", max_total_tokens=65536, max_mamba_cache=48)
+    argv = smoke.server_argv("python", spec, 1)
+    assert argv[argv.index("--max-total-tokens") + 1] == "65536"
+    assert argv[argv.index("--max-mamba-cache-size") + 1] == "48"
+    assert "--max-mamba-cache-size" not in smoke.server_argv("python", smoke.ServerSpec("plain", "/m"), 1)

@@ -71,6 +71,10 @@ class ServerSpec:
     block: int = 8  # DFlash chain width (dflash, shadow-linear)
     mem_fraction: float = 0.12
     max_running: int = 8
+    # Pool caps: a smoke server sizes its KV / recurrent-state pools by these, not by the memory it finds free,
+    # so it can share a GPU with other servers (SGLang derives its pools from the memory free at start-up).
+    max_total_tokens: Optional[int] = None
+    max_mamba_cache: Optional[int] = None
     context_length: int = 2048
     extra_args: tuple = ()
 
@@ -86,6 +90,10 @@ def server_argv(python: str, spec: ServerSpec, port: int, host: str = "127.0.0.1
         "--page-size", "1", "--context-length", str(spec.context_length),
         "--max-running-requests", str(spec.max_running), "--mem-fraction-static", str(spec.mem_fraction),
     ]
+    if spec.max_total_tokens:
+        argv += ["--max-total-tokens", str(spec.max_total_tokens)]
+    if spec.max_mamba_cache:
+        argv += ["--max-mamba-cache-size", str(spec.max_mamba_cache)]
     if spec.mode != "plain":
         if not spec.drafter:
             raise ValueError(f"mode {spec.mode} needs a drafter")
@@ -160,6 +168,20 @@ def gpu_device_problem(gpu: int, dev: str = "/dev") -> Optional[str]:
     return None
 
 
+def shared_gpu_fraction(used_mib: float, total_mib: float, headroom_mib: float = 4096) -> float:
+    """``--mem-fraction-static`` for a pool-capped server on a GPU where ``used_mib`` is already taken: SGLang
+    budgets ``free - total * (1 - fraction)``, so the fraction must cover what others use plus headroom."""
+    return round(min(0.97, max(0.1, (used_mib + headroom_mib) / total_mib)), 3)
+
+
+def gpu_memory_mib(gpu: int) -> tuple:
+    """(used, total) MiB of one GPU from nvidia-smi."""
+    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used,memory.total", "--format=csv,noheader,nounits",
+                          "-i", str(gpu)], capture_output=True, text=True, timeout=30, check=True).stdout
+    used, total = (float(x) for x in out.strip().splitlines()[0].split(","))
+    return used, total
+
+
 # ----------------------------------------------------------------------------- servers
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
@@ -171,8 +193,9 @@ class Server:
     """A transient server: a ``systemd-run`` unit (runtime-capped, stopped on exit)
     where systemd runs, else a process session killed as a group."""
 
-    def __init__(self, argv, env, log_path, launcher="auto", runtime_max_s=1800, user=None):
+    def __init__(self, argv, env, log_path, launcher="auto", runtime_max_s=1800, user=None, unit=None):
         self.argv, self.env, self.log_path = argv, env, log_path
+        self.unit_name = unit
         self.launcher = launcher if launcher != "auto" else (
             "systemd-run" if shutil.which("systemd-run") and os.path.isdir("/run/systemd/system") else "process")
         self.runtime_max_s, self.user = runtime_max_s, user
@@ -181,7 +204,7 @@ class Server:
 
     def start(self) -> None:
         if self.launcher == "systemd-run":
-            self.unit = f"ddtree-smoke-{os.getpid()}-{int(time.time() * 1000) % 10**8}"
+            self.unit = self.unit_name or f"ddtree-smoke-{os.getpid()}-{int(time.time() * 1000) % 10**8}"
             keep = {k: v for k, v in self.env.items()
                     if k in ("CUDA_VISIBLE_DEVICES", "PYTHONUNBUFFERED", "SGLANG_PLUGINS", MODE_ENV, BUDGET_ENV,
                              "PATH", "HOME", "SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK", "PYTHONPATH")}
@@ -343,7 +366,8 @@ class SmokeResult:
 
 def run_smoke(*, mode: str, family: str, gpu: int, python: str, workdir: str, prompts: int, tokens: int,
               budget: int, margin: float, launcher: str, start_timeout: float, concurrency: int,
-              user: Optional[str] = None, log=print) -> SmokeResult:
+              user: Optional[str] = None, unit_prefix: Optional[str] = None, runtime_max: int = 1800,
+              log=print) -> SmokeResult:
     from . import tiny
 
     res = SmokeResult(ok=True)
@@ -351,14 +375,20 @@ def run_smoke(*, mode: str, family: str, gpu: int, python: str, workdir: str, pr
     ps = make_prompts(prompts)
     servers: List[Server] = []
     try:
-        plain = ServerSpec("plain", paths["target"], mem_fraction=0.1)
+        used, total = gpu_memory_mib(gpu)
+        caps = dict(mem_fraction=shared_gpu_fraction(used, total), max_total_tokens=65536,
+                    max_mamba_cache=48 if family == "hybrid" else None)
+        plain = ServerSpec("plain", paths["target"], **caps)
         specs = [plain] if mode == "plain" else [plain, ServerSpec(mode, paths["target"], paths["drafter"],
-                                                                     budget=budget, mem_fraction=0.1)]
+                                                                     budget=budget, **caps)]
+        log(f"GPU {gpu}: {used:.0f} of {total:.0f} MiB in use; servers capped (--mem-fraction-static "
+            f"{caps['mem_fraction']}, --max-total-tokens 65536)")
         bases = []
         for s in specs:
             port = free_port()
             srv = Server(server_argv(python, s, port), server_env(s, gpu), os.path.join(workdir, f"{s.mode}.log"),
-                         launcher=launcher, user=user)
+                         launcher=launcher, user=user, runtime_max_s=runtime_max,
+                         unit=f"{unit_prefix}-{s.mode}" if unit_prefix else None)
             servers.append(srv)
             srv.start()
             bases.append(f"http://127.0.0.1:{port}")
@@ -416,6 +446,8 @@ def main(argv=None) -> int:
     ap.add_argument("--start-timeout", type=float, default=300)
     ap.add_argument("--python", default=sys.executable, help="the interpreter of the venv SGLang runs from")
     ap.add_argument("--user", help="run the servers as this user (systemd-run --uid); the work dir is handed to it")
+    ap.add_argument("--unit-prefix", help="name the transient units <prefix>-<mode> (so a caller can stop them all)")
+    ap.add_argument("--runtime-max", type=int, default=1800, help="RuntimeMaxSec of each transient unit")
     ap.add_argument("--json", help="write the report here too")
     a = ap.parse_args(argv)
     problem = gpu_device_problem(a.gpu)
@@ -434,6 +466,7 @@ def main(argv=None) -> int:
         res = run_smoke(mode=a.mode, family=a.family, gpu=a.gpu, python=a.python, workdir=workdir,
                         prompts=a.prompts, tokens=a.tokens, budget=a.budget, margin=a.margin, launcher=a.launcher,
                         start_timeout=a.start_timeout, concurrency=a.concurrency, user=a.user,
+                        unit_prefix=a.unit_prefix, runtime_max=a.runtime_max,
                         log=lambda m: print(m, file=sys.stderr, flush=True))
     except Exception as e:  # noqa: BLE001 - one clear line, non-zero exit
         report = {"ok": False, "error": f"{type(e).__name__}: {e}"}
