@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/agenthelpers.py for every test folder
 # inventory/lab.yaml, or for a second lab on this machine (DDTREE_LAB_ID) its own copy of it
 from deploy.lab.fleet import lab_inventory_path  # noqa: E402
 

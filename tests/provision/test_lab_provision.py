@@ -1,8 +1,8 @@
 """`provision` on the lab's real hosts (real sshd, SFTP, pip): the faults of issue 3.
 
 Isolation: these tests never touch the shared /opt/sglang/venv. They create their own venvs
-(/opt/provtest/venv on ct129 and ct200), their own stage root, and their own control-side cache,
-and remove them at the end. The managed set is `provtest-*`.
+(/opt/provtest/venv on ct129 and ct200), their own agent state directory (staging, backups, lock), and their
+own control-side cache, and remove them at the end. The managed set is `provtest-*`.
 """
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from deploy.inventory import Host
-from deploy.provision import agent as agentmod
 from deploy.provision import overlay
 from deploy.provision.cache import WheelCache
+from deploy.remote.host.fsutil import sha256_file
 from deploy.ssh import open_checked
 
 from provhelpers import build_wheel, make_project, rewrite_wheel
@@ -25,8 +25,8 @@ pytestmark = pytest.mark.lab
 
 VENV = "/opt/provtest/venv"
 HOUSE = "/opt/provtest/wheelhouse"
-ROOT = "/var/tmp/ddtree-provision-test"
-BLOB = 8 << 20
+ROOT = "/var/lib/ddtree-provtest"
+BLOB = 48 << 20  # large enough that a cut lands mid-wheel (events every 0.25 s)
 
 
 def _sh(conn, cmd, **kw):
@@ -90,7 +90,7 @@ def world(lab, tmp_path_factory):
 
 def _opts(world, **kw):
     from rich.console import Console
-    return overlay.Options(yes=True, cache=world["cache"], stage_root=ROOT, progress=False,
+    return overlay.Options(yes=True, cache=world["cache"], state_dir=ROOT, progress=False,
                            console=Console(width=200, record=True), **kw)
 
 
@@ -114,11 +114,11 @@ def test_dry_run_plan_changes_nothing(world):
 def test_cut_connection_mid_transfer_then_resume(world):
     cut = {"sent": 0, "done": False}
 
-    def hook(host, sftp, n):
+    def hook(host, ssh_proc, n):
         cut["sent"] += n
         if cut["sent"] > 3 << 20 and not cut["done"]:
             cut["done"] = True
-            sftp.get_channel().get_transport().close()     # the SSH connection drops mid-wheel
+            ssh_proc.kill()                                # the SSH connection drops mid-wheel
 
     rep = overlay.provision(world["inv"], "ct200", _opts(world, hooks={"put_progress": hook}))
     (h,) = rep.hosts
@@ -126,7 +126,8 @@ def test_cut_connection_mid_transfer_then_resume(world):
     assert _versions(world["inv"], "ct200") == BEFORE               # nothing partial was installed
     conn = open_checked(world["inv"], world["inv"].hosts["ct200"])
     try:
-        parts = conn.run(f"find {ROOT}/incoming -name '*.part' -printf '%s\\n'", hide=True, in_stream=False).stdout.split()
+        parts = conn.run(f"find {ROOT}/provision/incoming -name '*.part' -printf '%s\\n'", hide=True,
+                         in_stream=False).stdout.split()
     finally:
         conn.close()
     assert parts and 0 < int(parts[0]) < BLOB + (64 << 10)
@@ -158,14 +159,14 @@ def test_undo_restores_the_previous_builds(world):
 
 def test_corrupted_cached_wheel_is_fetched_again(world):
     cache = world["cache"]
-    sha = agentmod.sha256_file(world["wheels"]["a1"])
+    sha = sha256_file(str(world["wheels"]["a1"]))
     (p,) = list((cache.root / sha[:2] / sha).glob("*.whl"))
     data = bytearray(p.read_bytes())
     data[len(data) // 2] ^= 0xFF
     p.write_bytes(bytes(data))
     conn = open_checked(world["inv"], world["inv"].hosts["ct200"])
     try:
-        _sh(conn, f"rm -rf {ROOT}/incoming/{sha}")     # so the target needs the wheel from the cache again
+        _sh(conn, f"rm -rf {ROOT}/provision/incoming/{sha}")  # so the target needs the wheel from the cache again
     finally:
         conn.close()
     world["cache"] = WheelCache(cache.root)             # a new run remembers nothing
