@@ -227,7 +227,7 @@ def build_facts(host: str, raw: dict, gathered_at: float | None = None) -> dict:
     if venv_raw:
         dists = {canonicalize_name(d["name"]): d["version"] for d in venv_raw.get("distributions", [])}
         venv = {"path": venv_raw.get("path"), "exists": venv_raw.get("exists", False),
-                "error": venv_raw.get("error"),
+                "error": venv_raw.get("error"), "trust": venv_raw.get("trust"),
                 "python": venv_raw.get("version"),
                 "abi": python_abi_tag(venv_raw["version"], venv_raw.get("abiflags", "")) if venv_raw.get("version") else None,
                 "purelib": venv_raw.get("purelib"),
@@ -256,11 +256,12 @@ def build_facts(host: str, raw: dict, gathered_at: float | None = None) -> dict:
 
 def gather(conn, host, *, root: bool = False, staged: bool = False, state_dir: str | None = None) -> dict:
     """One agent call: run the facts probe on `conn` and build the facts of `host`. Without `root` it runs as
-    the SSH user (no sudo). With `staged` the facts carry the private staging listing under "stage" (as root)."""
+    the SSH user (no sudo). With `staged` (a provision target, as root) the facts carry the private staging
+    listing under "stage" and whether root may run the venv under venv.trust."""
     from .remote.client import Remote
     t0 = time.time()
     raw = Remote(conn, host.name, state_dir).call(
-        "facts.probe", {"venv": host.venv, "budget": PROBE_BUDGET, "staged": staged},
+        "facts.probe", {"venv": host.venv, "budget": PROBE_BUDGET, "staged": staged, "trust": staged},
         deadline=PROBE_BUDGET + CALL_MARGIN, root=root)
     facts = build_facts(host.name, raw, t0)
     facts["address"] = host.address

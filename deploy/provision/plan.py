@@ -217,6 +217,8 @@ def find_blockers(ref_facts: dict, tgt_facts: dict, items: list[Item], scan: dic
         blockers.append(Finding("venv", f"the target venv {tv.get('path') or '?'} does not exist or has no "
                                         f"working python ({tv.get('error') or 'no details'})"))
         return blockers, warnings, {}
+    if tv.get("trust") not in (None, "ok"):
+        blockers.append(Finding("venv-trust", f"root will not run {tv.get('path')}/bin/python: {tv['trust']}"))
     # Python ABI
     tabi, tpy = tv.get("abi"), tv.get("python")
     if rv.get("abi") and tabi and rv["abi"] != tabi:

@@ -246,9 +246,10 @@ def outcome_after_loss(inv: Inventory, host: Host, token: str, why: str, wait: f
                 j = r["entry"]
                 return {"ok": bool(j.get("ok")), "error": f"link lost ({why}); on the host: {j.get('event')}"
                         + (f": {j.get('error')}" if j.get("error") else ""), "restarted": j.get("restarted") or [],
-                        "rolled_back": bool(j.get("rollback_ok")), "rollback": {"release": j.get("rolled_back_to"),
-                                                                               "ok": j.get("rollback_ok")}
-                        if j.get("rolled_back_to") else None, "link_lost": True, "journal": j}
+                        "rolled_back": bool(j.get("rollback_ok")),
+                        "rollback": {"release": j.get("rolled_back_to"), "ok": j.get("rollback_ok"),
+                                     "seconds": j.get("rollback_seconds") or 0} if j.get("rolled_back_to") else None,
+                        "link_lost": True, "journal": j}
             last = "still running on the host"
         except Exception as exc:  # still unreachable: try again until `wait` is over
             last = f"{type(exc).__name__}: {exc}"

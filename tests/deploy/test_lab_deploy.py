@@ -18,7 +18,7 @@ import pytest
 from deploy.remote.client import Remote
 from deploy.ssh import open_checked
 
-from .helpers import lab_inventory, ssh, strip_ansi, write_model
+from .helpers import CLEAN, lab_inventory, ssh, strip_ansi, write_model
 
 pytestmark = pytest.mark.lab
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,11 +39,6 @@ def env(lab, tmp_path_factory):
     for h in HOSTS:  # the lab is shared with other tests: leave no services, releases or plugin behind
         ssh(lab, h, CLEAN + f"; {lab.hosts[h].vars['venv']}/bin/python -m pip uninstall -y -q sglang-ddtree",
             check=False)
-
-
-CLEAN = ("systemctl stop 'sglang-ddtree@*' 2>/dev/null; systemctl reset-failed 'sglang-ddtree@*' 2>/dev/null; "
-         "rm -rf /opt/ddtree /etc/systemd/system/sglang-ddtree@.service "
-         "/etc/systemd/system/multi-user.target.wants/sglang-ddtree@*; systemctl daemon-reload")
 
 
 def status_rows(fab, inventory, hosts=None) -> list[dict]:

@@ -90,8 +90,9 @@ def world(lab, tmp_path_factory):
 
 def _opts(world, **kw):
     from rich.console import Console
-    return overlay.Options(yes=True, cache=world["cache"], state_dir=ROOT, progress=False,
-                           console=Console(width=200, record=True), **kw)
+    kw.setdefault("state_dir", ROOT)
+    return overlay.Options(yes=True, cache=world["cache"], progress=False, console=Console(width=200, record=True),
+                           **kw)
 
 
 BEFORE = {"provtest-alpha": "1.0+cu128", "provtest-beta": "1.0", "provtest-extra": "0.1"}
@@ -219,3 +220,86 @@ def test_fab_cli_json_dry_run_and_no_terminal(fab, lab):
         assert r.returncode != 0 and "--yes" in (r.stdout + r.stderr)
     r = fab("provision", "ct129", "--dry-run")
     assert "reference" in r.stdout
+
+
+# ---------------------------------------------------------------- faults of issue 9 (planted files, trust)
+
+def test_faults_planted_in_the_old_world_writable_staging_dir_are_never_used(world):
+    """Issue 9's attack: a local user plants built/<sha256 of RECORD>/built.json and a wheel with a .pth under the
+    old fixed /var/tmp/ddtree-provision; it was offered as 'rebuilt' and installed as root everywhere. The agent
+    never reads /var/tmp; its own staging is private."""
+    inv = world["inv"]
+    conn = open_checked(inv, inv.hosts["ct129"])
+    try:
+        key = _sh(conn, f"sha256sum {VENV}/lib/python3*/site-packages/provtest_beta-2.0.dist-info/RECORD").split()[0]
+        d = f"/var/tmp/ddtree-provision/built/{key}"
+        _sh(conn, f"mkdir -p {d} && chown -R deploy /var/tmp/ddtree-provision && "
+                  f"printf 'import os\\n' > /tmp/evil.pth && cd /tmp && "
+                  f"python3 -m zipfile -c {d}/provtest_beta-2.0-py3-none-any.whl evil.pth && "
+                  f"printf '{{\"filename\": \"provtest_beta-2.0-py3-none-any.whl\", \"sha256\": \"%s\", \"size\": 1}}' "
+                  f"$(sha256sum {d}/provtest_beta-2.0-py3-none-any.whl | cut -d' ' -f1) > {d}/built.json")
+        rep = overlay.provision(inv, "ct200", _opts(world, dry_run=True))
+        (h,) = rep.hosts
+        assert h.plan.sources["provtest-beta"]["kind"] in ("rebuild", "rebuilt"), h.plan.sources
+        assert h.plan.sources["provtest-beta"].get("sha256") != _sh(
+            conn, f"sha256sum {d}/provtest_beta-2.0-py3-none-any.whl").split()[0]
+    finally:
+        conn.run("rm -rf /var/tmp/ddtree-provision /tmp/evil.pth", hide=True, warn=True, in_stream=False)
+        conn.close()
+
+
+def test_faults_planted_symlink_built_json_and_dotdot_name_in_the_private_dir(world, tmp_path):
+    """Inside the private state directory (root only, so only root could plant these): a symlinked state dir is
+    refused outright; a built.json naming '../../../../etc/cron.d/...' is never offered or followed; a symlink
+    planted where an upload lands is refused and its target left alone. Nothing is installed from any of them."""
+    inv = world["inv"]
+    ref, tgt = open_checked(inv, inv.hosts["ct129"]), open_checked(inv, inv.hosts["ct200"])
+    try:
+        # a symlinked state directory
+        _sh(tgt, "mkdir -p /root/elsewhere && ln -sfn /root/elsewhere /var/lib/ddtree-provlink")
+        rep = overlay.provision(inv, "ct200", _opts(world, state_dir="/var/lib/ddtree-provlink"))
+        (h,) = rep.hosts
+        assert not h.ok and "symbolic link" in h.error, h.error
+        assert _sh(tgt, "ls -A /root/elsewhere").strip() == ""
+        # a built.json with a '../' name in the reference's private built directory
+        rep = overlay.provision(inv, "ct200", _opts(world, dry_run=True))
+        key = _sh(ref, f"sha256sum {VENV}/lib/python3*/site-packages/provtest_beta-2.0.dist-info/RECORD").split()[0]
+        d = f"{ROOT}/provision/built/{key}"
+        _sh(ref, f"mkdir -p {d} && chmod 700 {ROOT}/provision {ROOT}/provision/built {d} && "
+                 f"printf '{{\"filename\": \"../../../../etc/cron.d/ddtree-x-1.0-py3-none-any.whl\", "
+                 f"\"sha256\": \"{'a' * 64}\", \"size\": 1}}' > {d}/built.json")
+        rep = overlay.provision(inv, "ct200", _opts(world, dry_run=True))
+        (h,) = rep.hosts
+        assert h.plan.sources["provtest-beta"]["kind"] == "rebuild"   # the planted one is not offered
+        # a symlink where the upload of alpha's wheel lands on the target
+        sha = sha256_file(str(world["wheels"]["a1"]))
+        part = f"{ROOT}/provision/incoming/{sha}/{world['wheels']['a1'].name}.part"
+        _sh(tgt, f"rm -rf {ROOT}/provision/incoming/{sha} && mkdir -p -m 700 {ROOT}/provision/incoming/{sha} && "
+                 f"echo keep > /root/victim && ln -s /root/victim {part}")
+        rep = overlay.provision(inv, "ct200", _opts(world))
+        (h,) = rep.hosts
+        assert not h.ok and "symbolic link" in h.error, h.error
+        assert _sh(tgt, "cat /root/victim").strip() == "keep"
+        assert _versions(inv, "ct200") == BEFORE
+        assert not list(Path("/etc/cron.d").glob("ddtree-x*"))
+        assert _sh(ref, "ls /etc/cron.d").find("ddtree-x") < 0 and _sh(tgt, "ls /etc/cron.d").find("ddtree-x") < 0
+    finally:
+        for c in (ref, tgt):
+            c.run(f"rm -rf /var/lib/ddtree-provlink /root/elsewhere /root/victim {ROOT}/provision/built "
+                  f"{ROOT}/provision/incoming", hide=True, warn=True, in_stream=False)
+            c.close()
+
+
+def test_fault_group_writable_target_venv_blocks_the_provision(world):
+    inv = world["inv"]
+    conn = open_checked(inv, inv.hosts["ct200"])
+    site = _sh(conn, f"ls -d {VENV}/lib/python3*/site-packages").strip()
+    try:
+        _sh(conn, f"chmod g+w {site}")
+        rep = overlay.provision(inv, "ct200", _opts(world))
+        (h,) = rep.hosts
+        assert h.status == "blocked" and "venv-trust" in h.error and "writable by group" in h.error, h.error
+        assert _versions(inv, "ct200") == BEFORE and rep.sent_bytes == 0
+    finally:
+        _sh(conn, f"chmod g-w {site}")
+        conn.close()

@@ -226,3 +226,10 @@ def test_a_wheel_name_that_is_not_one_blocks_the_host():
         p = make_plan(facts("ct129", REF), facts("ct200", TGT), PATTERNS, scan, {"staged": {}})
         assert p.blocked and p.blockers[-1].code == "wheel-name" and repr(bad) in p.blockers[-1].message
         assert p.sources["torch"]["kind"] == "refused" and "filename" not in p.sources["torch"]
+
+
+def test_an_untrusted_target_venv_blocks_the_host():
+    tgt = facts("ct200", TGT)
+    tgt["venv"]["trust"] = "/opt/sglang/venv/lib/python3.11/site-packages is writable by group"
+    p = make_plan(facts("ct129", REF), tgt, PATTERNS)
+    assert p.blocked and any(b.code == "venv-trust" and "writable by group" in b.message for b in p.blockers)

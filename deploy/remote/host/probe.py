@@ -50,7 +50,7 @@ def _fact(r):
     return {"rc": -1 if r["rc"] is None else r["rc"], "out": r["out"], "err": r["err"][-4000:]}
 
 
-def venv_raw(path, state, deadline, import_torch, incomplete):
+def venv_raw(path, state, deadline, import_torch, incomplete, trust=False):
     """The venv as files: pyvenv.cfg, site-packages, each distribution's metadata, torch's version.py and
     (once per torch install) the facts only an import of torch gives."""
     v = {"path": path, "exists": os.access(venvmod.python(path), os.X_OK)}
@@ -63,6 +63,12 @@ def venv_raw(path, state, deadline, import_torch, incomplete):
         return v
     v.update(pyvenv_cfg=venvmod.pyvenv_cfg(path), purelib=site, lib_dir=os.path.basename(os.path.dirname(site)),
              distributions=[])
+    if trust:  # may root run it? (a provision asks before it plans to)
+        try:
+            v["entries_checked"] = venvmod.check_runnable(path)
+            v["trust"] = "ok"
+        except (Unsafe, venvmod.VenvError) as exc:
+            v["trust"] = str(exc)
     torch = None
     for name, d in venvmod.distributions(site):
         di = venvmod.dist_info_path(d)
@@ -184,7 +190,8 @@ def probe(ctx, a):
     if venv:
         def gather_venv():
             try:
-                venv_out["v"] = venv_raw(venv, ctx.state, deadline, a.get("import_torch", True), incomplete)
+                venv_out["v"] = venv_raw(venv, ctx.state, deadline, a.get("import_torch", True), incomplete,
+                                         a.get("trust", False))
             except Exception as exc:  # a broken venv is a fact, not a failed probe
                 venv_out["v"] = {"path": venv, "exists": True, "error": "%s: %s" % (type(exc).__name__, exc)}
         vt = threading.Thread(target=gather_venv, daemon=True)
@@ -194,7 +201,8 @@ def probe(ctx, a):
         vt.join(deadline.left(floor=0.0) + 3)
         if vt.is_alive():
             incomplete.append({"what": "venv", "error": "not read within %.0fs" % budget})
-    for what, r in res.items():
+    for what in jobs:  # in a fixed order
+        r = res[what]
         if r.get("timed_out"):
             incomplete.append({"what": what, "error": r["err"].split(";")[0]})
     plain = _fact(res.get("nvidia_smi"))

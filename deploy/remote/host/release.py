@@ -47,7 +47,9 @@ class ActivationFailed(Exception):
 
 
 class GateFailed(Exception):
-    pass
+    def __init__(self, message, failed):
+        Exception.__init__(self, message)
+        self.failed = failed
 
 
 # ---------------------------------------------------------------- reading state
@@ -333,8 +335,9 @@ class Host(object):
 
                 def restore_unit():
                     if old_unit is None:
-                        if os.path.isfile(dst):
-                            os.unlink(dst)
+                        if not (os.path.isfile(dst) and not os.path.islink(dst)):
+                            return  # never written (or not ours): nothing to undo
+                        os.unlink(dst)
                     else:
                         atomic_write(dst, old_unit, FILE_MODE)
                     self.run(spec["commands"]["daemon_reload"], "daemon-reload")
@@ -438,7 +441,6 @@ class Host(object):
         self.ctx.event("rollback", phase="start", release=prev["release"])
         ok, detail = True, ""
         try:
-            self.ctx.step("rollback")
             self.activate(prev)
             pman = manifest_of(self.root, prev["release"])
             gone = [i for i in touched if i not in pman.get("services", {})]
@@ -518,6 +520,7 @@ def apply(ctx, a):
         if not batches:
             ctx.event("note", message="nothing-restarted")
         res["gates"] = h.roll(batches, res["release"], touched)
+        ctx.step("done")  # a run whose lock was broken while it ran does not report success
     except locks.LockLost as exc:  # someone broke our lock: they own the host now; stop, touch nothing more
         res.update(ok=False, error=str(exc), lock_lost=True)
         lost = True
@@ -525,13 +528,19 @@ def apply(ctx, a):
         res.update(ok=False, error=str(exc) if isinstance(exc, (GateFailed, ActivationFailed, Failure))
                    else "%s: %s" % (type(exc).__name__, exc))
         if isinstance(exc, GateFailed):
-            res["failed"] = exc.args[1]
+            res["failed"] = exc.failed
         if isinstance(exc, Failure):
             res["kind"] = exc.kind
-        # activation undoes itself when it fails; past it, the previous release comes back
+        # activation undoes itself when it fails; past it, the previous release comes back -- unless the lock
+        # was broken meanwhile (a failing gate may be the other run restarting our units): then hands off
         if began and not isinstance(exc, ActivationFailed) and a.get("rollback") is not None:
-            rb = h.rollback(a["rollback"], list(touched))
-            res.update(rollback=rb, rolled_back=rb["ok"])
+            try:
+                ctx.step("rollback")
+                rb = h.rollback(a["rollback"], list(touched))
+                res.update(rollback=rb, rolled_back=rb["ok"])
+            except locks.LockLost as lexc:
+                res.update(error=res["error"] + "; not rolled back: " + str(lexc), lock_lost=True)
+                lost = True
     res["seconds"] = round(time.monotonic() - t0, 2)
     journal.update(restarted=list(touched), seconds=res["seconds"])
     if not res["ok"]:
@@ -539,7 +548,8 @@ def apply(ctx, a):
         if res.get("failed"):
             journal["failed"] = res["failed"]
         if "rollback" in res:
-            journal.update(rolled_back_to=res["rollback"].get("release"), rollback_ok=res["rollback"]["ok"])
+            journal.update(rolled_back_to=res["rollback"].get("release"), rollback_ok=res["rollback"]["ok"],
+                           rollback_seconds=res["rollback"].get("seconds"))
     journal["ok"] = res["ok"]
     if lost:
         journal["event"] = "lock-lost"
