@@ -348,29 +348,33 @@ def _ensure_cached(inv: Inventory, ref_conn, ref: Host, scan: dict, todo: list[H
     wanted = sorted({i.name for h in todo for i in plans[h.name].installs
                      if not plans[h.name].sources[i.name]["staged"]})
     t_fetch = 0.0
-    for n in wanted:
-        src = scan[n]["source"]
-        if cache.get(src["sha256"]) is not None:
-            continue
-        t0 = time.time()
-        for attempt in (1, 2):
+    for attempt in (1, 2):
+        missing = [n for n in wanted if cache.get(scan[n]["source"]["sha256"]) is None]
+        if not missing:
+            break
+        items = []
+        for n in missing:
+            src = scan[n]["source"]
             try:
-                part = cache.part_path(src["sha256"], src["filename"])
+                items.append((src["path"], cache.part_path(src["sha256"], src["filename"]), src["size"]))
             except CacheError as exc:
                 raise ProvisionError(f"{n} from {ref.name}: {exc}") from None
-            cb = prog.task(f"{ref.name} -> cache  {src['filename'][:48]}", src["size"])
-            st = transfer.fetch(remote, inv, ref, src["path"], part, src["size"], cb)
-            fetched += st.bytes
+        t0 = time.time()
+        cb = prog.task(f"{ref.name} -> cache  {len(items)} wheel(s)", sum(size for _p, _pt, size in items))
+        st = transfer.fetch(remote, inv, ref, items, cb)
+        t_fetch += time.time() - t0
+        fetched += st.bytes
+        prog.note(f"fetched {len(items)} wheel(s) from {ref.name}: {human(st.bytes)} in {st.seconds:.1f}s"
+                  + (f" ({human(st.rate)}/s)" if st.seconds else "")
+                  + (f" (resumed at {human(st.resumed_from)})" if st.resumed_from else ""))
+        for n in missing:
+            src = scan[n]["source"]
             try:
                 cache.commit(src["sha256"], src["filename"], scan[n].get("pth") or [])
-                prog.note(f"fetched {src['filename']} from {ref.name}: {human(st.bytes)} in {st.seconds:.1f}s"
-                          + (f" (resumed at {human(st.resumed_from)})" if st.resumed_from else ""))
-                break
             except CacheError as exc:
                 cache.events.append(str(exc))
                 if attempt == 2:
                     raise ProvisionError(f"{n}: {exc}") from None
-        t_fetch += time.time() - t0
     phases["fetch"] = t_fetch
     return fetched
 
@@ -404,36 +408,37 @@ def _apply_locked(remote, host, plan, ref_facts, cache, prog, opts, inv, rep, he
     uploads = [(i.name, plan.sources[i.name]) for i in plan.installs if not plan.sources[i.name].get("staged")]
     t_put = time.time()
     for attempt in (1, 2):
-        bad = []
-        for name, src in uploads:
+        if not uploads:
+            break
+        items = []
+        for _name, src in uploads:
             local = cache.get(src["sha256"])
             if local is None:
                 raise ProvisionError(f"{src['filename']} vanished from the control cache")
             p = parts.get(src["sha256"]) or {}
             offset = p["size"] if attempt == 1 and p.get("filename") == src["filename"] and p["size"] < src["size"] \
                 else 0
-            cb = prog.task(f"cache -> {host.name}  {src['filename'][:48]}", src["size"])
-            hook = opts.hooks.get("put_progress")
-            started = None
-            if hook:
-                procs = []
-                started = procs.append
-                inner = cb
-                cb = (lambda n, _i=inner, _p=procs: (_i and _i(n), hook(host, _p[0] if _p else None, n)))
-            res, st = transfer.send(remote, inv, host, str(local), src["sha256"], src["filename"], src["size"],
-                                    offset, held, cb, started)
-            rep.sent_bytes += st.bytes
+            items.append({"local": str(local), "sha256": src["sha256"], "filename": src["filename"],
+                          "size": src["size"], "offset": offset})
             if offset:
                 rep.details.setdefault("resumed", {})[src["filename"]] = offset
-            if res.get("status") != "ok":
-                bad.append((name, src))
-                rep.details.setdefault("rejected_on_arrival", []).append(f"{src['filename']} ({res.get('status')})")
-                continue
-            prog.note(f"{host.name}: sent {src['filename']} {human(st.bytes)} in {st.seconds:.1f}s"
-                      + (f" ({human(st.rate)}/s)" if st.seconds else "")
-                      + (f", resumed at {human(offset)}" if offset else ""))
+        cb = prog.task(f"cache -> {host.name}  {len(items)} wheel(s)", sum(i["size"] for i in items))
+        hook = opts.hooks.get("put_progress")
+        started = None
+        if hook:
+            procs: list = []
+            started = procs.append
+            inner = cb
+            cb = (lambda n, _i=inner, _p=procs: (_i and _i(n), hook(host, _p[0] if _p else None, n)))
+        res, st = transfer.send(remote, inv, host, items, held, cb, started)
+        rep.sent_bytes += st.bytes
+        prog.note(f"{host.name}: sent {len(items)} wheel(s) {human(st.bytes)} in {st.seconds:.1f}s"
+                  + (f" ({human(st.rate)}/s)" if st.seconds else ""))
+        bad = [(n, s) for n, s in uploads if (res.get(s["sha256"]) or {}).get("status") != "ok"]
         if not bad:
             break
+        rep.details.setdefault("rejected_on_arrival", []).extend(
+            f"{s['filename']} ({(res.get(s['sha256']) or {}).get('status', 'not sent')})" for _n, s in bad)
         if attempt == 2:
             raise ProvisionError("sha256 check on arrival failed twice for " + ", ".join(s["filename"] for _n, s in bad))
         uploads = bad  # sent again from the start

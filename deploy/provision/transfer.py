@@ -36,47 +36,55 @@ def deadline_for(size: int) -> float:
     return SLACK + size / MIN_RATE
 
 
-def fetch(remote: client.Remote, inv: Inventory, host: Host, path: str, part: Path, size: int,
+def fetch(remote: client.Remote, inv: Inventory, host: Host, items: list[tuple[str, Path, int]],
           progress: Callable[[int], None] | None = None) -> TransferStats:
-    """Download `path` from the reference into the cache's `part`, continuing a partial one."""
+    """Download wheels [(path on the reference, cache part file, size)] in one OpenSSH stream, each continuing a
+    partial part. Returns the bytes moved and the time the stream took."""
     import time
-    offset = part.stat().st_size if part.exists() else 0
-    if offset > size:
-        part.unlink()
-        offset = 0
-    st = TransferStats(resumed_from=offset)
-    if progress and offset:
-        progress(offset)
+    todo, resumed = [], 0
+    for path, part, size in items:
+        offset = part.stat().st_size if part.exists() else 0
+        if offset > size:
+            part.unlink()
+            offset = 0
+        resumed += offset
+        if offset < size:
+            todo.append((path, part, size, offset))
+    st = TransferStats(resumed_from=resumed)
+    if progress and resumed:
+        progress(resumed)
     t0 = time.time()
-    if offset < size:
-        dl = deadline_for(size - offset)
-        argv = remote.stream_argv(openssh_argv(inv, host), "provision.send", {"path": path, "offset": offset}, dl,
+    if todo:
+        dl = deadline_for(sum(size - off for _p, _pt, size, off in todo))
+        argv = remote.stream_argv(openssh_argv(inv, host), "provision.send",
+                                  {"files": [{"path": path, "offset": off} for path, _pt, _s, off in todo]}, dl,
                                   raw=True)
-        st.bytes = client.download(argv, part, size, progress, dl)
+        st.bytes = client.download(argv, [(part, size - off) for _p, part, size, off in todo], progress, dl)
     st.seconds = time.time() - t0
     return st
 
 
-def send(remote: client.Remote, inv: Inventory, host: Host, local: str, sha256: str, filename: str, size: int,
-         offset: int, lock: dict, progress: Callable[[int], None] | None = None,
-         started: Callable | None = None) -> tuple[dict, TransferStats]:
-    """Upload a cached wheel to a target's private staging directory from `offset`. Returns (the agent's
-    answer {status, ...}, stats)."""
+def send(remote: client.Remote, inv: Inventory, host: Host, items: list[dict], lock: dict,
+         progress: Callable[[int], None] | None = None, started: Callable | None = None) -> tuple[dict, TransferStats]:
+    """Upload cached wheels [{local, sha256, filename, size, offset}] to a target's private staging directory in one
+    OpenSSH stream. Returns ({sha256: the agent's answer {status, ...}}, stats)."""
     import time
-    st = TransferStats(resumed_from=offset)
-    if progress and offset:
-        progress(offset)
-    dl = deadline_for(size - offset)
+    st = TransferStats(resumed_from=sum(i["offset"] for i in items))
+    if progress and st.resumed_from:
+        progress(st.resumed_from)
+    total = sum(i["size"] - i["offset"] for i in items)
+    dl = deadline_for(total)
     argv = remote.stream_argv(openssh_argv(inv, host), "provision.receive",
-                              {"sha256": sha256, "filename": filename, "size": size, "offset": offset}, dl, lock)
-    t0 = time.time()
+                              {"wheels": [{k: i[k] for k in ("sha256", "filename", "size", "offset")} for i in items]},
+                              dl, lock)
     sent = [0]
 
     def counted(n: int) -> None:
         sent[0] += n
         if progress:
             progress(n)
-    res = client.upload(argv, local, offset, size, counted, dl, started=started)
+    t0 = time.time()
+    res = client.upload(argv, [(i["local"], i["offset"], i["size"]) for i in items], counted, dl, started=started)
     st.seconds = time.time() - t0
-    st.bytes = size - offset if res.get("status") == "ok" and not res.get("already") else sent[0]
-    return res, st
+    st.bytes = sent[0]
+    return res.get("wheels") or {}, st

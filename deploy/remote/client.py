@@ -12,6 +12,7 @@ the same loader and envelope, the request as the last argument, the data on stdi
 from __future__ import annotations
 
 import ast
+import os
 import shlex
 import socket
 import subprocess
@@ -215,32 +216,52 @@ def _watch(p: subprocess.Popen, deadline: float, stall: float, progress_at: Call
     return None
 
 
-def upload(argv: list[str], path: str, offset: int, size: int, progress: Callable[[int], None] | None,
+def upload(argv: list[str], sources: list[tuple[str, int, int]], progress: Callable[[int], None] | None,
            deadline: float, stall: float = 60.0, started: Callable[[subprocess.Popen], None] | None = None) -> dict:
-    """Send `path` from `offset` as the stdin of an agent op (argv from Remote.stream_argv); the agent's
-    "received" events drive `progress` (bytes each time). Returns the op's result; raises AgentError."""
-    moved = [time.monotonic(), offset]
-    with open(path, "rb") as fh:
-        fh.seek(offset)
-        p = subprocess.Popen(argv, stdin=fh, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    """Send the byte ranges `sources` [(path, offset, size)] one after the other as the stdin of an agent op (argv
+    from Remote.stream_argv), with sendfile(2) into the pipe; the agent's "received" events drive `progress`
+    (bytes each time) and the stall watch. Returns the op's result; raises AgentError (LinkLost on a cut)."""
+    p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     if started:
         started(p)
-    replies: list[dict] = []
+    moved = [time.monotonic(), 0]
     errbuf: list[bytes] = []
     threading.Thread(target=lambda: errbuf.append(p.stderr.read()), daemon=True).start()
+
+    def feed() -> None:
+        try:
+            for path, offset, size in sources:
+                with open(path, "rb") as fh:
+                    pos = offset
+                    while pos < size:
+                        n = os.sendfile(p.stdin.fileno(), fh.fileno(), pos, min(size - pos, 8 << 20))
+                        if n == 0:
+                            break
+                        pos += n
+        except OSError:
+            pass  # the far end went away; the reply (or its absence) says what arrived
+        finally:
+            try:
+                p.stdin.close()
+            except OSError:
+                pass
+    threading.Thread(target=feed, daemon=True).start()
     why: list = []
     watcher = threading.Thread(target=lambda: why.append(_watch(p, deadline, stall, lambda: moved[0], "upload")),
                                daemon=True)
     watcher.start()
+    replies: list[dict] = []
     for line in p.stdout:
         obj = envelope.parse_line(line)
         if obj is None:
             continue
         if obj["type"] == "event" and obj.get("event") == "received":
-            if progress:
+            if progress and obj["bytes"] > moved[1]:
                 progress(obj["bytes"] - moved[1])
-            moved[:] = [time.monotonic(), obj["bytes"]]
-        elif obj["type"] not in ("event", "hb"):
+            moved[:] = [time.monotonic(), max(moved[1], obj["bytes"])]
+        elif obj["type"] == "hb":
+            moved[0] = time.monotonic()
+        elif obj["type"] != "event":
             replies.append(obj)
     p.wait()
     watcher.join()
@@ -253,39 +274,49 @@ def upload(argv: list[str], path: str, offset: int, size: int, progress: Callabl
         raise AgentError(fin.get("kind") or "error", fin.get("error") or "agent failed", fin)
     if fin["type"] == "ship":
         raise AgentError("agent-state", "the host has no agent zipapp yet (make a call first)")
-    result = fin.get("result") or {}
-    if progress and result.get("status") == "ok":
-        progress(max(0, size - moved[1]))
-    return result
+    return fin.get("result") or {}
 
 
-def download(argv: list[str], local_part: Path, size: int, progress: Callable[[int], None] | None,
+def download(argv: list[str], sinks: list[tuple[Path, int]], progress: Callable[[int], None] | None,
              deadline: float, stall: float = 60.0) -> int:
-    """Append an agent raw op's stdout (a wheel's bytes) to `local_part`; returns the bytes received. The agent
-    writes errors to stderr, never into the data."""
-    before = local_part.stat().st_size if local_part.exists() else 0
-    seen = [time.monotonic(), before]
-
-    def moved() -> float:
-        n = local_part.stat().st_size
-        if n != seen[1]:
-            if progress:
-                progress(n - seen[1])
-            seen[:] = [time.monotonic(), n]
-        return seen[0]
-
-    with open(local_part, "ab") as fh:
-        p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=fh, stderr=subprocess.PIPE)
-        errbuf: list[bytes] = []
-        threading.Thread(target=lambda: errbuf.append(p.stderr.read()), daemon=True).start()
-        why = _watch(p, deadline, stall, moved, "download")
-    moved()
-    got = local_part.stat().st_size - before
-    if p.returncode != 0 or why or before + got != size:
+    """Split an agent raw op's stdout (wheels' bytes, one after the other) into `sinks` [(part file, bytes)],
+    appending to each; returns the bytes received. The agent writes errors to stderr, never into the data."""
+    p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    moved = [time.monotonic()]
+    errbuf: list[bytes] = []
+    threading.Thread(target=lambda: errbuf.append(p.stderr.read()), daemon=True).start()
+    why: list = []
+    watcher = threading.Thread(target=lambda: why.append(_watch(p, deadline, stall, lambda: moved[0], "download")),
+                               daemon=True)
+    watcher.start()
+    got, want = 0, sum(n for _p, n in sinks)
+    src = p.stdout.fileno()
+    for part, count in sinks:
+        fd = os.open(part, os.O_WRONLY | os.O_CREAT, 0o644)  # no O_APPEND: splice(2) refuses it
+        try:
+            os.lseek(fd, 0, os.SEEK_END)
+            left = count
+            while left > 0:
+                n = os.splice(src, fd, min(left, 8 << 20))
+                if n == 0:
+                    break
+                left -= n
+                got += n
+                moved[0] = time.monotonic()
+                if progress:
+                    progress(n)
+        finally:
+            os.close(fd)
+        if left:
+            break
+    p.wait()
+    watcher.join()
+    if p.returncode != 0 or (why and why[0]) or got != want:
         err = b"".join(errbuf).decode("utf-8", "replace")
         fin = envelope.final(envelope.parse_output(err))
         if fin and fin["type"] == "error":
             raise AgentError(fin.get("kind") or "error", fin.get("error") or "agent failed", fin)
-        raise LinkLost("link-lost", (why or f"ssh exited {p.returncode} after {got} bytes") + ": "
+        raise LinkLost("link-lost", ((why[0] if why and why[0] else None) or
+                                     f"ssh exited {p.returncode} after {got} of {want} bytes") + ": "
                        + err.strip()[-600:])
     return got

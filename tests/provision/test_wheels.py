@@ -289,26 +289,28 @@ def test_a_change_without_the_lock_is_refused(world, tmp_path):
 
 def test_receive_resumes_checks_on_arrival_and_refuses_unsafe_paths(world, tmp_path):
     state = tmp_path / "state"
-    whl = world["wheels"]["a1"]
+    whl, other = world["wheels"]["a1"], world["wheels"]["b1"]
     data, sha = whl.read_bytes(), sha256_file(str(whl))
     held = {"token": "r" * 32, "mode": "held"}
     result("lock.acquire", {"token": held["token"], "holder": "t", "command": "pytest"}, state)
-    args = {"sha256": sha, "filename": whl.name, "size": len(data)}
+    one = {"sha256": sha, "filename": whl.name, "size": len(data)}
     half = len(data) // 2
-    assert result("provision.receive", dict(args, offset=0), state, lock=held, data=data[:half]) == \
-        {"status": "partial", "have": half}
+
+    def receive(*wheels, data, **kw):
+        return result("provision.receive", {"wheels": list(wheels)}, state, lock=held, data=data, **kw)["wheels"]
+    assert receive(dict(one, offset=0), data=data[:half]) == {sha: {"status": "partial", "have": half}}
     st = result("facts.probe", {"staged": True, "budget": 5}, state)["stage"]
     assert st["parts"] == {sha: {"filename": whl.name, "size": half}} and st["staged"] == {}
-    assert result("provision.receive", dict(args, offset=half), state, lock=held, data=data[half:])["status"] == "ok"
+    # the rest of it and a second wheel in the same stream; the wrong bytes under a name are deleted on arrival
+    odata = other.read_bytes()
+    out = receive(dict(one, offset=half), {"sha256": "0" * 64, "filename": other.name, "size": len(odata)},
+                  data=data[half:] + odata)
+    assert out[sha]["status"] == "ok" and out["0" * 64]["status"] == "bad-hash"
     assert (state / "provision" / "incoming" / sha / whl.name).read_bytes() == data
-    # the wrong bytes under a name: deleted on arrival, never staged
-    other = world["wheels"]["b1"].read_bytes()
-    bad = dict(args, sha256="0" * 64, size=len(other), offset=0)
-    assert result("provision.receive", bad, state, lock=held, data=other)["status"] == "bad-hash"
     assert not any((state / "provision" / "incoming" / ("0" * 64)).iterdir())
-    # a '../' name never becomes a path
-    fin, _r, _p = call("provision.receive", dict(args, filename="../../../../tmp/x-1.0-py3-none-any.whl"), state,
-                       lock=held, data=data)
+    # a '../' name never becomes a path, and nothing of the stream is read
+    fin, _r, _p = call("provision.receive", {"wheels": [dict(one, filename="../../../../tmp/x-1.0-py3-none-any.whl")]},
+                       state, lock=held, data=data)
     assert fin["type"] == "error" and "not a wheel file name" in fin["error"]
     # a symlink planted where the upload goes is refused, its target untouched
     victim = tmp_path / "victim"
@@ -316,8 +318,19 @@ def test_receive_resumes_checks_on_arrival_and_refuses_unsafe_paths(world, tmp_p
     d = state / "provision" / "incoming" / ("1" * 64)
     d.mkdir(mode=0o700)
     (d / (whl.name + ".part")).symlink_to(victim)
-    fin, _r, _p = call("provision.receive", dict(args, sha256="1" * 64, offset=0), state, lock=held, data=data)
+    fin, _r, _p = call("provision.receive", {"wheels": [dict(one, sha256="1" * 64, offset=0)]}, state, lock=held,
+                       data=data)
     assert fin["kind"] == "unsafe" and "symbolic link" in fin["error"] and victim.read_text() == "keep"
+
+
+def test_send_streams_several_wheels_and_refuses_non_wheels(world, tmp_path):
+    state = tmp_path / "state"
+    a, b = world["wheels"]["a1"], world["wheels"]["b1"]
+    fin, _r, p = call("provision.send", {"files": [{"path": str(a), "offset": 10}, {"path": str(b)}]}, state,
+                      raw=True)
+    assert fin["type"] != "error" and p.returncode == 0 and p.stdout == a.read_bytes()[10:] + b.read_bytes()
+    fin, _r, p = call("provision.send", {"files": [{"path": "/etc/shadow"}]}, state, raw=True)
+    assert fin["type"] == "error" and p.stdout == b""
 
 
 def test_loader_refuses_an_unsafe_state_directory(tmp_path):

@@ -133,40 +133,41 @@ def build(ctx, a):
 
 @op("provision.send", raw=True)
 def send(ctx, a):
-    """Stream a wheel (a path the scan or build named) to stdout from `offset`: raw bytes, no envelope."""
-    path = a["path"]
-    checked_filename(os.path.basename(path))
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    """Stream wheels (paths the scan or build named) to stdout one after the other, each from its `offset`: raw
+    bytes with sendfile(2), no envelope; the client knows each size. Every file is checked before the first byte."""
+    fds = []
     try:
-        size = os.fstat(fd).st_size
-        offset = int(a.get("offset") or 0)
+        for f in a["files"]:
+            checked_filename(os.path.basename(f["path"]))
+            fd = os.open(f["path"], os.O_RDONLY | os.O_NOFOLLOW)
+            fds.append((fd, int(f.get("offset") or 0), os.fstat(fd).st_size))
         sys.stdout.flush()
         out = sys.stdout.fileno()  # the data channel; envelopes of a raw op go to stderr
-        while offset < size:
-            n = os.sendfile(out, fd, offset, min(size - offset, 64 << 20))
-            if n == 0:
-                break
-            offset += n
+        sent = 0
+        for fd, offset, size in fds:
+            while offset < size:
+                n = os.sendfile(out, fd, offset, min(size - offset, 64 << 20))
+                if n == 0:
+                    break
+                offset += n
+                sent += n
     finally:
-        os.close(fd)
-    return {"sent": offset}
+        for fd, _o, _s in fds:
+            os.close(fd)
+    return {"sent": sent}
 
 
 def _incoming(ctx, sha, filename):
     return os.path.join(_prov(ctx, "incoming", checked_sha256(sha)), checked_filename(filename))
 
 
-@op("provision.receive", mutating=True)
-def receive(ctx, a):
-    """On a target: the wheel's bytes arrive on stdin into the private staging directory, appended to an
-    earlier partial upload at `offset`, hashed as they come; a complete file with the right sha256 is renamed
-    into place, a wrong one deleted. Progress events carry the bytes received."""
+def _receive_one(ctx, w, note):
+    """One wheel from stdin into its private `.part` (appended at `offset`, hashed as it comes); renamed into
+    place when complete with the right sha256, deleted when the sha256 is wrong."""
     import hashlib
-    sha, size, offset = a["sha256"], int(a["size"]), int(a.get("offset") or 0)
-    final = _incoming(ctx, sha, a["filename"])
+    sha, size, offset = w["sha256"], int(w["size"]), int(w.get("offset") or 0)
+    final = _incoming(ctx, sha, w["filename"])
     part = final + ".part"
-    if os.path.lexists(final) and sha256_file(final, follow=False) == sha:
-        return {"status": "ok", "received": 0, "already": True}
     h = hashlib.sha256()
     if offset:
         fd = open_private(part, os.O_RDWR)
@@ -180,7 +181,7 @@ def receive(ctx, a):
         os.lseek(fd, offset, os.SEEK_SET)
     else:
         fd = open_private(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    got, t_note, t_lock = offset, time.monotonic(), time.monotonic()
+    got = offset
     buf = bytearray(1 << 20)
     view = memoryview(buf)
     try:
@@ -189,17 +190,11 @@ def receive(ctx, a):
             if not n:
                 break
             h.update(view[:n])
-            w = 0
-            while w < n:
-                w += os.write(fd, view[w:n])
+            w_ = 0
+            while w_ < n:
+                w_ += os.write(fd, view[w_:n])
             got += n
-            now = time.monotonic()
-            if now - t_note >= PROGRESS_EVERY:
-                ctx.event("received", bytes=got, size=size)
-                t_note = now
-            if now - t_lock >= 30:
-                ctx.step("receive")
-                t_lock = now
+            note(n)
     finally:
         os.close(fd)
     if got < size:
@@ -209,6 +204,36 @@ def receive(ctx, a):
         return {"status": "bad-hash", "have": got}
     os.rename(part, final)
     return {"status": "ok", "received": got - offset}
+
+
+@op("provision.receive", mutating=True)
+def receive(ctx, a):
+    """On a target: the listed wheels arrive on stdin one after the other (each from its `offset`, continuing an
+    earlier partial upload) into the private staging directory. Every name and sha256 is checked before the first
+    byte is read. Progress events carry the bytes received so far; the lock is renewed as they come."""
+    wheels = a["wheels"]
+    for w in wheels:
+        checked_sha256(w["sha256"])
+        checked_filename(w["filename"])
+    out = {}
+    total = [0, 0.0, time.monotonic()]  # bytes, last event (0: the first block reports at once), last lock renewal
+
+    def note(n):
+        total[0] += n
+        now = time.monotonic()
+        if now - total[1] >= PROGRESS_EVERY:
+            ctx.event("received", bytes=total[0])
+            total[1] = now
+        if now - total[2] >= 30:
+            ctx.step("receive")
+            total[2] = now
+    for w in wheels:
+        r = _receive_one(ctx, w, note)
+        out[w["sha256"]] = r
+        if r["status"] == "partial":
+            break  # the stream ended: what is missing arrives with the next run, from where it stopped
+    ctx.event("received", bytes=total[0])
+    return {"wheels": out}
 
 
 # ---------------------------------------------------------------- apply / undo
