@@ -367,6 +367,7 @@ def _ensure_cached(inv: Inventory, ref_conn, ref: Host, scan: dict, todo: list[H
         prog.note(f"fetched {len(items)} wheel(s) from {ref.name}: {human(st.bytes)} in {st.seconds:.1f}s"
                   + (f" ({human(st.rate)}/s)" if st.seconds else "")
                   + (f" (resumed at {human(st.resumed_from)})" if st.resumed_from else ""))
+        t0 = time.time()
         for n in missing:
             src = scan[n]["source"]
             try:
@@ -375,6 +376,7 @@ def _ensure_cached(inv: Inventory, ref_conn, ref: Host, scan: dict, todo: list[H
                 cache.events.append(str(exc))
                 if attempt == 2:
                     raise ProvisionError(f"{n}: {exc}") from None
+        phases["cache_check"] = phases.get("cache_check", 0.0) + time.time() - t0
     phases["fetch"] = t_fetch
     return fetched
 

@@ -216,12 +216,18 @@ def _watch(p: subprocess.Popen, deadline: float, stall: float, progress_at: Call
     return None
 
 
+def _big_pipe(fd: int) -> None:
+    from .host.provision import big_pipe
+    big_pipe(fd)
+
+
 def upload(argv: list[str], sources: list[tuple[str, int, int]], progress: Callable[[int], None] | None,
            deadline: float, stall: float = 60.0, started: Callable[[subprocess.Popen], None] | None = None) -> dict:
     """Send the byte ranges `sources` [(path, offset, size)] one after the other as the stdin of an agent op (argv
     from Remote.stream_argv), with sendfile(2) into the pipe; the agent's "received" events drive `progress`
     (bytes each time) and the stall watch. Returns the op's result; raises AgentError (LinkLost on a cut)."""
     p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    _big_pipe(p.stdin.fileno())
     if started:
         started(p)
     moved = [time.monotonic(), 0]
@@ -282,6 +288,7 @@ def download(argv: list[str], sinks: list[tuple[Path, int]], progress: Callable[
     """Split an agent raw op's stdout (wheels' bytes, one after the other) into `sinks` [(part file, bytes)],
     appending to each; returns the bytes received. The agent writes errors to stderr, never into the data."""
     p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    _big_pipe(p.stdout.fileno())
     moved = [time.monotonic()]
     errbuf: list[bytes] = []
     threading.Thread(target=lambda: errbuf.append(p.stderr.read()), daemon=True).start()

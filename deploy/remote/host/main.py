@@ -71,8 +71,8 @@ def handle(ctx):
     return reply
 
 
-def serve(req, zip_path, state):
-    ctx = Context(req, state, zip_path, stdout=sys.stderr if req.get("raw") else None)
+def serve(req, agent_dir, state):
+    ctx = Context(req, state, agent_dir, stdout=sys.stderr if req.get("raw") else None)
     try:
         handle(ctx)
     finally:

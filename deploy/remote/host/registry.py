@@ -39,10 +39,10 @@ class Failure(Exception):
 
 
 class Context(object):
-    def __init__(self, req, state, zip_path, stdin=None, stdout=None):
+    def __init__(self, req, state, agent_dir, stdin=None, stdout=None):
         self.req = req
         self.state = state
-        self.zip_path = zip_path
+        self.agent_dir = agent_dir    # the unpacked agent (a sibling op may run it again, e.g. under a venv python)
         self.deadline = Deadline(req.get("deadline"))
         self.stdin = stdin if stdin is not None else sys.stdin.buffer
         self.stdout = stdout if stdout is not None else sys.stdout
