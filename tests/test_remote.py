@@ -94,3 +94,24 @@ def test_unknown_op_and_errors_come_back_in_the_envelope(tmp_path):
     assert fin["type"] == "error" and fin["kind"] == "unknown-op" and "facts.probe" in fin["error"]
     fin, _r, _p = call("provision.scan", {}, tmp_path / "state")
     assert fin["type"] == "error" and fin["kind"] == "exception" and "KeyError" in fin["error"]
+
+
+def test_a_read_only_op_ends_at_its_deadline(tmp_path):
+    """Whatever a read-only op waits on, the agent answers 'timeout' at the call's deadline and exits."""
+    import time
+    n = 9000 + os.getpid() % 900
+    t = time.monotonic()
+    fin, _r, _p = call("release.logs", {"instances": ["gpu0"], "n": 5}, tmp_path / "state", deadline=1,
+                       env={"PATH": f"{_slow_bin(tmp_path, n)}:/usr/bin:/bin"})
+    assert fin["type"] == "error" and fin["kind"] == "timeout" and time.monotonic() - t < 10
+    time.sleep(0.3)
+    assert not [p for p in Path("/proc").glob("[0-9]*") if _cmdline(p) == f"sleep {n}"]   # killed, not left
+
+
+def _slow_bin(tmp_path: Path, n: int) -> Path:
+    d = tmp_path / "slowbin"
+    d.mkdir()
+    j = d / "journalctl"
+    j.write_text(f"#!/bin/sh\nexec sleep {n}\n")
+    j.chmod(0o755)
+    return d

@@ -233,3 +233,30 @@ def test_an_untrusted_target_venv_blocks_the_host():
     tgt["venv"]["trust"] = "/opt/sglang/venv/lib/python3.11/site-packages is writable by group"
     p = make_plan(facts("ct129", REF), tgt, PATTERNS)
     assert p.blocked and any(b.code == "venv-trust" and "writable by group" in b.message for b in p.blockers)
+
+
+def test_the_confirmation_shows_each_command_and_a_ctrl_c_is_a_no():
+    """The commands a target will run are argv built here, shown before the question; Ctrl-C or EOF at the
+    question changes nothing (no lock was taken: provision locks only once it goes ahead)."""
+    from rich.console import Console
+
+    from deploy.inventory import Host
+    from deploy.provision import overlay
+    scan = {"torch": {"installed_bytes": 10, "drift": [], "pth": [],
+                      "source": {"kind": "original", "sha256": "d" * 64, "size": 1000,
+                                 "filename": "torch-2.11.0+cu130-cp311-cp311-linux_x86_64.whl"}}}
+    p = make_plan(facts("ct129", REF), facts("ct200", TGT), PATTERNS, scan, {"staged": {}})
+    host = Host("ct200", "10.0.0.2", "root", 22, (0,), vars={"venv": "/opt/sglang/venv"})
+    cmds = overlay.planned_commands(host, p, "/var/lib/ddtree")
+    assert cmds[0][:5] == ["/opt/sglang/venv/bin/python", "-m", "pip", "install", "--isolated"]
+    assert f"/var/lib/ddtree/provision/incoming/{'d' * 64}/torch-2.11.0+cu130-cp311-cp311-linux_x86_64.whl" in cmds[0]
+    pay = overlay.apply_payload(host, p, "id1")
+    assert pay["commands"]["pip_install"] == cmds[0][:len(pay["commands"]["pip_install"])]
+    assert pay["install"][0]["sha256"] == "d" * 64 and pay["allow_pth"] == {"torch": []}
+    for exc in (KeyboardInterrupt, EOFError):
+        def ask(_q, exc=exc):
+            raise exc
+        con = Console(record=True, width=200)
+        assert overlay._confirmed(overlay.Options(confirm=ask, console=con), con, [host], {"ct200": p}) is False
+        text = con.export_text()
+        assert "pip install --isolated" in text and "nothing changed, no host locked" in text

@@ -21,6 +21,14 @@ from .registry import OPS, Context, Failure
 OP_MODULES = {"facts": "probe", "lock": "lockops", "provision": "provision", "release": "release"}
 
 
+class PastDeadline(Exception):
+    pass
+
+
+def _past_deadline(signum, frame):
+    raise PastDeadline("the op did not finish within its deadline")
+
+
 def load_ops(name=None):
     area = (name or "").split(".", 1)[0]
     for m in [OP_MODULES[area]] if area in OP_MODULES else sorted(set(OP_MODULES.values())):
@@ -49,6 +57,10 @@ def handle(ctx):
                 acquired = lk["token"]
             else:
                 locks.check(ctx.state, lk["token"], extend=ctx.deadline.left())
+        elif ctx.deadline.end is not None:
+            # a read-only op ends at its deadline whatever it waits on (a change runs to its end or rollback)
+            signal.signal(signal.SIGALRM, _past_deadline)
+            signal.setitimer(signal.ITIMER_REAL, max(0.5, ctx.deadline.left()))
         if o.mutating or (ctx.deadline.left() or 0) > 60:
             ctx.heartbeat()  # long calls say they are alive: the client tells a slow host from a dead link
         result = o.fn(ctx, req.get("args") or {})
@@ -59,10 +71,13 @@ def handle(ctx):
         reply = {"type": "error", "kind": "lock-lost", "error": str(exc), "holder": exc.current}
     except Unsafe as exc:
         reply = {"type": "error", "kind": "unsafe", "error": str(exc)}
+    except PastDeadline as exc:
+        reply = {"type": "error", "kind": "timeout", "error": str(exc)}
     except Exception as exc:  # reported with the host's name by the client; never a bare traceback
         reply = {"type": "error", "kind": "exception", "error": "%s: %s" % (type(exc).__name__, exc),
                  "trace": traceback.format_exc()[-2000:]}
     finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
         ctx.close()
         if acquired:
             locks.release(ctx.state, acquired)

@@ -57,6 +57,9 @@ def run(argv, timeout, input=None, env=None, cwd=None, merge=True, cap=6000):
         except subprocess.TimeoutExpired:  # unkillable (D state): leave it, never wait on it
             out, err = "", ""
         res["err"] = "timed out after %.0fs (process group killed)" % timeout
+    except BaseException:  # the op's own deadline (or anything else) interrupted us: leave nothing running
+        kill_group(p)
+        raise
     res["out"] = (out or "")[-cap:]
     if err:
         res["err"] = ((res["err"] + "; ") if res["err"] else "") + err[-cap:]
