@@ -35,6 +35,6 @@ def run_fab(*args: str, inventory: str | Path = LAB_INVENTORY, timeout: int = 30
                           capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def fab():
     return run_fab

@@ -32,13 +32,12 @@ FAB = str(Path(sys.executable).with_name("fab"))
 
 
 @pytest.fixture(scope="module")
-def env(lab, tmp_path_factory):
-    from conftest import run_fab
+def env(lab, tmp_path_factory, fab):
     tmp = tmp_path_factory.mktemp("labfaults")
     for h in HOSTS:
         ssh(lab, h, CLEAN + "; rm -f /etc/ddtree/secrets.env")
     inv = lab_inventory(tmp, keep=HOSTS)
-    r = run_fab("deploy", "--yes", "--mode", "tree-verify", inventory=inv)
+    r = fab("deploy", "--yes", "--mode", "tree-verify", inventory=inv)
     assert r.returncode == 0, r.stdout + r.stderr
     yield {"tmp": tmp, "lab": lab, "inv": inv}
     for h in HOSTS:
@@ -88,9 +87,9 @@ def at_the_prompt(inv, keys: bytes) -> tuple[int, str]:
         os.chdir(ROOT)
         os.execve(FAB, [FAB, "deploy", "--hosts", "h200", "--mode", "shadow-linear"],
                   dict(os.environ, DEPLOY_INVENTORY=str(inv), COLUMNS="250"))
-    out, sent, end = b"", False, time.monotonic() + 240
-    while time.monotonic() < end:
-        r, _, _ = select.select([fd], [], [], 1)
+    out, sent, end = b"", 0.0, time.monotonic() + 240
+    while time.monotonic() < end and not (sent and time.monotonic() > sent + 30):
+        r, _, _ = select.select([fd], [], [], 0.5)
         if r:
             try:
                 chunk = os.read(fd, 4096)
@@ -100,9 +99,13 @@ def at_the_prompt(inv, keys: bytes) -> tuple[int, str]:
                 break
             out += chunk
         if not sent and b"Proceed with this rollout?" in out:
+            time.sleep(0.5)           # the question is up and the terminal is read
             os.write(fd, keys)
-            sent = True
-    _, status = os.waitpid(pid, 0)
+            sent = time.monotonic()
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if not done:
+        os.kill(pid, 9)               # never leave it waiting on a terminal nobody reads
+        _, status = os.waitpid(pid, 0)
     os.close(fd)
     assert sent, out.decode(errors="replace")
     return os.waitstatus_to_exitcode(status), out.decode(errors="replace")

@@ -60,7 +60,7 @@ def handle(ctx):
         elif ctx.deadline.end is not None:
             # a read-only op ends at its deadline whatever it waits on (a change runs to its end or rollback)
             signal.signal(signal.SIGALRM, _past_deadline)
-            signal.setitimer(signal.ITIMER_REAL, max(0.5, ctx.deadline.left()))
+            signal.setitimer(signal.ITIMER_REAL, max(0.5, ctx.deadline.left() + 1.0))
         if o.mutating or (ctx.deadline.left() or 0) > 60:
             ctx.heartbeat()  # long calls say they are alive: the client tells a slow host from a dead link
         result = o.fn(ctx, req.get("args") or {})

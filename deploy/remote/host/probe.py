@@ -171,7 +171,8 @@ def staged_listing(state):
 def probe(ctx, a):
     t0 = time.time()
     budget = float(a.get("budget") or 10.0)
-    deadline = Deadline(min(budget, ctx.deadline.left(cap=budget, floor=0.5)))
+    # the commands' deadline ends early enough to kill them and still answer within the call's own deadline
+    deadline = Deadline(min(budget, max(0.5, ctx.deadline.left(cap=budget + 3, floor=0.5) - 3)))
     smi, nvcc = shutil.which("nvidia-smi"), find_nvcc()
     jobs = {}
     banner = key = None
