@@ -9,7 +9,6 @@ import importlib
 import os
 import signal
 import sys
-import traceback
 
 from . import locks
 from .fsutil import Unsafe
@@ -74,6 +73,7 @@ def handle(ctx):
     except PastDeadline as exc:
         reply = {"type": "error", "kind": "timeout", "error": str(exc)}
     except Exception as exc:  # reported with the host's name by the client; never a bare traceback
+        import traceback
         reply = {"type": "error", "kind": "exception", "error": "%s: %s" % (type(exc).__name__, exc),
                  "trace": traceback.format_exc()[-2000:]}
     finally:
