@@ -4,15 +4,12 @@ from __future__ import annotations
 import json as jsonlib
 
 from invoke import Exit, task
-from rich.console import Console
-from rich.table import Table
-
-from ..lab import fleet
 
 
 @task(help={"extra": "also boot N more hosts of the ct200 kind (ct201, ct202, ...) for scale tests"})
 def up(c, extra=0):
     """Boot the lab hosts that are not running (builds the Debian base once); idempotent."""
+    from ..lab import fleet
     try:
         report = fleet.up(int(extra))
     except fleet.LabError as exc:
@@ -27,6 +24,7 @@ def up(c, extra=0):
 @task
 def down(c):
     """Remove every lab container, mount, namespace, veth and bridge (also after a crash)."""
+    from ..lab import fleet
     removed = fleet.down()
     print("lab down: " + ", ".join(f"{v} {k}" for k, v in removed.items()))
 
@@ -45,6 +43,10 @@ def drift(c, host, kind):
 @task(help={"json": "print JSON"})
 def status(c, json=False):
     """Show the lab hosts: running, address, sshd, GPU persona, torch build."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from ..lab import fleet
     rows = fleet.status()
     if json:
         print(jsonlib.dumps(rows, indent=1))
