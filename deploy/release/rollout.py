@@ -102,7 +102,7 @@ def activation(host: Host, manifest: dict, previous: dict | None) -> dict:
     disabled = [render.unit_name(i) for i, s in manifest["services"].items() if not s.get("enabled", True)]
     undo = (commands.pip_install(py, [f"{root}/{previous['release']}/{previous['plugin']['wheel']}"]) if previous
             else commands.pip_uninstall(py, [manifest["plugin"]["dist"]]))
-    return {"release": rid, "commands": {
+    return {"release": rid, "dropin_name": render.GPU_DROPIN, "commands": {
         "install_plugin": commands.pip_install(py, [f"{root}/{rid}/{manifest['plugin']['wheel']}"]),
         "undo_plugin": undo,
         "daemon_reload": commands.systemctl("daemon-reload"),
@@ -209,7 +209,26 @@ class HostLocked(RuntimeError):
 
 
 def probe(remote: Remote, host: Host, **extra) -> dict:
-    return remote.call("release.probe", host_args(host) | extra, deadline=PROBE_DEADLINE)
+    """The host's release state, read-only; it also checks the secrets env file and the API-key files (the
+    inventory's and those of the manifests it reads) as the unit's start check will."""
+    keyfile = host.vars.get("api_key_file")
+    return remote.call("release.probe", host_args(host) | {"api_key_files": [keyfile] if keyfile else []} | extra,
+                       deadline=PROBE_DEADLINE)
+
+
+def secrets_refusals(state: dict, key_files) -> list[str]:
+    """Why a plan refuses a host for its secrets: the secrets env file or an API-key file the change would
+    start services with is one the unit's own start check (ExecStartPre) would refuse -- found before anything
+    is staged or stopped, not at the restart."""
+    out = []
+    if state.get("secrets") not in (None, "ok", "absent", "unchecked"):
+        out.append(f"secrets file: {state['secrets']}")
+    checked = state.get("api_keys") or {}
+    for f in sorted({f for f in key_files if f}):
+        why = checked.get(f, f"{f}: not checked by the host")
+        if why != "ok":
+            out.append(f"API key file: {why}")
+    return out
 
 
 def check_lock(host: Host, state: dict, break_lock: bool) -> None:
@@ -325,8 +344,7 @@ def make_plan(host, plugin, overlays, release, opts, state) -> HostPlan:
     p = HostPlan(host, release, state.get("current"), manifest, files, {}, [], probe=state)
     if state.get("venv_trust") not in (None, "ok"):
         p.refused.append(f"venv {host.vars['venv']}: root will not run it: {state['venv_trust']}")
-    if state.get("secrets") not in (None, "ok", "absent", "unchecked"):
-        p.refused.append(f"secrets file: {state['secrets']}")
+    p.refused += secrets_refusals(state, [host.vars.get("api_key_file")])
     for o in state.get("overlays", []):
         if not o["ok"]:
             p.refused.append(f"file overlay {o['path']}: {o['why']}")
@@ -518,6 +536,13 @@ def _runbook(inv: Inventory, hosts: list[Host], kind: str, plan_one, command: st
             payload = plan_one(host, state, out)
         except RuntimeError as exc:
             res.update(error=str(exc), seconds=round(time.monotonic() - t, 2))
+            return res
+        refused = secrets_refusals(state, [g.get("api_key_file") for b in payload.get("batches") or []
+                                           for g in b["gates"].values()])
+        if refused:
+            for msg in refused:
+                out(host.name, f"REFUSED {msg}")
+            res.update(error="; ".join(refused), kind="refused", seconds=round(time.monotonic() - t, 2))
             return res
         payload["journal"] = dict(payload["journal"], by=lock["holder"], command=command)
         r = run_host(inv, remote, host, payload, dict(lock, journal=f"{render.state_dir(host)}/journal.jsonl"), out, kind)

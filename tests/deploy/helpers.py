@@ -1,6 +1,7 @@
 """Shared helpers for the deploy tests: inventories derived from inventory/lab.yaml and lab-host SSH."""
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import subprocess
@@ -46,6 +47,14 @@ def write_model(inv, host: str, path: str, config: dict) -> None:
     import json
     ssh(inv, host, f"mkdir -p {shlex.quote(path)} && printf %s {shlex.quote(json.dumps(config))} > "
                    f"{shlex.quote(path)}/config.json")
+
+
+def secret_file(d: Path, name: str, text: str, mode: int = 0o600) -> str:
+    """A secrets file as an operator writes it: `text` in d/name, mode `mode` (a test loosens it on purpose)."""
+    p = Path(d) / name
+    p.write_text(text)
+    os.chmod(p, mode)
+    return str(p)
 
 
 def strip_ansi(s: str) -> str:

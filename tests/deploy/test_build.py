@@ -171,9 +171,33 @@ def test_deploy_plan_is_data_with_every_command_as_argv(tmp_path):
 def test_plan_refuses_an_untrusted_venv_or_a_readable_secrets_file(tmp_path):
     state = {"current": None, "manifest": None, "units": {}, "services": {}, "configs": {}, "overlays": [],
              "venv_trust": "/opt/sglang/venv/lib/python3.11/site-packages is writable by group",
-             "secrets": "/etc/ddtree/secrets.env has mode 0644; secrets need 0600"}
+             "secrets": "/etc/ddtree/secrets.env: has mode 0644; it must be 0600 (or 0400)"}
     _host, p = _planned(tmp_path, state)
     assert any("root will not run it" in r for r in p.refused) and any("0644" in r for r in p.refused)
+
+
+def test_plan_refuses_an_api_key_file_the_unit_would_refuse(tmp_path):
+    """The probe judged the inventory's API-key file as the unit's ExecStartPre will: a bad one is refused at the
+    plan, before anything is staged; one the probe did not report is refused too (never assumed fine)."""
+    ok = {"current": None, "manifest": None, "units": {}, "services": {}, "configs": {}, "overlays": [],
+          "venv_trust": "ok", "secrets": "absent"}
+    inv = load_inventory(str(ROOT / "inventory" / "hosts.yaml"))
+    keyed = dataclasses.replace(inv.hosts["ct200"], vars=dict(inv.hosts["ct200"].vars, api_key_file="/etc/k.yaml"))
+    plugin = build.build_plugin("20261129T083000Z-abc123", _toy_project(tmp_path, {}), tmp_path / "w")
+    configs = {s.model: {"config": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}}
+               for s in keyed.services}
+
+    def plan(**state):
+        return rollout.make_plan(keyed, plugin, [], "20261129T083000Z-abc123", rollout.DeployOptions(),
+                                 dict(ok, configs=configs, **state))
+    assert plan(api_keys={"/etc/k.yaml": "ok"}).refused == []
+    assert plan(api_keys={"/etc/k.yaml": "/etc/k.yaml: has mode 0644"}).refused == [
+        "API key file: /etc/k.yaml: has mode 0644"]
+    assert plan().refused == ["API key file: /etc/k.yaml: not checked by the host"]
+    p = plan(api_keys={"/etc/k.yaml": "ok"})
+    gates = [g for b in p.payload["batches"] for g in b["gates"].values()]
+    assert gates and all(g["api_key_file"] == "/etc/k.yaml" and g["address"] == "127.0.0.1" for g in gates)
+    assert p.payload["activate"]["dropin_name"] == "50-ddtree-gpu.conf"
 
 
 def test_rollback_target_skips_failed_releases():

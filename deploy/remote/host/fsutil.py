@@ -125,23 +125,6 @@ def trusted_tree(root):
     return n
 
 
-def check_secrets_file(path):
-    """The operator's secrets file: absent, or a regular root-owned file nobody else can read (0600 or less).
-    Returns a short state for the caller; raises Unsafe otherwise."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return "absent"
-    if stat.S_ISLNK(st.st_mode) or not stat.S_ISREG(st.st_mode):
-        raise Unsafe("%s must be a regular file, not a symbolic link or other" % path)
-    if st.st_uid != 0:
-        raise Unsafe("%s is owned by uid %d; it must belong to root" % (path, st.st_uid))
-    if st.st_mode & 0o077:
-        raise Unsafe("%s has mode %04o; secrets need 0600 (chmod 600 %s)" % (path, stat.S_IMODE(st.st_mode), path))
-    check_path(os.path.dirname(path))
-    return "ok"
-
-
 def free_bytes(path):
     while path and not os.path.exists(path):
         path = os.path.dirname(path)

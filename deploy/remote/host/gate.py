@@ -1,6 +1,9 @@
 """The health gate: a (re)started service must answer /health, /health_generate, /v1/models with the served
 model, a short greedy /generate and /server_info with the expected speculative algorithm, each within the
-deadlines, while its unit neither fails nor restarts. Read-only; runs on the host against 127.0.0.1."""
+deadlines, while its unit neither fails nor restarts. Read-only; runs on the host against the address the
+service listens on (the manifest's "address": loopback unless the inventory says otherwise), with the host's API
+key in the Authorization header when the service has one (read by the caller from the root-only key file; never
+printed or returned)."""
 import json
 import time
 import urllib.error
@@ -9,10 +12,15 @@ import urllib.request
 from .systemd import journal_lines, unit, unit_states
 
 
-def http(port, method, path, body=None, timeout=5.0):
+def http(port, method, path, body=None, timeout=5.0, address="127.0.0.1", api_key=None):
+    """One request to a GPU service on this host; `api_key` goes in the Authorization header as SGLang expects.
+    /health needs no key (SGLang exempts /health*)."""
     data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request("http://127.0.0.1:%d%s" % (port, path), data=data, method=method,
-                                 headers={"Content-Type": "application/json"} if data else {})
+    headers = {"Content-Type": "application/json"} if data else {}
+    if api_key:
+        headers["Authorization"] = "Bearer " + api_key
+    host = "[%s]" % address if ":" in address else address
+    req = urllib.request.Request("http://%s:%d%s" % (host, port, path), data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             raw = r.read()
@@ -23,7 +31,8 @@ def http(port, method, path, body=None, timeout=5.0):
         return None, str(e).encode()
 
 
-def gate(port, expect, start_timeout, gate_timeout, inst=None, restarts_before=None, poll=0.3, old_invocation=None):
+def gate(port, expect, start_timeout, gate_timeout, inst=None, restarts_before=None, poll=0.3, old_invocation=None,
+         address="127.0.0.1", api_key=None):
     """The health gate for one service; returns {ok, step, detail, timings, accept_length}.
 
     Steps: ready (/health 200 while the unit is not failing), /health_generate, /v1/models lists the served
@@ -58,11 +67,11 @@ def gate(port, expect, start_timeout, gate_timeout, inst=None, restarts_before=N
                     return fail("start", "unit %s was not restarted within %ss" % (unit(inst), start_timeout))
                 time.sleep(poll)
                 continue
-        code, _ = http(port, "GET", "/health", timeout=2)
+        code, _ = http(port, "GET", "/health", timeout=2, address=address)
         if code == 200:
             break
         if time.monotonic() > deadline:
-            return fail("ready", "no /health 200 on port %d within %ss (last: %s)" % (port, start_timeout, code))
+            return fail("ready", "no /health 200 on %s:%d within %ss (last: %s)" % (address, port, start_timeout, code))
         time.sleep(poll)
     res["steps"]["ready"] = round(time.monotonic() - t0, 2)
     gdl = time.monotonic() + gate_timeout
@@ -71,13 +80,13 @@ def gate(port, expect, start_timeout, gate_timeout, inst=None, restarts_before=N
         return max(1.0, gdl - time.monotonic())
 
     t = time.monotonic()
-    code, body = http(port, "GET", "/health_generate", timeout=left())
+    code, body = http(port, "GET", "/health_generate", timeout=left(), address=address, api_key=api_key)
     if code != 200:
         return fail("health_generate", "HTTP %s %s" % (code, body[:200].decode("utf-8", "replace")))
     res["steps"]["health_generate"] = round(time.monotonic() - t, 2)
 
     t = time.monotonic()
-    code, body = http(port, "GET", "/v1/models", timeout=left())
+    code, body = http(port, "GET", "/v1/models", timeout=left(), address=address, api_key=api_key)
     try:
         ids = [m.get("id") for m in json.loads(body).get("data", [])] if code == 200 else []
     except ValueError:
@@ -89,7 +98,7 @@ def gate(port, expect, start_timeout, gate_timeout, inst=None, restarts_before=N
     t = time.monotonic()
     code, body = http(port, "POST", "/generate", {"text": "The capital of France is",
                                                   "sampling_params": {"max_new_tokens": 8, "temperature": 0}},
-                      timeout=left())
+                      timeout=left(), address=address, api_key=api_key)
     try:
         out = json.loads(body) if code == 200 else {}
     except ValueError:
@@ -103,9 +112,9 @@ def gate(port, expect, start_timeout, gate_timeout, inst=None, restarts_before=N
         res["accept_length"] = meta["spec_accept_length"]
 
     t = time.monotonic()
-    code, body = http(port, "GET", "/server_info", timeout=left())
+    code, body = http(port, "GET", "/server_info", timeout=left(), address=address, api_key=api_key)
     if code == 404:
-        code, body = http(port, "GET", "/get_server_info", timeout=left())
+        code, body = http(port, "GET", "/get_server_info", timeout=left(), address=address, api_key=api_key)
     try:
         info = json.loads(body) if code == 200 else {}
     except ValueError:

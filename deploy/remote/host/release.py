@@ -3,19 +3,26 @@ transaction per call.
 
 Host layout, under state_dir (the parent of release_root, from the inventory):
 
-    releases/<id>/{manifest.json, wheels/, systemd/, env/gpuN.env (0600 root), bin/, labserver/, overlays/}
+    releases/<id>/{manifest.json, wheels/, systemd/ (unit, per-GPU drop-ins), env/gpuN.env (0600 root),
+                   bin/ (wait_ready.py, server_secrets.py), site/ (log redactor), labserver/, overlays/}
     releases/current -> <id>          the active release (switched atomically)
     journal.jsonl                     audit journal: one JSON line per run, with its token
     services.json                     per GPU: release and digest it was last started with
 
-`release.apply` runs what the control machine planned, in order -- stage a bundle (read from stdin), activate
-a release, stop services, restart batches through the health gate -- under the host lock, checking the lock's
-token before each step. Activation is one transaction: the plugin in the venv, the file overlays, the unit
-file and `current` switch together, or every step already done is undone. Any failure after activation began
+No secret is in a release: the secrets env file and the API-key file stay where the operator keeps them
+(root-only 0600); the unit reads them (EnvironmentFile=, LoadCredential=), and this agent reads the key only to
+send it in the gate's Authorization header.
+
+`release.apply` runs what the control machine planned, in order -- check the secrets files as the unit's own
+start check will (before any change), stage a bundle (read from stdin), activate a release, stop services,
+restart batches through the health gate -- under the host lock, checking the lock's token before each step.
+Activation is one transaction: the plugin in the venv, the file overlays, the unit file with the per-GPU
+drop-ins and `current` switch together, or every step already done is undone. Any failure after activation began
 re-activates the previous release and restarts what was touched (when the plan gives a previous release).
 The op never stops half-way because its client went away: it finishes or rolls back, journals the outcome
 with the run's token (release.outcome reads it) and only then lets the lock go.
 """
+import glob
 import hashlib
 import io
 import json
@@ -26,9 +33,10 @@ import time
 
 from . import gate as gatemod
 from . import locks
+from . import server_secrets
 from . import venv as venvmod
-from .fsutil import (Unsafe, append_jsonl, atomic_write, check_path, check_secrets_file, now_iso, read_json,
-                     sha256_file, tail_jsonl, trusted_dir, trusted_tree, write_json)
+from .fsutil import (Unsafe, append_jsonl, atomic_write, check_path, now_iso, read_json, sha256_file, tail_jsonl,
+                     trusted_dir, trusted_tree, write_json)
 from .proc import run
 from .registry import Failure, op
 from .systemd import journal_lines, unit, unit_states
@@ -102,6 +110,32 @@ def overlay_check(venv, overlays):
     return out
 
 
+def check_secrets(secrets_file, key_files=()):
+    """The checks the unit's ExecStartPre makes before every start (server_secrets.py: this very module is the
+    release's bin/server_secrets.py), made by root before anything restarts, plus every directory above each file
+    trusted: the secrets env file, when present, and each API-key file must be root-owned 0600/0400 regular files,
+    each key file well-formed. Returns {key file: key} for the gate (never sent back); raises Unsafe, whose
+    message never holds a secret."""
+    keys = {}
+    try:
+        if secrets_file and os.path.lexists(secrets_file):
+            server_secrets.check_owner_mode(secrets_file)
+            check_path(os.path.dirname(secrets_file))
+        for f in key_files:
+            server_secrets.check_owner_mode(f)
+            check_path(os.path.dirname(f))
+            keys[f] = server_secrets.read_api_key(f)
+    except (server_secrets.SecretsError, OSError) as exc:
+        raise Unsafe(str(exc))
+    return keys
+
+
+def gate_keys(secrets_file, gates):
+    """{instance: its API key or None} for these gates, after check_secrets."""
+    keys = check_secrets(secrets_file, sorted(set(g["api_key_file"] for g in gates.values() if g.get("api_key_file"))))
+    return dict((i, keys.get(g.get("api_key_file"))) for i, g in gates.items())
+
+
 def venv_trust(venv):
     try:
         venvmod.check_runnable(venv)
@@ -133,7 +167,8 @@ def _state(ctx, a, health=False):
 def probe(ctx, a):
     """What a plan needs, changing nothing and taking no lock: current release and manifest, unit states, each
     tree-verify model's config.json (hybrid gate), the file-overlay guards, whether root may run the venv and
-    the secrets file's mode."""
+    the secrets files: the secrets env file and every API-key file the plan may restart with (those asked for and
+    those of the manifests read), each "ok" or why the unit's start check would refuse it (never a key)."""
     out, _man, _insts = _state(ctx, a)
     out["configs"] = {}
     for m in a.get("models", []):
@@ -148,10 +183,24 @@ def probe(ctx, a):
     except venvmod.VenvError as exc:
         out["overlays"] = [{"path": o["path"], "ok": False, "why": str(exc), "state": "?"} for o in a["overlays"]]
     out["venv_trust"] = venv_trust(a["venv"]) if out["venv_python"] else "no venv python"
-    try:
-        out["secrets"] = check_secrets_file(a["secrets_file"]) if a.get("secrets_file") else "unchecked"
-    except Unsafe as exc:
-        out["secrets"] = str(exc)
+    secrets = a.get("secrets_file")
+    out["secrets"] = "unchecked" if not secrets else "ok" if os.path.lexists(secrets) else "absent"
+    if out["secrets"] == "ok":
+        try:
+            check_secrets(secrets)
+        except Unsafe as exc:
+            out["secrets"] = str(exc)
+    key_files = set(a.get("api_key_files") or [])
+    for m in [out["manifest"]] + list((out.get("manifests") or {}).values()):
+        key_files.update(s["api_key_file"] for s in ((m or {}).get("services") or {}).values()
+                         if isinstance(s, dict) and s.get("api_key_file"))
+    out["api_keys"] = {}
+    for f in sorted(key_files):
+        try:
+            check_secrets(None, [f])
+            out["api_keys"][f] = "ok"
+        except Unsafe as exc:
+            out["api_keys"][f] = str(exc)
     return out
 
 
@@ -160,9 +209,10 @@ def status(ctx, a):
     out, man, insts = _state(ctx, a, health=True)
     health = {}
     for i in insts:
-        port = ((man or {}).get("services", {}).get(i) or {}).get("port") or (a.get("ports") or {}).get(i)
-        if port:
-            code, _ = gatemod.http(int(port), "GET", "/health", timeout=2)
+        ms = (man or {}).get("services", {}).get(i) or {}
+        port = ms.get("port") or (a.get("ports") or {}).get(i)
+        if port:  # at the address it listens on (the manifest's); /health needs no API key
+            code, _ = gatemod.http(int(port), "GET", "/health", timeout=2, address=ms.get("address") or "127.0.0.1")
             health[i] = code
     out.update(health=health, journal=tail_jsonl(os.path.join(a["state_dir"], "journal.jsonl"), a.get("journal_n", 5)),
                plugin_installed=plugin_version(a["venv"], ((man or {}).get("plugin") or {}).get("dist")
@@ -269,7 +319,8 @@ class Host(object):
             raise RuntimeError("release %s: plugin wheel refused: %s" % (rid, exc))
 
     def activate(self, spec):
-        """Make spec["release"] active: plugin wheel, overlays, unit file, `current`, enablement -- or nothing."""
+        """Make spec["release"] active: plugin wheel, overlays, unit file and per-GPU drop-ins, `current`,
+        enablement -- or nothing."""
         target = spec["release"]
         man = manifest_of(self.root, target)
         if not man:
@@ -280,8 +331,7 @@ class Host(object):
         self.verify_release(target, man)
         try:
             trusted_tree(self.venv)
-            if self.a.get("secrets_file"):
-                check_secrets_file(self.a["secrets_file"])
+            check_secrets(self.a.get("secrets_file"))
         except Unsafe as exc:
             raise Failure("unsafe", "refusing to activate %s: %s; nothing changed" % (target, exc))
         sp = venvmod.site_packages(self.venv) if (man["overlays"] or (pman and pman["overlays"])) else None
@@ -326,24 +376,8 @@ class Host(object):
                         atomic_write(orig, open(src, "rb").read(), FILE_MODE)
                 put_file(target_file, open(os.path.join(tdir, "overlays", "new", o["path"]), "rb").read())
             done.append(step)
-            step = "unit"
-            src, dst = os.path.join(tdir, "systemd", self.unit_file), os.path.join(self.unit_dir, self.unit_file)
-            new_unit = open(src, "rb").read()
-            old_unit = open(dst, "rb").read() if os.path.isfile(dst) and not os.path.islink(dst) else None
-            if old_unit != new_unit:
-                trusted_dir(self.unit_dir)
-
-                def restore_unit():
-                    if old_unit is None:
-                        if not (os.path.isfile(dst) and not os.path.islink(dst)):
-                            return  # never written (or not ours): nothing to undo
-                        os.unlink(dst)
-                    else:
-                        atomic_write(dst, old_unit, FILE_MODE)
-                    self.run(spec["commands"]["daemon_reload"], "daemon-reload")
-                undo.append(("unit", restore_unit))
-                atomic_write(dst, new_unit, FILE_MODE)
-                self.run(spec["commands"]["daemon_reload"], "daemon-reload")
+            step = "unit"  # the template unit and the per-GPU drop-ins switch together, with one daemon-reload
+            self.put_systemd(self.systemd_files(tdir, man, spec), undo, spec["commands"]["daemon_reload"])
             done.append(step)
             step = "current"
             self.link(target)
@@ -366,6 +400,66 @@ class Host(object):
             raise ActivationFailed(target, step, "%s: %s" % (type(exc).__name__, exc), errors)
         return {"previous": prev, "current": target, "steps": done, "seconds": round(time.monotonic() - t0, 2)}
 
+    def systemd_files(self, tdir, man, spec):
+        """{path: bytes, or None to remove}: the release's template unit, each service's per-GPU drop-in
+        (DeviceAllow for its own GPU) and the removal of our drop-ins of instances the release has none for."""
+        prefix = self.unit_file.split("@", 1)[0] + "@"
+        want = {os.path.join(self.unit_dir, self.unit_file):
+                open(os.path.join(tdir, "systemd", self.unit_file), "rb").read()}
+        name = spec.get("dropin_name")
+        for inst, s in sorted(man.get("services", {}).items()):
+            rel = s.get("dropin")
+            if not rel:
+                continue
+            base = os.path.basename(rel)
+            if rel != "%s%s.service.d/%s" % (prefix, inst, base) or base != (name or base) \
+                    or not base.endswith(".conf") or "/" in inst or inst in ("", ".", ".."):
+                raise RuntimeError("release %s: refusing drop-in path %r of %s" % (man.get("release"), rel, inst))
+            want[os.path.join(self.unit_dir, rel)] = open(os.path.join(tdir, "systemd", rel), "rb").read()
+        if name:
+            for old in glob.glob(os.path.join(glob.escape(self.unit_dir), glob.escape(prefix) + "*.service.d",
+                                              glob.escape(name))):
+                want.setdefault(old, None)
+        return want
+
+    def put_systemd(self, want, undo, reload_argv):
+        """Write (or, for None, remove) each file of `want` that differs, into lstat-checked root directories;
+        one daemon-reload when anything changed. The undo puts every old file back and reloads again."""
+        saved = {}
+
+        def current(path):
+            return open(path, "rb").read() if os.path.isfile(path) and not os.path.islink(path) else None
+
+        def put(path, data):
+            if data is None:
+                if os.path.lexists(path):
+                    os.unlink(path)
+                try:
+                    os.rmdir(os.path.dirname(path))  # a drop-in directory left empty
+                except OSError:
+                    pass
+            else:
+                check_path(os.path.dirname(path), create=True)
+                atomic_write(path, data, FILE_MODE)
+
+        def restore():
+            for path, old in saved.items():
+                if old is None and current(path) is None:
+                    continue  # never written (or not ours): nothing to undo
+                put(path, old)
+            self.run(reload_argv, "daemon-reload")
+        for path, data in sorted(want.items(), key=lambda kv: (kv[1] is not None, kv[0])):
+            old = current(path)
+            if old == data:
+                continue
+            if not saved:
+                undo.append(("unit", restore))
+            saved[path] = old
+            put(path, data)
+        if saved:
+            self.run(reload_argv, "daemon-reload")
+        return sorted(saved)
+
     def link(self, target):
         cur = os.path.join(self.root, "current")
         if target is None:
@@ -387,6 +481,27 @@ class Host(object):
     def restart_batch(self, batch, release):
         """(Re)start one batch together, then gate each service; records services.json on success."""
         insts = batch["instances"]
+        try:  # what the unit's ExecStartPre will check, before anything restarts (apply checked it once already)
+            keys = gate_keys(self.a.get("secrets_file"), batch["gates"])
+        except Unsafe as exc:  # nothing restarted: the running services keep serving
+            keys = None
+            results = dict((i, {"ok": False, "step": "secrets", "detail": str(exc), "port": batch["gates"][i]["port"]})
+                           for i in insts)
+        if keys is not None:
+            results = self.restart_gate(batch, keys)
+        rec_path = os.path.join(self.sdir, "services.json")
+        rec = read_json(rec_path, {})
+        for i in insts:
+            if results[i]["ok"]:
+                rec[i] = {"release": release, "digest": batch["gates"][i].get("digest"), "started": now_iso(),
+                          "accept_length": results[i].get("accept_length")}
+            self.ctx.event("gate", instance=i, port=batch["gates"][i]["port"], gate=results[i])
+        write_json(rec_path, rec)
+        return results
+
+    def restart_gate(self, batch, keys):
+        """Reset, restart the batch together (one systemctl), then gate each service with its address and key."""
+        insts = batch["instances"]
         self.run(batch["reset_failed"], "reset-failed", check=False)  # a start-limit hit or failed state
         before = unit_states(insts)
         t0 = time.monotonic()
@@ -400,16 +515,9 @@ class Host(object):
                 g = batch["gates"][i]
                 results[i] = gatemod.gate(g["port"], g["expect"], self.a["start_timeout"], self.a["gate_timeout"],
                                           inst=i, restarts_before=int(before[i].get("NRestarts") or 0),
-                                          old_invocation=before[i].get("InvocationID", ""))
+                                          old_invocation=before[i].get("InvocationID", ""),
+                                          address=g.get("address") or "127.0.0.1", api_key=keys.get(i))
                 results[i]["restart_seconds"] = round(time.monotonic() - t0, 2)
-        rec_path = os.path.join(self.sdir, "services.json")
-        rec = read_json(rec_path, {})
-        for i in insts:
-            if results[i]["ok"]:
-                rec[i] = {"release": release, "digest": batch["gates"][i].get("digest"), "started": now_iso(),
-                          "accept_length": results[i].get("accept_length")}
-            self.ctx.event("gate", instance=i, port=batch["gates"][i]["port"], gate=results[i])
-        write_json(rec_path, rec)
         return results
 
     def roll(self, batches, release, touched):
@@ -466,7 +574,9 @@ class Host(object):
                 "gates": dict((i, {"port": man["services"][i]["port"], "digest": man["services"][i]["digest"],
                                    "expect": {"model": man["services"][i].get("served_model_name")
                                               or man["services"][i]["model"],
-                                              "algorithm": man["services"][i]["algorithm"]}}) for i in insts)}
+                                              "algorithm": man["services"][i]["algorithm"]},
+                                   "address": man["services"][i].get("address"),
+                                   "api_key_file": man["services"][i].get("api_key_file")}) for i in insts)}
 
     def finish(self, journal, failed_release, failed_why):
         append_jsonl(os.path.join(self.sdir, "journal.jsonl"), dict(journal, time=journal.get("time") or now_iso()))
@@ -501,6 +611,14 @@ def apply(ctx, a):
            "release": (a.get("activate") or {}).get("release") or cur}
     touched, began, lost = res["restarted"], False, False
     try:
+        gates = {}
+        for b in a.get("batches") or []:
+            gates.update(b["gates"])
+        try:  # before any change: a restart the unit's own start check would refuse must not begin
+            gate_keys(a.get("secrets_file"), gates)
+        except Unsafe as exc:
+            raise Failure("secrets", "refusing to restart %s: %s; nothing changed" % (
+                ", ".join(sorted(gates, key=lambda s: (len(s), s))) or "anything", exc))
         if a.get("stage"):
             ctx.step("stage")
             t = time.monotonic()
