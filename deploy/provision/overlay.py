@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from rich.console import Console
+from rich.text import Text
 
 from .. import facts as factsmod
 from ..inventory import Host, Inventory
@@ -169,7 +170,7 @@ class _Progress:
     def note(self, msg: str):
         if not self.enabled:
             with self._lock:
-                self.console.print(msg, highlight=False)
+                self.console.print(msg, highlight=False, markup=False)  # holds host strings: never markup
 
     def stop(self):
         if self.bar:
@@ -192,7 +193,7 @@ def provision(inv: Inventory, names: str | list[str] | None, opts: Options | Non
     reports: dict[str, HostReport] = {}
     for h in inv.select(names):
         if h.name == ref.name:
-            console.print(f"[dim]{h.name} is the reference host; skipped[/]")
+            console.print(Text(f"{h.name} is the reference host; skipped", style="dim"))
     if not targets:
         return Report([], seconds=time.time() - t_start)
 
@@ -300,7 +301,8 @@ def _confirmed(opts: Options, console: Console, todo: list[Host], plans: dict[st
         return True
     if not opts.quiet:
         for h in todo:
-            console.print(f"[bold]{h.name}[/] will run (as root, under the host lock):", highlight=False)
+            console.print(Text.assemble((h.name, "bold"), " will run (as root, under the host lock):"),
+                          highlight=False)
             for argv in planned_commands(h, plans[h.name], opts.state_dir):
                 console.print("  " + commands.shown(argv), highlight=False, markup=False)
     question = (f"apply {sum(len(plans[h.name].changes) for h in todo)} change(s) on "
@@ -519,10 +521,11 @@ def render_summary(report: Report, console: Console) -> None:
         n = len(h.plan.changes) if h.plan else 0
         if h.status == "undone" and h.details.get("restored"):
             n = len(h.details["restored"])
-        t.add_row(h.host, f"[{style}]{h.status}[/]", str(n), human(h.sent_bytes), f"{h.seconds:.1f}",
-                  h.error or "")
+        # a host's error (and anything else from it) is plain Text: `[...]` in it is shown, never read as markup
+        t.add_row(Text(h.host), Text(str(h.status), style=style), str(n), human(h.sent_bytes), f"{h.seconds:.1f}",
+                  Text(h.error or ""))
     console.print(t)
     for e in report.events:
-        console.print(f"[yellow]{e}[/]")
+        console.print(Text(str(e), style="yellow"))
     console.print(f"fetched from reference {human(report.fetched_bytes)}, sent to targets {human(report.sent_bytes)}, "
                   f"{report.seconds:.1f}s")
