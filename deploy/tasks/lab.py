@@ -5,6 +5,8 @@ import json as jsonlib
 
 from invoke import Exit, task
 
+from ..lab.drifts import DRIFTS
+
 
 @task(help={"extra": "also boot N more hosts of the ct200 kind (ct201, ct202, ...) for scale tests"})
 def up(c, extra=0):
@@ -30,14 +32,15 @@ def down(c):
 
 
 @task(help={"host": "the lab host (ct129, ct200, h200, ...)",
-            "kind": "one of: " + ", ".join(fleet.DRIFTS)})
+            "kind": "one of: " + ", ".join(DRIFTS)})
 def drift(c, host, kind):
     """Make one lab host's managed venv incoherent on purpose (real captured metadata), or 'coherent' again."""
+    from ..lab import fleet
     try:
         fleet.set_drift(host, kind)
     except fleet.LabError as exc:
         raise Exit(f"lab.drift failed: {exc}", code=1)
-    print(f"{host}: {fleet.DRIFTS[kind]}")
+    print(f"{host}: {DRIFTS[kind]}")
 
 
 @task(help={"json": "print JSON"})
