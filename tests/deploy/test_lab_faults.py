@@ -258,7 +258,8 @@ def test_secrets_file_mode_is_checked_and_env_files_are_private(env, fab):
                      "chmod 644 /etc/ddtree/secrets.env")
     try:
         r = fab("deploy", "--yes", "--hosts", "h200", "--mode", "shadow-linear", inventory=env["inv"])
-        assert r.returncode != 0 and "secrets.env has mode 0644" in r.stdout, r.stdout
+        assert r.returncode != 0, r.stdout
+        assert "REFUSED secrets file: /etc/ddtree/secrets.env: has mode 0644" in r.stdout, r.stdout
         ssh(lab, "h200", "chmod 600 /etc/ddtree/secrets.env")
         r = fab("deploy", "--yes", "--hosts", "h200", "--mode", "shadow-linear", inventory=env["inv"])
         assert r.returncode == 0, r.stdout + r.stderr
