@@ -2,11 +2,13 @@
 
 One run: installs torch 2.14.1 with its nvidia-*/cuda-*/triton wheels (about 3 GB of wheels, several GB
 installed) into a benchmark venv on ct129 (the reference), then overlays them onto ct200 with
-`provision` and prints its transfer throughput next to rsync (OpenSSH) of the same files over the same
-links, the install time, the re-run time (nothing to do), undo, and a warm re-provision.
+`provision` and prints its transfer throughput next to rsync of the same files over the same links, side by
+side in one run: rsync runs before and after the provision (the mean of the two is the baseline) with the very
+same OpenSSH command line the provision uses (deploy.ssh.openssh_argv: the inventory's known_hosts and key),
+then the install time, the re-run time (nothing to do), undo, and a warm re-provision.
 
 It never touches the lab's shared /opt/sglang/venv: it uses /opt/provbench/venv on ct129 and ct200, its
-own stage root and its own control-side cache, and removes them at the end (--keep keeps them).
+own agent state directory and its own control-side cache, and removes them at the end (--keep keeps them).
 
     .venv/bin/python benchmarks/provision_overlay.py [--wheels DIR] [--keep]
 
@@ -31,14 +33,15 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from deploy.inventory import load_inventory  # noqa: E402
+from deploy.lab.fleet import lab_inventory_path  # noqa: E402
 from deploy.provision import overlay  # noqa: E402
 from deploy.provision.cache import WheelCache  # noqa: E402
 from deploy.provision.plan import human, managed  # noqa: E402
-from deploy.ssh import known_hosts_path, open_checked  # noqa: E402
+from deploy.ssh import open_checked, openssh_argv  # noqa: E402
 
 VENV = "/opt/provbench/venv"
 HOUSE = "/opt/provbench/wheelhouse"
-STAGE = "/var/tmp/ddtree-provision-bench"
+STAGE = "/var/lib/ddtree-provbench"
 RSYNC_DST = "/var/tmp/provbench-rsync"
 MANAGED = ["torch", "triton", "nvidia-*", "cuda-*"]
 console = Console()
@@ -51,14 +54,14 @@ def sh(conn, cmd, timeout=1800):
     return r.stdout
 
 
-def ssh_cmd(inv) -> str:
-    return shlex.join(["ssh", "-i", inv.ssh_path("identity_file"), "-o", f"UserKnownHostsFile={known_hosts_path(inv)}",
-                       "-o", "StrictHostKeyChecking=yes", "-o", "BatchMode=yes"])
+def ssh_cmd(inv, host) -> str:
+    """The provision's own OpenSSH command line for `host`, less the address (rsync appends it)."""
+    return shlex.join(openssh_argv(inv, host)[:-1])
 
 
-def rsync(inv, srcs: list[str], dst: str) -> float:
+def rsync(inv, host, srcs: list[str], dst: str) -> float:
     t = time.time()
-    subprocess.run(["rsync", "-a", "--whole-file", "-e", ssh_cmd(inv), *srcs, dst], check=True)
+    subprocess.run(["rsync", "-a", "--whole-file", "-e", ssh_cmd(inv, host), *srcs, dst], check=True)
     return time.time() - t
 
 
@@ -85,7 +88,7 @@ def main() -> int:
     total = sum(w.stat().st_size for w in managed_wheels)
     console.print(f"{len(managed_wheels)} managed wheels, {human(total)}; {len(other_wheels)} plain dependencies")
 
-    lab = load_inventory(str(ROOT / "inventory" / "lab.yaml"))
+    lab = load_inventory(str(lab_inventory_path()))
     hosts = dict(lab.hosts)
     for n in ("ct129", "ct200"):
         hosts[n] = dataclasses.replace(hosts[n], vars=dict(hosts[n].vars, venv=VENV, managed=MANAGED,
@@ -105,7 +108,7 @@ def main() -> int:
         sh(c, f"rm -rf /opt/provbench {STAGE} {RSYNC_DST} && mkdir -p {HOUSE} && python3 -m venv {VENV}")
         c.close()
     up = time.time()
-    rsync(inv, [str(w) for w in wheels], f"root@{ref.address}:{HOUSE}/")
+    rsync(inv, ref, [str(w) for w in wheels], f"{ref.address}:{HOUSE}/")
     results.append(("rsync control -> ct129 (setup, all wheels)", sum(w.stat().st_size for w in wheels),
                     time.time() - up))
     c = open_checked(inv, ref)
@@ -115,33 +118,41 @@ def main() -> int:
     c = open_checked(inv, tgt)
     sh(c, f"mkdir -p /opt/provbench/deps")
     c.close()
-    subprocess.run(["rsync", "-a", "-e", ssh_cmd(inv)] + [str(w) for w in other_wheels]
-                   + [f"root@{tgt.address}:/opt/provbench/deps/"], check=True)
+    subprocess.run(["rsync", "-a", "-e", ssh_cmd(inv, tgt)] + [str(w) for w in other_wheels]
+                   + [f"{tgt.address}:/opt/provbench/deps/"], check=True)
     c = open_checked(inv, tgt)
     sh(c, f"{VENV}/bin/python -m pip install -q --no-index --no-deps --disable-pip-version-check "
           f"/opt/provbench/deps/*.whl && rm -rf /opt/provbench/deps", timeout=1800)
     c.close()
     console.print(f"setup done in {time.time() - t:.0f}s (reference venv installed from {len(wheels)} wheels)")
 
-    # rsync baselines over the same links, the same files
-    dl = work / "rsync-get"
-    dl.mkdir()
-    secs = rsync(inv, [f"root@{ref.address}:{HOUSE}/{w.name}" for w in managed_wheels], str(dl) + "/")
-    results.append(("rsync ct129 -> control (OpenSSH)", total, secs))
-    c = open_checked(inv, tgt)
-    sh(c, f"mkdir -p {RSYNC_DST}")
-    c.close()
-    secs = rsync(inv, [str(dl) + "/"], f"root@{tgt.address}:{RSYNC_DST}/")
-    results.append(("rsync control -> ct200 (OpenSSH)", total, secs))
-    shutil.rmtree(dl)
-    c = open_checked(inv, tgt)
-    sh(c, f"rm -rf {RSYNC_DST}")
-    c.close()
+    # rsync baselines over the same links, the same files, the same ssh command line (before and after provision)
+    rsync_runs = {"get": [], "put": []}
+
+    def rsync_baseline(label: str) -> None:
+        dl = work / "rsync-get"
+        shutil.rmtree(dl, ignore_errors=True)
+        dl.mkdir()
+        secs = rsync(inv, ref, [f"{ref.address}:{HOUSE}/{w.name}" for w in managed_wheels], str(dl) + "/")
+        rsync_runs["get"].append(total / secs)
+        results.append((f"rsync ct129 -> control ({label})", total, secs))
+        c = open_checked(inv, tgt)
+        sh(c, f"rm -rf {RSYNC_DST} && mkdir -p {RSYNC_DST}")
+        c.close()
+        secs = rsync(inv, tgt, [str(dl) + "/"], f"{tgt.address}:{RSYNC_DST}/")
+        rsync_runs["put"].append(total / secs)
+        results.append((f"rsync control -> ct200 ({label})", total, secs))
+        shutil.rmtree(dl)
+        c = open_checked(inv, tgt)
+        sh(c, f"rm -rf {RSYNC_DST}")
+        c.close()
+
+    rsync_baseline("before")
 
     cache = WheelCache(work / "cache")
 
     def opts():
-        return overlay.Options(yes=True, cache=cache, stage_root=STAGE, console=console)
+        return overlay.Options(yes=True, cache=cache, state_dir=STAGE, console=console)
 
     # cold provision: empty control cache, nothing staged on the target
     t = time.time()
@@ -152,8 +163,14 @@ def main() -> int:
         console.print(f"[red]provision failed: {h.error}[/]")
         return 1
     ph = rep.phases
-    results.append(("provision: ct129 -> control cache (paramiko SFTP)", rep.fetched_bytes, ph.get("fetch", 0)))
-    results.append(("provision: control -> ct200 stage (paramiko SFTP)", h.sent_bytes, h.details["put_seconds"]))
+    fetch_rate = rep.fetched_bytes / ph["fetch"] if ph.get("fetch") else 0.0
+    put_rate = h.sent_bytes / h.details["put_seconds"] if h.details.get("put_seconds") else 0.0
+    results.append(("provision: ct129 -> control cache (OpenSSH stream, sha256 + RECORD check after)",
+                     rep.fetched_bytes, ph.get("fetch", 0)))
+    results.append(("provision: control -> ct200 private staging (OpenSSH stream, sha256 on arrival)", h.sent_bytes,
+                     h.details["put_seconds"]))
+    results.append(("provision: control cache check (sha256 + every member against RECORD)", None,
+                    ph.get("cache_check", 0)))
     results.append(("provision: scan reference (RECORD + wheel hashes)", None, ph.get("scan", 0)))
     results.append(("provision: apply on ct200 (backup, pip, smoke import)", None, h.details["apply_seconds"]))
     results.append(("provision: verify (facts again)", None, h.details["verify_seconds"]))
@@ -175,6 +192,7 @@ def main() -> int:
     results.append(("provision warm (wheels already staged on ct200)", rep3.sent_bytes, time.time() - t))
     assert rep3.ok, rep3.hosts[0].error
 
+    rsync_baseline("after")
     tab = Table(title=f"provision benchmark: {len(managed_wheels)} wheels, {human(total)} (torch 2.14.1 + CUDA 13)",
                 title_justify="left")
     for col in ("step", "bytes", "seconds", "throughput"):
@@ -184,6 +202,12 @@ def main() -> int:
         tab.add_row(name, human(b) if b is not None else "", f"{s:.1f}", rate)
     console.print(tab)
     console.print(f"smoke-imported on ct200: {', '.join(smoke or [])}")
+    get_base = sum(rsync_runs["get"]) / len(rsync_runs["get"])
+    put_base = sum(rsync_runs["put"]) / len(rsync_runs["put"])
+    console.print(f"ratio, wheels ct129 -> control: provision {fetch_rate / 1e6:.0f} MB/s (transfer; the cache's "
+                  f"sha256 + RECORD check comes after) / rsync {get_base / 1e6:.0f} MB/s = {fetch_rate / get_base:.2f}x")
+    console.print(f"ratio, wheels control -> ct200: provision {put_rate / 1e6:.0f} MB/s (sha256 on arrival included) / "
+                  f"rsync {put_base / 1e6:.0f} MB/s = {put_rate / put_base:.2f}x  (goal >= 0.9x)")
 
     if not a.keep:
         for hh in (ref, tgt):

@@ -1,7 +1,9 @@
 """Host facts: pure parsers of probe output, and the one-round-trip remote gather.
 
 Every parser takes the text a standard tool printed and returns plain values; they are tested
-against real captures (lab/personas/h200-1gpu, copied from shared/fixtures/gpu-hosts).
+against real captures (lab/personas/h200-1gpu, copied from shared/fixtures/gpu-hosts). The probe itself is
+the agent's `facts.probe` op (deploy/remote/host/probe.py): every command under one deadline (PROBE_BUDGET),
+what did not finish in time listed in the facts' `incomplete`.
 """
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import ast
 import csv
 import io
 import json
+import os
 import re
 import shlex
 import time
@@ -19,7 +22,9 @@ from packaging.tags import parse_tag
 from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
-PROBE_SOURCE = (Path(__file__).parent / "probe_remote.py").read_text()
+# One deadline for every probe command together: a hung nvidia-smi costs this, once, not once per command.
+PROBE_BUDGET = float(os.environ.get("DDTREE_PROBE_BUDGET") or 10.0)
+CALL_MARGIN = 6.0  # the agent's start and reply around the budget; past it the host itself is hung
 TRACKED = ("torch", "triton", "sglang", "sglang-kernel", "flashinfer-python", "sglang-ddtree")
 
 
@@ -92,6 +97,26 @@ def parse_glibc(text: str | None) -> str | None:
     """`ldd --version` first line or platform.libc_ver() ('glibc 2.36') -> '2.36'."""
     m = re.search(r"(?:GLIBC|glibc|GNU libc)[^\d]*?(\d+\.\d+)", text or "") or re.search(r"\)\s+(\d+\.\d+)\s*$", text or "")
     return m.group(1) if m else None
+
+
+def parse_pyvenv_cfg(text: str | None, lib_dir: str | None = None) -> dict:
+    """pyvenv.cfg (`version = 3.11.2`, or virtualenv's `version_info = 3.12.3.final.0`) and the venv's
+    lib/pythonX.Y[t] directory name -> {version, abiflags}."""
+    cfg = {}
+    for line in (text or "").splitlines():
+        k, sep, v = line.partition("=")
+        if sep:
+            cfg[k.strip().lower()] = v.strip()
+    version = None
+    for key in ("version", "version_info"):
+        m = re.match(r"(\d+\.\d+(?:\.\d+)?)", cfg.get(key, ""))
+        if m:
+            version = m.group(1)
+            break
+    m = re.fullmatch(r"python(\d+\.\d+)([a-z]*)", lib_dir or "")
+    if version is None and m:
+        version = m.group(1)
+    return {"version": version, "abiflags": m.group(2) if m else ""}
 
 
 def python_abi_tag(version: str, abiflags: str = "") -> str:
@@ -195,12 +220,14 @@ def build_facts(host: str, raw: dict, gathered_at: float | None = None) -> dict:
                   "error": None if smi_q.get("rc") == 0 else (smi_q.get("err") or "nvidia-smi failed").strip()}
     osr = parse_os_release(raw.get("os_release"))
     ldd = raw.get("ldd") or []
-    venv_raw = raw.get("venv") or {}
+    venv_raw = dict(raw.get("venv") or {})
+    if venv_raw and not venv_raw.get("version") and (venv_raw.get("pyvenv_cfg") or venv_raw.get("lib_dir")):
+        venv_raw.update(parse_pyvenv_cfg(venv_raw.get("pyvenv_cfg"), venv_raw.get("lib_dir")))
     venv = None
     if venv_raw:
         dists = {canonicalize_name(d["name"]): d["version"] for d in venv_raw.get("distributions", [])}
         venv = {"path": venv_raw.get("path"), "exists": venv_raw.get("exists", False),
-                "error": venv_raw.get("error"),
+                "error": venv_raw.get("error"), "trust": venv_raw.get("trust"),
                 "python": venv_raw.get("version"),
                 "abi": python_abi_tag(venv_raw["version"], venv_raw.get("abiflags", "")) if venv_raw.get("version") else None,
                 "purelib": venv_raw.get("purelib"),
@@ -223,29 +250,31 @@ def build_facts(host: str, raw: dict, gathered_at: float | None = None) -> dict:
         "torch": torch_facts(venv_raw) if venv_raw.get("distributions") else None,
         "packages": packages,
         "disk": raw.get("disk", {}),
+        "incomplete": list(raw.get("incomplete") or []),
     }
 
 
-def probe_command(venv: str | None, python: str = "python3") -> str:
-    """One shell command that runs the probe: the program travels as an argument (no stdin: a
-    stdin-fed `python3 -` costs seconds per call through Fabric)."""
-    return " ".join(shlex.quote(a) for a in [python, "-c", PROBE_SOURCE] + ([venv] if venv else []))
-
-
-def gather(conn, host) -> dict:
-    """One SSH round trip: run the probe on `conn` and build the facts of `host`."""
+def gather(conn, host, *, root: bool = False, staged: bool = False, state_dir: str | None = None) -> dict:
+    """One agent call: run the facts probe on `conn` and build the facts of `host`. Without `root` it runs as
+    the SSH user (no sudo). With `staged` (a provision target, as root) the facts carry the private staging
+    listing under "stage" and whether root may run the venv under venv.trust."""
+    from .remote.client import Remote
     t0 = time.time()
-    res = conn.run(probe_command(host.venv), hide=True, warn=True, in_stream=False)
-    if res.exited != 0:
-        raise FactsError(f"probe failed with exit {res.exited}: {res.stderr.strip()[-500:]}")
-    try:
-        raw = json.loads(res.stdout)
-    except ValueError:
-        raise FactsError(f"probe printed no JSON: {res.stdout[-300:]!r}") from None
+    raw = Remote(conn, host.name, state_dir).call(
+        "facts.probe", {"venv": host.venv, "budget": PROBE_BUDGET, "staged": staged, "trust": staged},
+        deadline=PROBE_BUDGET + CALL_MARGIN, root=root)
     facts = build_facts(host.name, raw, t0)
     facts["address"] = host.address
     facts["gather_seconds"] = round(time.time() - t0, 3)
+    if staged:
+        facts["stage"] = raw.get("stage")
     return facts
+
+
+def incomplete_summary(facts: dict) -> str | None:
+    """'nvidia_smi_query: timed out after 10s; ...' when some facts did not come back, else None."""
+    inc = facts.get("incomplete") or []
+    return "; ".join(f"{i.get('what')}: {i.get('error')}" for i in inc) or None
 
 
 # ---------------------------------------------------------------- cache
@@ -255,12 +284,12 @@ def facts_dir(inventory_path: str) -> Path:
 
 
 def save_facts(inventory_path: str, facts: dict) -> Path:
+    from .remote.host.fsutil import atomic_write
     d = facts_dir(inventory_path)
     d.mkdir(parents=True, exist_ok=True)
     p = d / f"{facts['host']}.json"
-    tmp = p.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(facts, indent=1, sort_keys=True))
-    tmp.replace(p)
+    atomic_write(str(p), json.dumps({k: v for k, v in facts.items() if k != "stage"}, indent=1,
+                                    sort_keys=True).encode(), 0o644)
     return p
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/agenthelpers.py for every test folder
 # inventory/lab.yaml, or for a second lab on this machine (DDTREE_LAB_ID) its own copy of it
 try:
     from deploy.lab.fleet import lab_inventory_path
@@ -42,6 +43,6 @@ def run_fab(*args: str, inventory: str | Path = LAB_INVENTORY, timeout: int = 30
                           capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def fab():
     return run_fab

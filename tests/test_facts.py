@@ -128,16 +128,35 @@ def test_derived_blackwell_persona_parses_like_a_capture():
 
 
 def test_probe_runs_locally_and_builds_facts(tmp_path):
-    """The real probe program, run here as it runs remotely (argument, not stdin)."""
-    import subprocess
+    """The real probe op, run here through the loader and zipapp as it runs on a host (request on stdin)."""
     import sys
-    out = subprocess.run(["sh", "-c", F.probe_command(str(Path(sys.executable).parents[1]), "python3")],
-                         capture_output=True, text=True, timeout=120, env={"PATH": "/usr/bin:/bin",
-                                                                           "DDTREE_PROBE_IMPORT_TORCH": "0"})
-    assert out.returncode == 0, out.stderr
-    f = F.build_facts("local", json.loads(out.stdout))
+    from agenthelpers import result
+    venv = str(Path(sys.executable).parents[1])
+    raw = result("facts.probe", {"venv": venv, "budget": 20, "import_torch": False}, tmp_path / "state",
+                 env={"PATH": "/usr/bin:/bin"})
+    f = F.build_facts("local", raw)
     assert f["venv"]["exists"] and "fabric" in f["venv"]["distributions"]
-    assert f["os"]["glibc"]
+    assert f["venv"]["python"] == sys.version.split()[0] and f["venv"]["abi"] == "cp311"
+    assert f["os"]["glibc"] and f["incomplete"] == []
+
+
+def test_pyvenv_cfg_gives_the_venv_python():
+    assert F.parse_pyvenv_cfg("home = /usr/bin\ninclude-system-site-packages = false\nversion = 3.11.2\n",
+                              "python3.11") == {"version": "3.11.2", "abiflags": ""}
+    assert F.parse_pyvenv_cfg("home = /x\nversion_info = 3.12.3.final.0\n", "python3.12") == \
+        {"version": "3.12.3", "abiflags": ""}
+    assert F.parse_pyvenv_cfg(None, "python3.13t") == {"version": "3.13", "abiflags": "t"}
+    f = F.build_facts("x", {"venv": {"path": "/v", "exists": True, "pyvenv_cfg": "version = 3.12.1\n",
+                                     "lib_dir": "python3.12", "distributions": []}})
+    assert f["venv"]["python"] == "3.12.1" and f["venv"]["abi"] == "cp312"
+
+
+def test_incomplete_facts_are_carried_and_summarised():
+    raw = {"nvidia_smi_query": {"rc": -1, "out": "", "err": "timed out after 10s (process group killed)"},
+           "incomplete": [{"what": "nvidia_smi_query", "error": "timed out after 10s (process group killed)"}]}
+    f = F.build_facts("h200", raw)
+    assert f["incomplete"] and F.incomplete_summary(f) == "nvidia_smi_query: timed out after 10s (process group killed)"
+    assert F.incomplete_summary(F.build_facts("ok", {})) is None
 
 
 def test_real_probe_output_from_the_h200():

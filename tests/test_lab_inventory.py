@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -109,3 +110,59 @@ def test_lab_hosts_carry_model_configs_for_the_deploy_gate(lab):
                              capture_output=True, text=True, timeout=30)
         assert out.returncode == 0, out.stderr
         assert '"Qwen3ForCausalLM"' in out.stdout and '"DFlashDraftModel"' in out.stdout
+
+
+def test_hung_nvidia_smi_is_reported_once_fast_and_fails_the_exit_code(lab, fab, tmp_path):
+    """Issue 9: with an nvidia-smi that never returns on h200, `fab inventory --hosts h200` took 61 s (two 30 s
+    timeouts) and exited 0 with "timed out" in the GPU column. Now: one deadline for the whole probe, the hung
+    command and its children killed, the other hosts' facts complete, and exit 1 naming what is incomplete."""
+    import time
+
+    from deploy.facts import PROBE_BUDGET
+    from deploy.remote.client import AgentError, Remote
+    from deploy.ssh import open_checked
+    h = lab.hosts["h200"]
+    n = 4000 + os.getpid() % 5000
+
+    def on_h200(cmd):
+        conn = open_checked(lab, h)
+        try:
+            return conn.run(cmd, hide=True, warn=True, in_stream=False).stdout
+        finally:
+            conn.close()
+    on_h200(f"cp -a /usr/bin/nvidia-smi /root/nvidia-smi.keep && printf '#!/bin/sh\\nsleep {n} &\\nexec sleep {n}\\n'"
+            " > /usr/bin/nvidia-smi")
+    try:
+        t = time.monotonic()
+        r = fab("inventory", "--json", "--refresh")
+        took = time.monotonic() - t
+        assert r.returncode == 1, r.stderr
+        assert took < PROBE_BUDGET + 8, took
+        doc = json.loads(r.stdout)
+        assert set(doc["hosts"]) == {"ct129", "ct200", "h200"} and not doc["errors"]
+        assert set(doc["incomplete"]) == {"h200"} and "nvidia_smi_query: timed out" in doc["incomplete"]["h200"]
+        assert "1 host(s) with incomplete facts: h200 (nvidia_smi_query: timed out" in r.stderr, r.stderr
+        assert doc["hosts"]["ct129"]["nvidia"]["gpus"] and doc["hosts"]["h200"]["torch"]["version"]
+        time.sleep(0.5)
+        assert on_h200(f"pgrep -fx 'sleep {n}' || true").strip() == ""      # killed with its children
+        # the agent keeps within its caller's deadline (the probe budget shrinks to fit) ...
+        conn = open_checked(lab, h)
+        try:
+            t = time.monotonic()
+            raw = Remote(conn, "h200").call("facts.probe", {"venv": h.venv, "budget": 60}, deadline=5, root=False)
+            assert time.monotonic() - t < 5 and raw["incomplete"]
+            # ... and the client's executor enforces it on whatever runs: a silent command is cut at the deadline,
+            # a long call whose host goes quiet is declared a lost link after `silence` seconds
+            r_ = Remote(conn, "h200")
+            for kw, kind in (({"deadline": 3, "silence": None}, "timeout"), ({"deadline": 60, "silence": 2},
+                                                                            "link-lost")):
+                t = time.monotonic()
+                with pytest.raises(AgentError) as err:
+                    r_._exec("sleep 9", b"", kw["deadline"], None, kw["silence"])
+                assert err.value.kind == kind and time.monotonic() - t < 5, (kind, err.value)
+        finally:
+            conn.close()
+    finally:
+        on_h200(f"cp -a /root/nvidia-smi.keep /usr/bin/nvidia-smi; pkill -x -f 'sleep {n}'; true")
+    r = fab("inventory", "--json", "--refresh", "--hosts", "h200")
+    assert r.returncode == 0 and not json.loads(r.stdout)["incomplete"]

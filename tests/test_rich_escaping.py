@@ -91,3 +91,17 @@ def test_provision_plan_shows_names_and_messages_from_hosts_as_text():
 def test_any_bracket_text_is_printed_verbatim(value):
     segs = render(status.status_table([row(lock=value, release=value)]))
     assert text_of(segs).count(value) == 2
+
+
+def test_provision_summary_and_notes_show_host_errors_as_text():
+    """The provision summary's error column, its events and the progress notes carry host strings (an agent's
+    error, a wheel name): `[/red]` in one neither crashes the output nor restyles it."""
+    from deploy.provision.overlay import HostReport, Report, _Progress, render_summary
+    rep = Report([HostReport("ct200", "failed", False, error=HOSTILE)], events=[f"ct129: {HOSTILE}"])
+    c = Console(record=True, width=300)
+    render_summary(rep, c)
+    out = c.export_text()
+    assert out.count("[/red] boom [bold]x[/]") == 2, out
+    c = Console(record=True, width=300)
+    _Progress(False, c).note(f"ct200: sent 1 wheel(s) {HOSTILE}")
+    assert HOSTILE in c.export_text()

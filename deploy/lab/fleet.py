@@ -314,16 +314,8 @@ def _site_packages(root: Path) -> Path:
 
 # ------------------------------------------------------------------ drift knobs
 
-# Ways to make one lab host incoherent on purpose (fab lab.drift HOST KIND), all from real captured
-# metadata, so refusals can be tested on real pins. "coherent" puts the default back.
-DRIFTS = {
-    "coherent": "SGLang 0.5.17 and sglang-kernel 0.4.5 (the default)",
-    "sglang-kernel-0.4.10": "sglang-kernel 0.4.10: its real metadata (torch==2.14.1) and common_ops stand-ins "
-                            "importing its real torch symbols, which the lab's torch 2.11 does not export",
-    "sglang-0.5.16": "SGLang 0.5.16's real metadata: a version the plugin does not support (and unmet pins)",
-    "sglang-0.5.23": "SGLang 0.5.23's real metadata: supported by the plugin, but it pins torch==2.14.1, "
-                     "sglang-kernel==0.4.10, flashinfer-python==0.7.2",
-}
+# The drift knobs (fab lab.drift HOST KIND) are data in drifts.py, which `fab` reads without importing this module.
+from .drifts import DRIFTS  # noqa: E402
 
 
 def _ssh_argv(h: LabHost, command: str) -> list[str]:

@@ -1,82 +1,89 @@
-"""`provision` and `undo`: the per-host run around the pure plan.
+"""`provision` and `undo`: the per-host run around the pure plan, on the agent runtime (deploy/remote).
 
-Round trips (each remote step is one `python -c <agent> CMD JSON` over the host's SSH connection):
-  all hosts, in parallel   facts.gather (1), and on targets the stage listing (1)
-  reference, once          scan of the distributions to ship (1), a RECORD rebuild when no original
-                           wheel exists (1), SFTP downloads into the control cache
-  each target, in parallel SFTP uploads (resumable), finalize (1: sha256 + rename), apply (1: backup,
-                           pip offline, smoke import, restore on failure), facts.gather (1: converged?)
+Calls (each one agent call over the host's SSH connection, or an OpenSSH stream for wheel bytes):
+  all hosts, in parallel   facts.probe as root (1), with the private staging listing on targets
+  reference, once          provision.scan of the distributions to ship (1, read-only, no lock), a RECORD
+                           rebuild when no original wheel exists (1, under the host lock), OpenSSH downloads
+                           into the control cache (each wheel checked before it is cached)
+  each target, in parallel lock.acquire (1), OpenSSH uploads into the private staging directory (resumable,
+                           sha256 on arrival), provision.apply (1: wheels and venv checked again, backup, pip
+                           offline from the private copies, smoke import, restore on failure), facts.probe
+                           (1: converged?), lock.release (1)
+Commands that change a target (pip install/uninstall, the smoke import) are built by deploy/remote/commands.py
+and shown before the question.
 """
 from __future__ import annotations
 
-import json
+import getpass
 import os
+import socket
 import sys
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 from rich.console import Console
+from rich.text import Text
 
 from .. import facts as factsmod
 from ..inventory import Host, Inventory
-from ..ssh import HostResult, as_root, open_checked, run_per_host
-from . import agent, transfer
+from ..remote import commands
+from ..remote.client import ROOT_STATE, AgentError, Remote
+from ..ssh import open_checked, run_per_host
+from . import transfer
 from .cache import CacheError, WheelCache
 from .plan import Plan, human, make_plan, render
 
-AGENT_SOURCE = open(agent.__file__).read()
-MARKER = "@@AGENT@@"
+LOCK_TTL = 180.0   # a provision that stops calling (its control machine died) frees the host after this
 
 
 class ProvisionError(RuntimeError):
     pass
 
 
-# ---------------------------------------------------------------- commands: built pure, run by one executor
+# ---------------------------------------------------------------- commands: built pure, run by the agent
 
 def venv_python(host: Host) -> str:
-    return f"{host.venv}/bin/python"
+    return commands.venv_python(host.venv)
 
 
-def agent_argv(python: str, command: str, payload: dict) -> list[str]:
-    """argv of one agent round trip (the program travels as an argument, never on stdin)."""
-    return [python, "-c", AGENT_SOURCE, command, json.dumps(payload, sort_keys=True)]
+def staged_path(state: str, sha256: str, filename: str) -> str:
+    return f"{state}/provision/incoming/{sha256}/{filename}"
 
 
-def parse_agent_output(stdout: str) -> dict:
-    i = stdout.rfind(MARKER)
-    if i < 0:
-        raise ProvisionError(f"agent printed no result: {stdout[-400:]!r}")
-    return json.loads(stdout[i + len(MARKER):])
-
-
-def execute(conn, argv: list[str], timeout: float | None = None) -> dict:
-    """The executor: run an argv on the connection's host and return the agent's JSON result."""
-    res = conn.run(as_root(conn, argv), hide=True, warn=True, in_stream=False, timeout=timeout)
-    if res.exited != 0 and MARKER not in res.stdout:
-        raise ProvisionError(f"{argv[0]} exited {res.exited}: {(res.stderr or res.stdout).strip()[-600:]}")
-    return parse_agent_output(res.stdout)
-
-
-def run_agent(conn, python: str, command: str, payload: dict, timeout: float | None = None) -> dict:
-    out = execute(conn, agent_argv(python, command, payload), timeout)
-    if out.get("agent_exception"):
-        raise ProvisionError(f"agent {command}: {out.get('error')}")
-    return out
-
-
-def apply_payload(host: Host, plan: Plan, pid: str, root: str = agent.STAGE_ROOT) -> dict:
-    """The pure description of one host's change: staged wheels, the pip commands, what to remove."""
+def apply_payload(host: Host, plan: Plan, pid: str, state: str = ROOT_STATE) -> dict:
+    """The pure description of one host's change: staged wheels, the command prefixes, what to remove."""
     py = venv_python(host)
     install = [{"name": i.name, "version": i.reference, "sha256": plan.sources[i.name]["sha256"],
                 "filename": plan.sources[i.name]["filename"]} for i in plan.installs]
-    paths = [f"{root}/incoming/{w['sha256']}/{w['filename']}" for w in install]
-    remove = [i.name for i in plan.removals]
-    return {"id": pid, "root": root, "python": py, "install": install, "remove": remove,
-            "pip_install": agent.pip_install_argv(py, paths), "pip_uninstall": agent.pip_uninstall_argv(py, remove),
+    return {"id": pid, "venv": host.venv, "install": install, "remove": [i.name for i in plan.removals],
+            "commands": {"pip_install": commands.pip_install(py), "pip_uninstall": commands.pip_uninstall(py),
+                         "smoke": commands.smoke(py)},
+            "allow_pth": {i.name: plan.sources[i.name].get("pth") or [] for i in plan.installs},
             "cuda_init": True, "smoke": True}
+
+
+def planned_commands(host: Host, plan: Plan, state: str = ROOT_STATE) -> list[list[str]]:
+    """The commands the agent will run on `host` for `plan`, as they will run (the confirmation shows them)."""
+    py = venv_python(host)
+    out = []
+    if plan.installs:
+        out.append(commands.pip_install(py, [staged_path(state, plan.sources[i.name].get("sha256") or "<rebuilt>",
+                                                         plan.sources[i.name].get("filename") or f"{i.name}.whl")
+                                             for i in plan.installs]))
+    if plan.removals:
+        out.append(commands.pip_uninstall(py, [i.name for i in plan.removals]))
+    if plan.installs:
+        out.append(commands.smoke(py) + ["<modules of the installed distributions>", "cuda|nocuda"])
+    return out
+
+
+def holder(command: str) -> dict:
+    """Who holds a host lock: user@machine, the command, our pid, and a fresh token."""
+    return {"holder": f"{getpass.getuser()}@{socket.gethostname()}", "command": command, "pid": os.getpid(),
+            "token": uuid.uuid4().hex}
 
 
 # ---------------------------------------------------------------- report
@@ -130,9 +137,10 @@ class Options:
     console: Console | None = None
     confirm: Callable[[str], bool] | None = None      # None: ask on a terminal, refuse without one
     progress: bool | None = None                      # None: when stderr is a terminal
-    hooks: dict = field(default_factory=dict)         # test hooks: 'put_progress'(host, sftp, nbytes)
+    hooks: dict = field(default_factory=dict)         # test hooks: 'put_progress'(host, ssh Popen, nbytes)
     quiet: bool = False
-    stage_root: str = agent.STAGE_ROOT                # staged wheels, backups and the lock on each target
+    state_dir: str = ROOT_STATE                       # the agent's private state: staging, backups, the lock
+    command: str = "fab provision"
 
 
 # ---------------------------------------------------------------- progress
@@ -162,7 +170,7 @@ class _Progress:
     def note(self, msg: str):
         if not self.enabled:
             with self._lock:
-                self.console.print(msg, highlight=False)
+                self.console.print(msg, highlight=False, markup=False)  # holds host strings: never markup
 
     def stop(self):
         if self.bar:
@@ -170,12 +178,6 @@ class _Progress:
 
 
 # ---------------------------------------------------------------- provision
-
-def _gather_target(conn, host, root):
-    f = factsmod.gather(conn, host)
-    stage = run_agent(conn, "python3", "stage", {"root": root})
-    return {"facts": f, "stage": stage}
-
 
 def _new_id(host: str) -> str:
     return time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + f"-{host}-{os.getpid()}"
@@ -191,15 +193,13 @@ def provision(inv: Inventory, names: str | list[str] | None, opts: Options | Non
     reports: dict[str, HostReport] = {}
     for h in inv.select(names):
         if h.name == ref.name:
-            console.print(f"[dim]{h.name} is the reference host; skipped[/]")
+            console.print(Text(f"{h.name} is the reference host; skipped", style="dim"))
     if not targets:
         return Report([], seconds=time.time() - t_start)
 
-    # 1. facts of the reference and every target, in parallel (one connection each)
+    # 1. facts of the reference and every target (targets with their staging listing), in parallel, read-only
     def gather_any(conn, host):
-        if host.name == ref.name:
-            return {"facts": factsmod.gather(conn, host)}
-        return _gather_target(conn, host, opts.stage_root)
+        return factsmod.gather(conn, host, root=True, staged=host.name != ref.name, state_dir=opts.state_dir)
 
     phases: dict[str, float] = {}
     t = time.time()
@@ -209,19 +209,19 @@ def provision(inv: Inventory, names: str | list[str] | None, opts: Options | Non
     if not ref_res.ok:
         return Report([HostReport(r.host, "failed", False, error=f"reference {ref.name} unavailable: "
                                   f"{ref_res.kind}: {ref_res.error}") for r in tgt_res], seconds=time.time() - t_start)
-    ref_facts = ref_res.value["facts"]
+    ref_facts = ref_res.value
     factsmod.save_facts(inv.path, ref_facts)
     gathered: dict[str, dict] = {}
     for r in tgt_res:
         if r.ok:
             gathered[r.host] = r.value
-            factsmod.save_facts(inv.path, r.value["facts"])
+            factsmod.save_facts(inv.path, r.value)
         else:
             reports[r.host] = HostReport(r.host, "unreachable" if r.kind == "unreachable" else "failed", False,
                                          error=f"{r.kind}: {r.error}", seconds=r.seconds)
 
-    # 2. classify; scan the reference for what any target needs (one round trip)
-    pre = {n: make_plan(ref_facts, g["facts"], inv.hosts[n].vars["managed"]) for n, g in gathered.items()}
+    # 2. classify; scan the reference for what any target needs (one read-only call)
+    pre = {n: make_plan(ref_facts, g, inv.hosts[n].vars["managed"]) for n, g in gathered.items()}
     needed = sorted({(i.name, i.reference) for p in pre.values() for i in p.installs})
     scan: dict = {}
     ref_conn = None
@@ -229,11 +229,11 @@ def provision(inv: Inventory, names: str | list[str] | None, opts: Options | Non
         if needed:
             t = time.time()
             ref_conn = open_checked(inv, ref)
-            scan = run_agent(ref_conn, venv_python(ref), "scan",
-                             {"dists": [{"name": n, "version": v} for n, v in needed],
-                              "wheelhouse": ref.vars.get("wheelhouse") or []}, timeout=1800)["dists"]
+            scan = Remote(ref_conn, ref.name, opts.state_dir).call(
+                "provision.scan", {"venv": ref.venv, "dists": [{"name": n, "version": v} for n, v in needed],
+                                   "wheelhouse": ref.vars.get("wheelhouse") or []}, deadline=1800, silence=45)["dists"]
             phases["scan"] = time.time() - t
-        plans = {n: make_plan(ref_facts, g["facts"], inv.hosts[n].vars["managed"], scan, g["stage"])
+        plans = {n: make_plan(ref_facts, g, inv.hosts[n].vars["managed"], scan, g.get("stage"))
                  for n, g in gathered.items()}
         for name in [h.name for h in targets if h.name in plans]:
             if not opts.quiet:
@@ -261,7 +261,7 @@ def provision(inv: Inventory, names: str | list[str] | None, opts: Options | Non
             if ref_conn is None:
                 ref_conn = open_checked(inv, ref)
             t = time.time()
-            fetched = _ensure_cached(ref_conn, ref, scan, todo, plans, cache, prog, phases)
+            fetched = _ensure_cached(inv, ref_conn, ref, scan, todo, plans, cache, prog, phases, opts)
             phases["wheels"] = time.time() - t
         finally:
             prog.stop()
@@ -269,7 +269,7 @@ def provision(inv: Inventory, names: str | list[str] | None, opts: Options | Non
         if ref_conn is not None:
             ref_conn.close()
 
-    # 4. each target in parallel: upload, finalize, apply, verify convergence
+    # 4. each target in parallel: lock, upload, apply, verify convergence, unlock
     prog = _Progress(opts.progress if opts.progress is not None else sys.stderr.isatty(), console)
     t = time.time()
     try:
@@ -295,28 +295,42 @@ def _finish(targets, reports, fetched, cache, t_start, phases=None) -> Report:
 
 
 def _confirmed(opts: Options, console: Console, todo: list[Host], plans: dict[str, Plan]) -> bool:
+    """Show the commands each host will run, then ask. Ctrl-C or end of input at the question is a no: nothing
+    was locked or changed yet, so nothing is left behind."""
     if opts.yes:
         return True
+    if not opts.quiet:
+        for h in todo:
+            console.print(Text.assemble((h.name, "bold"), " will run (as root, under the host lock):"),
+                          highlight=False)
+            for argv in planned_commands(h, plans[h.name], opts.state_dir):
+                console.print("  " + commands.shown(argv), highlight=False, markup=False)
     question = (f"apply {sum(len(plans[h.name].changes) for h in todo)} change(s) on "
                 f"{', '.join(h.name for h in todo)}?")
-    if opts.confirm is not None:
-        return opts.confirm(question)
-    if not sys.stdin.isatty():
-        console.print("[yellow]no terminal to confirm on: nothing changed (pass --yes to apply)[/]")
+    try:
+        if opts.confirm is not None:
+            return opts.confirm(question)
+        if not sys.stdin.isatty():
+            console.print("[yellow]no terminal to confirm on: nothing changed (pass --yes to apply)[/]")
+            return False
+        from rich.prompt import Confirm
+        return Confirm.ask(question, console=console, default=False)
+    except (KeyboardInterrupt, EOFError):
+        console.print("\n[yellow]not confirmed: nothing changed, no host locked[/]")
         return False
-    from rich.prompt import Confirm
-    return Confirm.ask(question, console=console, default=False)
 
 
-def _ensure_cached(ref_conn, ref: Host, scan: dict, todo: list[Host], plans: dict[str, Plan],
-                   cache: WheelCache, prog: _Progress, phases: dict) -> int:
+def _ensure_cached(inv: Inventory, ref_conn, ref: Host, scan: dict, todo: list[Host], plans: dict[str, Plan],
+                   cache: WheelCache, prog: _Progress, phases: dict, opts: Options) -> int:
     """Every wheel some target still needs, verified in the control cache. Returns bytes fetched."""
     need = sorted({i.name for h in todo for i in plans[h.name].installs})
+    remote = Remote(ref_conn, ref.name, opts.state_dir)
     rebuild = [n for n in need if not (scan[n].get("source") or {}).get("sha256")]
     if rebuild:
         t0 = time.time()
-        built = run_agent(ref_conn, venv_python(ref), "build",
-                          {"dists": [{"name": n} for n in rebuild]}, timeout=3600)["dists"]
+        lock = dict(holder(opts.command + " (rebuild)"), mode="once")
+        built = remote.call("provision.build", {"venv": ref.venv, "dists": [{"name": n} for n in rebuild]},
+                            deadline=3600, lock=lock, silence=45)["dists"]
         for n in rebuild:
             b = built[n]
             if b.get("error"):
@@ -331,37 +345,40 @@ def _ensure_cached(ref_conn, ref: Host, scan: dict, todo: list[Host], plans: dic
             src = scan[i.name]["source"]
             staged = src["sha256"] in p.staged_shas
             p.sources[i.name] = dict(p.sources.get(i.name, {}), **{k: v for k, v in src.items() if k != "path"},
-                                     staged=bool(staged))
+                                     staged=bool(staged), pth=scan[i.name].get("pth") or [])
     fetched = 0
     wanted = sorted({i.name for h in todo for i in plans[h.name].installs
                      if not plans[h.name].sources[i.name]["staged"]})
-    sftp = None
     t_fetch = 0.0
-    try:
-        for n in wanted:
+    for attempt in (1, 2):
+        missing = [n for n in wanted if cache.get(scan[n]["source"]["sha256"]) is None]
+        if not missing:
+            break
+        items = []
+        for n in missing:
             src = scan[n]["source"]
-            if cache.get(src["sha256"]) is not None:
-                continue
-            t0 = time.time()
-            for attempt in (1, 2):
-                sftp = sftp or transfer.open_sftp(ref_conn)
-                part = cache.part_path(src["sha256"], src["filename"])
-                cb = prog.task(f"{ref.name} -> cache  {src['filename'][:48]}", src["size"])
-                st = transfer.get(sftp, src["path"], part, src["size"], cb)
-                fetched += st.bytes
-                try:
-                    cache.commit(src["sha256"], src["filename"])
-                    prog.note(f"fetched {src['filename']} from {ref.name}: {human(st.bytes)} in {st.seconds:.1f}s"
-                              + (f" (resumed at {human(st.resumed_from)})" if st.resumed_from else ""))
-                    break
-                except CacheError as exc:
-                    cache.events.append(str(exc))
-                    if attempt == 2:
-                        raise ProvisionError(f"{n}: {exc}") from None
-            t_fetch += time.time() - t0
-    finally:
-        if sftp is not None:
-            sftp.close()
+            try:
+                items.append((src["path"], cache.part_path(src["sha256"], src["filename"]), src["size"]))
+            except CacheError as exc:
+                raise ProvisionError(f"{n} from {ref.name}: {exc}") from None
+        t0 = time.time()
+        cb = prog.task(f"{ref.name} -> cache  {len(items)} wheel(s)", sum(size for _p, _pt, size in items))
+        st = transfer.fetch(remote, inv, ref, items, cb)
+        t_fetch += time.time() - t0
+        fetched += st.bytes
+        prog.note(f"fetched {len(items)} wheel(s) from {ref.name}: {human(st.bytes)} in {st.seconds:.1f}s"
+                  + (f" ({human(st.rate)}/s)" if st.seconds else "")
+                  + (f" (resumed at {human(st.resumed_from)})" if st.resumed_from else ""))
+        t0 = time.time()
+        for n in missing:
+            src = scan[n]["source"]
+            try:
+                cache.commit(src["sha256"], src["filename"], scan[n].get("pth") or [])
+            except CacheError as exc:
+                cache.events.append(str(exc))
+                if attempt == 2:
+                    raise ProvisionError(f"{n}: {exc}") from None
+        phases["cache_check"] = phases.get("cache_check", 0.0) + time.time() - t0
     phases["fetch"] = t_fetch
     return fetched
 
@@ -369,51 +386,70 @@ def _ensure_cached(ref_conn, ref: Host, scan: dict, todo: list[Host], plans: dic
 def _apply_host(conn, host: Host, plan: Plan, ref_facts: dict, cache: WheelCache, prog: _Progress,
                 opts: Options, inv: Inventory) -> HostReport:
     rep = HostReport(host.name, "failed", False, plan=plan)
-    root = opts.stage_root
-    uploads = [(i.name, plan.sources[i.name]) for i in plan.installs if not plan.sources[i.name].get("staged")]
-    sftp = None
-    t_put = time.time()
+    remote = Remote(conn, host.name, opts.state_dir)
+    lock = dict(holder(opts.command), ttl=LOCK_TTL)
     try:
-        for attempt in (1, 2):
-            for name, src in uploads:
-                local = cache.get(src["sha256"])
-                if local is None:
-                    raise ProvisionError(f"{src['filename']} vanished from the control cache")
-                sftp = sftp or transfer.open_sftp(conn)
-                cb = prog.task(f"cache -> {host.name}  {src['filename'][:48]}", src["size"])
-                hook = opts.hooks.get("put_progress")
-                if hook:
-                    inner = cb
-                    cb = (lambda n, _i=inner, _s=sftp: (_i and _i(n), hook(host, _s, n)))
-                st = transfer.put(sftp, str(local), f"{root}/incoming/{src['sha256']}/{src['filename']}",
-                                  src["size"], cb)
-                rep.sent_bytes += st.bytes
-                if st.resumed_from:
-                    rep.details.setdefault("resumed", {})[src["filename"]] = st.resumed_from
-                prog.note(f"{host.name}: sent {src['filename']} {human(st.bytes)} in {st.seconds:.1f}s"
-                          + (f" ({human(st.rate)}/s)" if st.seconds else "")
-                          + (f", resumed at {human(st.resumed_from)}" if st.resumed_from else ""))
-            if not uploads:
-                break
-            fin = run_agent(conn, "python3", "finalize",
-                            {"root": root, "wheels": [{"sha256": s["sha256"], "filename": s["filename"]}
-                                                      for _n, s in uploads]})["wheels"]
-            bad = [(n, s) for n, s in uploads if fin.get(s["sha256"]) != "ok"]
-            if not bad:
-                break
-            rep.details.setdefault("rejected_on_arrival", []).extend(s["filename"] for _n, s in bad)
-            if attempt == 2:
-                raise ProvisionError("sha256 check on arrival failed twice for "
-                                     + ", ".join(s["filename"] for _n, s in bad))
-            uploads = bad  # the bad parts were deleted remotely: send them again from the start
+        remote.call("lock.acquire", lock, deadline=30)
+    except AgentError as exc:
+        if exc.kind == "locked":
+            h = exc.reply.get("holder") or {}
+            rep.error = (f"locked by {h.get('holder')} running {h.get('command')!r} since {h.get('started')}; "
+                         f"nothing changed")
+            return rep
+        raise
+    held = {"token": lock["token"], "mode": "held"}
+    try:
+        return _apply_locked(remote, host, plan, ref_facts, cache, prog, opts, inv, rep, held)
     finally:
-        if sftp is not None:
-            sftp.close()
+        try:
+            remote.call("lock.release", {"token": lock["token"]}, deadline=30)
+        except AgentError as exc:  # the lock then expires by itself (LOCK_TTL)
+            rep.details["unlock_error"] = str(exc)
 
+
+def _apply_locked(remote, host, plan, ref_facts, cache, prog, opts, inv, rep, held) -> HostReport:
+    parts = ((plan.stage or {}).get("parts") or {})
+    uploads = [(i.name, plan.sources[i.name]) for i in plan.installs if not plan.sources[i.name].get("staged")]
+    t_put = time.time()
+    for attempt in (1, 2):
+        if not uploads:
+            break
+        items = []
+        for _name, src in uploads:
+            local = cache.get(src["sha256"])
+            if local is None:
+                raise ProvisionError(f"{src['filename']} vanished from the control cache")
+            p = parts.get(src["sha256"]) or {}
+            offset = p["size"] if attempt == 1 and p.get("filename") == src["filename"] and p["size"] < src["size"] \
+                else 0
+            items.append({"local": str(local), "sha256": src["sha256"], "filename": src["filename"],
+                          "size": src["size"], "offset": offset})
+            if offset:
+                rep.details.setdefault("resumed", {})[src["filename"]] = offset
+        cb = prog.task(f"cache -> {host.name}  {len(items)} wheel(s)", sum(i["size"] for i in items))
+        hook = opts.hooks.get("put_progress")
+        started = None
+        if hook:
+            procs: list = []
+            started = procs.append
+            inner = cb
+            cb = (lambda n, _i=inner, _p=procs: (_i and _i(n), hook(host, _p[0] if _p else None, n)))
+        res, st = transfer.send(remote, inv, host, items, held, cb, started)
+        rep.sent_bytes += st.bytes
+        prog.note(f"{host.name}: sent {len(items)} wheel(s) {human(st.bytes)} in {st.seconds:.1f}s"
+                  + (f" ({human(st.rate)}/s)" if st.seconds else ""))
+        bad = [(n, s) for n, s in uploads if (res.get(s["sha256"]) or {}).get("status") != "ok"]
+        if not bad:
+            break
+        rep.details.setdefault("rejected_on_arrival", []).extend(
+            f"{s['filename']} ({(res.get(s['sha256']) or {}).get('status', 'not sent')})" for _n, s in bad)
+        if attempt == 2:
+            raise ProvisionError("sha256 check on arrival failed twice for " + ", ".join(s["filename"] for _n, s in bad))
+        uploads = bad  # sent again from the start
     rep.details["put_seconds"] = round(time.time() - t_put, 2)
-    payload = apply_payload(host, plan, _new_id(host.name), root)
+    payload = apply_payload(host, plan, _new_id(host.name), opts.state_dir)
     t = time.time()
-    out = run_agent(conn, venv_python(host), "apply", payload, timeout=3600)
+    out = remote.call("provision.apply", payload, deadline=3600, lock=held, silence=45)
     rep.details["apply_seconds"] = round(time.time() - t, 2)
     rep.details["backup"] = out.get("backup")
     rep.details["steps"] = [{k: s.get(k) for k in ("step", "rc", "seconds")} for s in out.get("steps", [])]
@@ -429,7 +465,7 @@ def _apply_host(conn, host: Host, plan: Plan, ref_facts: dict, cache: WheelCache
     rep.details["smoke_modules"] = out.get("smoke_modules")
     # verify convergence from fresh facts
     t = time.time()
-    after = factsmod.gather(conn, host)
+    after = factsmod.gather(remote.conn, host, root=True, state_dir=opts.state_dir)
     factsmod.save_facts(inv.path, after)
     rep.details["verify_seconds"] = round(time.time() - t, 2)
     again = make_plan(ref_facts, after, host.vars["managed"])
@@ -450,8 +486,13 @@ def undo(inv: Inventory, names: str | list[str] | None, opts: Options | None = N
     targets = [h for h in inv.select(names) if h.name != inv.reference.name]
 
     def one(conn, host):
-        out = run_agent(conn, venv_python(host), "undo", {"root": opts.stage_root, "id": backup_id}, timeout=3600)
-        f = factsmod.gather(conn, host)
+        py = venv_python(host)
+        out = Remote(conn, host.name, opts.state_dir).call(
+            "provision.undo", {"venv": host.venv, "id": backup_id,
+                               "commands": {"pip_install": commands.pip_install(py),
+                                            "pip_uninstall": commands.pip_uninstall(py), "smoke": commands.smoke(py)}},
+            deadline=3600, lock=dict(holder(opts.command + " --undo"), mode="once"), silence=45)
+        f = factsmod.gather(conn, host, root=True, state_dir=opts.state_dir)
         factsmod.save_facts(inv.path, f)
         rep = HostReport(host.name, "undone" if out.get("ok") else "failed", bool(out.get("ok")),
                          error=out.get("error"))
@@ -480,10 +521,11 @@ def render_summary(report: Report, console: Console) -> None:
         n = len(h.plan.changes) if h.plan else 0
         if h.status == "undone" and h.details.get("restored"):
             n = len(h.details["restored"])
-        t.add_row(h.host, f"[{style}]{h.status}[/]", str(n), human(h.sent_bytes), f"{h.seconds:.1f}",
-                  h.error or "")
+        # a host's error (and anything else from it) is plain Text: `[...]` in it is shown, never read as markup
+        t.add_row(Text(h.host), Text(str(h.status), style=style), str(n), human(h.sent_bytes), f"{h.seconds:.1f}",
+                  Text(h.error or ""))
     console.print(t)
     for e in report.events:
-        console.print(f"[yellow]{e}[/]")
+        console.print(Text(str(e), style="yellow"))
     console.print(f"fetched from reference {human(report.fetched_bytes)}, sent to targets {human(report.sent_bytes)}, "
                   f"{report.seconds:.1f}s")

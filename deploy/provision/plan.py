@@ -23,6 +23,7 @@ from packaging.tags import compatible_tags, cpython_tags, parse_tag
 from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
+from ..remote.host.wheels import WHEEL_NAME
 from . import drivers
 
 STATUSES = ("sync", "missing", "other-version", "local-tag-mismatch", "extra")
@@ -60,6 +61,7 @@ class Plan:
     sources: dict = field(default_factory=dict)   # name -> {kind, sha256, size, filename, staged, drift}
     disk: dict = field(default_factory=dict)
     staged_shas: list = field(default_factory=list)  # wheels (sha256) the target holds already
+    stage: dict = field(default_factory=dict)        # the target's staging listing (staged, partial uploads)
 
     @property
     def changes(self) -> list[Item]:
@@ -215,6 +217,8 @@ def find_blockers(ref_facts: dict, tgt_facts: dict, items: list[Item], scan: dic
         blockers.append(Finding("venv", f"the target venv {tv.get('path') or '?'} does not exist or has no "
                                         f"working python ({tv.get('error') or 'no details'})"))
         return blockers, warnings, {}
+    if tv.get("trust") not in (None, "ok"):
+        blockers.append(Finding("venv-trust", f"root will not run {tv.get('path')}/bin/python: {tv['trust']}"))
     # Python ABI
     tabi, tpy = tv.get("abi"), tv.get("python")
     if rv.get("abi") and tabi and rv["abi"] != tabi:
@@ -312,6 +316,7 @@ def make_plan(ref_facts: dict, tgt_facts: dict, patterns: list[str], scan: dict 
     items = classify(ref_d, tgt_d, patterns, build_versions(ref_facts), build_versions(tgt_facts))
     plan = Plan(tgt_facts.get("host", "?"), ref_facts.get("host", "?"), items)
     plan.blockers, plan.warnings, plan.disk = find_blockers(ref_facts, tgt_facts, items, scan, stage)
+    plan.stage = dict(stage or {})
     if scan:
         staged = (stage or {}).get("staged") or {}
         plan.staged_shas = sorted(staged)
@@ -320,6 +325,14 @@ def make_plan(ref_facts: dict, tgt_facts: dict, patterns: list[str], scan: dict 
             s = scan.get(i.name) or {}
             src = dict(s.get("source") or {"kind": "rebuild"})
             src.pop("path", None)
+            if src.get("filename") is not None and (not isinstance(src["filename"], str)
+                                                    or not WHEEL_NAME.fullmatch(src["filename"])
+                                                    or not re.fullmatch(r"[0-9a-f]{64}", str(src.get("sha256")))):
+                plan.blockers.append(Finding("wheel-name", f"the reference offered {i.name} as "
+                                                           f"{src['filename']!r} (sha256 {src.get('sha256')!r}), "
+                                                           f"which is not a wheel file name and sha256: refused"))
+                src = {"kind": "refused"}
+            src["pth"] = list(s.get("pth") or [])
             src["staged"] = bool(src.get("sha256") and src["sha256"] in staged)
             src["drift"] = len(s.get("drift") or [])
             src.setdefault("size", None)

@@ -1,26 +1,24 @@
-"""Wheel transfers over SFTP: resumable, atomic on arrival, with progress.
+"""Wheel transfers through OpenSSH's own `ssh` (paramiko's SFTP tops out at half of what OpenSSH moves on the
+same link): resumable, checked on arrival, with progress.
 
-Fabric's `put` has no progress callback; the paramiko SFTPClient underneath has, and it lets us
-resume: an upload goes to `NAME.part`, continues from the part's size when it exists, and only the
-remote `finalize` (agent.py) renames it after its sha256 matches. Downloads land in the control cache's
-`.part` and are committed by WheelCache.commit after the same check.
+A download runs the reference's `provision.send` op, which streams the file with sendfile(2) into the control
+cache's `.part` (appended to what an earlier attempt left); WheelCache.commit checks it. An upload runs a
+target's `provision.receive` op with the wheel on stdin from the offset its partial upload reached; the agent
+hashes it as it arrives and renames it into the private staging directory only when the sha256 matches.
+Every transfer has a deadline and a stall limit, and uses the inventory's known_hosts and key.
 """
 from __future__ import annotations
 
-import posixpath
-import stat
-import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
-import paramiko
+from ..inventory import Host, Inventory
+from ..remote import client
+from ..ssh import openssh_argv
 
-from ..ssh import open_root_sftp
-
-WINDOW = 64 * 1024 * 1024     # SSH channel window: keep the link busy while acks travel
-REQUEST = 255 * 1024          # SFTP write size; OpenSSH's sftp-server takes messages up to 256 KiB
-READ_REQUEST = 32 * 1024
-PREFETCH_REQUESTS = 256
+MIN_RATE = 5e6       # bytes/s: a transfer slower than this over its whole length is given up
+SLACK = 120.0        # seconds on top of size / MIN_RATE
 
 
 @dataclass
@@ -34,88 +32,59 @@ class TransferStats:
         return self.bytes / self.seconds if self.seconds > 0 else 0.0
 
 
-def open_sftp(conn) -> paramiko.SFTPClient:
-    """An SFTP session with root's file access (sudo for a non-root SSH user) and a large window."""
-    return open_root_sftp(conn, WINDOW)
+def deadline_for(size: int) -> float:
+    return SLACK + size / MIN_RATE
 
 
-def makedirs(sftp: paramiko.SFTPClient, path: str) -> None:
-    parts = []
-    while path not in ("", "/"):
-        try:
-            if stat.S_ISDIR(sftp.stat(path).st_mode):
-                break
-        except FileNotFoundError:
-            parts.append(path)
-            path = posixpath.dirname(path)
-            continue
-        break
-    for p in reversed(parts):
-        try:
-            sftp.mkdir(p, 0o755)
-        except OSError:
-            if not stat.S_ISDIR(sftp.stat(p).st_mode):
-                raise
-
-
-def _copy(src, dst, block_size: int, st: "TransferStats", progress) -> None:
-    """Copy src to dst in blocks, counting bytes into `st` and reporting each block to `progress`."""
-    while True:
-        block = src.read(block_size)
-        if not block:
-            return
-        dst.write(block)
-        st.bytes += len(block)
-        if progress:
-            progress(len(block))
-
-
-def put(sftp: paramiko.SFTPClient, local: str, remote_final: str, size: int,
-        progress: Callable[[int], None] | None = None, resume: bool = True) -> TransferStats:
-    """Upload `local` to `remote_final + '.part'`, resuming a previous partial upload."""
-    part = remote_final + ".part"
-    makedirs(sftp, posixpath.dirname(remote_final))
-    offset = 0
-    if resume:
-        try:
-            offset = sftp.stat(part).st_size
-        except FileNotFoundError:
-            offset = 0
+def fetch(remote: client.Remote, inv: Inventory, host: Host, items: list[tuple[str, Path, int]],
+          progress: Callable[[int], None] | None = None) -> TransferStats:
+    """Download wheels [(path on the reference, cache part file, size)] in one OpenSSH stream, each continuing a
+    partial part. Returns the bytes moved and the time the stream took."""
+    import time
+    todo, resumed = [], 0
+    for path, part, size in items:
+        offset = part.stat().st_size if part.exists() else 0
         if offset > size:
+            part.unlink()
             offset = 0
-    st = TransferStats(resumed_from=offset)
-    t0 = time.time()
-    with open(local, "rb") as src:
-        src.seek(offset)
-        with sftp.open(part, "r+b" if offset else "wb") as dst:
-            dst.MAX_REQUEST_SIZE = REQUEST
-            dst.set_pipelined(True)
-            if offset:
-                dst.seek(offset)
-            if progress and offset:
-                progress(offset)
-            _copy(src, dst, REQUEST * 8, st, progress)
-    st.seconds = time.time() - t0
-    return st
-
-
-def get(sftp: paramiko.SFTPClient, remote: str, local_part, size: int,
-        progress: Callable[[int], None] | None = None) -> TransferStats:
-    """Download `remote` into `local_part`, appending to what an earlier attempt left."""
-    offset = local_part.stat().st_size if local_part.exists() else 0
-    if offset > size:
-        local_part.unlink()
-        offset = 0
-    st = TransferStats(resumed_from=offset)
-    t0 = time.time()
-    with sftp.open(remote, "rb") as src, open(local_part, "ab") as dst:
-        if progress and offset:
-            progress(offset)
+        resumed += offset
         if offset < size:
-            src.seek(offset)
-            # bounded read-ahead: paramiko's default queues every request of the file at once, which
-            # slows a multi-GB download to a crawl (its prefetch buffer is scanned per read)
-            src.prefetch(size, max_concurrent_requests=PREFETCH_REQUESTS)
-            _copy(src, dst, 1024 * 1024, st, progress)
+            todo.append((path, part, size, offset))
+    st = TransferStats(resumed_from=resumed)
+    if progress and resumed:
+        progress(resumed)
+    t0 = time.time()
+    if todo:
+        dl = deadline_for(sum(size - off for _p, _pt, size, off in todo))
+        argv = remote.stream_argv(openssh_argv(inv, host), "provision.send",
+                                  {"files": [{"path": path, "offset": off} for path, _pt, _s, off in todo]}, dl,
+                                  raw=True)
+        st.bytes = client.download(argv, [(part, size - off) for _p, part, size, off in todo], progress, dl)
     st.seconds = time.time() - t0
     return st
+
+
+def send(remote: client.Remote, inv: Inventory, host: Host, items: list[dict], lock: dict,
+         progress: Callable[[int], None] | None = None, started: Callable | None = None) -> tuple[dict, TransferStats]:
+    """Upload cached wheels [{local, sha256, filename, size, offset}] to a target's private staging directory in one
+    OpenSSH stream. Returns ({sha256: the agent's answer {status, ...}}, stats)."""
+    import time
+    st = TransferStats(resumed_from=sum(i["offset"] for i in items))
+    if progress and st.resumed_from:
+        progress(st.resumed_from)
+    total = sum(i["size"] - i["offset"] for i in items)
+    dl = deadline_for(total)
+    argv = remote.stream_argv(openssh_argv(inv, host), "provision.receive",
+                              {"wheels": [{k: i[k] for k in ("sha256", "filename", "size", "offset")} for i in items]},
+                              dl, lock)
+    sent = [0]
+
+    def counted(n: int) -> None:
+        sent[0] += n
+        if progress:
+            progress(n)
+    t0 = time.time()
+    res = client.upload(argv, [(i["local"], i["offset"], i["size"]) for i in items], counted, dl, started=started)
+    st.seconds = time.time() - t0
+    st.bytes = sent[0]
+    return res.get("wheels") or {}, st

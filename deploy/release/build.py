@@ -35,7 +35,7 @@ DEFAULT_PLUGIN_DIR = REPO / "overlays" / "sglang-ddtree"
 DEFAULT_OVERLAY_SPEC = REPO / "overlays" / "file-overlays.yaml"
 LABSERVER = REPO / "deploy" / "labserver" / "server.py"
 WAIT_READY = Path(__file__).parent / "wait_ready.py"
-SERVER_SECRETS = Path(__file__).parent / "server_secrets.py"
+SERVER_SECRETS = REPO / "deploy" / "remote" / "host" / "server_secrets.py"  # also the agent's own check
 SITECUSTOMIZE = Path(__file__).parent / "sitecustomize.py"  # masks the API key in the service's logs
 SKIP_DIRS = {"__pycache__", "build", "dist", ".pytest_cache", ".git"}
 

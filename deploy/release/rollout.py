@@ -1,16 +1,19 @@
-"""Drive releases on hosts: plan (probe + lock), confirm, stage, gated rolling restart, automatic rollback.
+"""Drive releases on hosts: plan (read-only probe), confirm, then one transactional agent call per host.
 
-Per host, in round trips: probe+lock (1), put bundle (1 sftp), stage+activate (1), one restart+gate per batch
-of `max_unavailable` GPUs, and finish (journal, prune, unlock) (1). Hosts run in parallel on
-ssh.run_per_host's bounded pool; GPUs within a host go batch by batch. A failing gate stops that host and
-re-activates its previous release (wheel, overlays, unit, env files), restarts what was changed and
-re-gates it. `--max-fail` stops starting new hosts once that many have failed.
+Per host: `release.probe` (1 call, read-only, no lock) gives what the plan needs; the plan is pure (which GPUs
+restart and why, the commands as argv, the rollback) and printed; after confirmation one `release.apply` call
+(under the host lock, taken and released by that call) stages the bundle (sent on the call's stdin), activates
+the release as one transaction, stops removed services and restarts the changed ones `max_unavailable` at a
+time through the health gate, and -- on any failure after activation began -- re-activates the previous
+release and restarts what it touched. The host's agent runs that to the end even if this machine or the link
+goes away; the outcome is journaled with the run's token, and read back (release.outcome) after a lost link.
+Hosts run in parallel on ssh.run_per_host's bounded pool; `--max-fail` stops starting new hosts.
+deploy, rollback and restart share that one skeleton (run_host) and one batch builder (restart_batch).
 """
 from __future__ import annotations
 
-import base64
 import getpass
-import io
+import hashlib
 import json
 import os
 import shutil
@@ -18,49 +21,25 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..inventory import Host, Inventory
-from ..ssh import as_root, open_root_sftp, run_per_host
+from ..remote import commands
+from ..remote.client import AgentError, LinkLost, Remote
+from ..ssh import open_checked, run_per_host
 from . import build, hybrid, render
 
-AGENT_SOURCE = (Path(__file__).parent / "agent.py").read_text()
-MARK = "@@AGENT@@"
-
-
-class AgentError(RuntimeError):
-    pass
-
-
-def agent_argv(op: str, args: dict, python: str = "python3") -> list[str]:
-    """The remote command as argv: the agent's source is an argument (no stdin round trip)."""
-    return [python, "-c", AGENT_SOURCE, op, base64.b64encode(json.dumps(args).encode()).decode()]
-
-
-def parse_agent_output(stdout: str) -> dict:
-    for line in reversed(stdout.splitlines()):
-        if line.startswith(MARK + " "):
-            out = json.loads(line[len(MARK) + 1:])
-            if not out.get("ok"):
-                raise AgentError(out.get("error", "agent failed"))
-            return out["result"]
-    raise AgentError("no result from the remote agent: " + stdout[-800:])
-
-
-def call(conn, op: str, args: dict, timeout: float | None = 600) -> dict:
-    r = conn.run(as_root(conn, agent_argv(op, args)), hide=True, warn=True, in_stream=False, timeout=timeout)
-    try:
-        return parse_agent_output(r.stdout)
-    except AgentError as exc:
-        if r.return_code != 0 and MARK not in r.stdout:
-            raise AgentError(f"remote python3 exited {r.return_code}: {(r.stderr or r.stdout)[-800:]}") from None
-        raise exc
+PROBE_DEADLINE = 120.0
+SILENCE = 45.0          # heartbeats come every 10 s: this long without a word means the link is gone
+SYSTEMCTL_RESTART = commands.systemctl("restart", (), "--no-block")
+SYSTEMCTL_RESET = commands.systemctl("reset-failed")
+SYSTEMCTL_STOP = commands.systemctl("stop")
 
 
 def host_args(host: Host) -> dict:
-    root = host.vars["release_root"]
-    return {"root": root, "state_dir": render.state_dir(host), "venv": host.vars["venv"]}
+    return {"root": host.vars["release_root"], "state_dir": render.state_dir(host), "venv": host.vars["venv"],
+            "secrets_file": render.SECRETS_FILE}
 
 
 def expect_for(svc) -> dict:
@@ -74,6 +53,10 @@ def holder(command: str) -> dict:
 
 def batches(items: list, size: int) -> list[list]:
     return [items[i:i + size] for i in range(0, len(items), max(1, size))]
+
+
+def by_gpu(insts) -> list[str]:
+    return sorted(insts, key=lambda s: (len(s), s))
 
 
 def changed_services(new: dict, old: dict | None, units: dict, recorded: dict) -> dict[str, str]:
@@ -93,6 +76,73 @@ def changed_services(new: dict, old: dict | None, units: dict, recorded: dict) -
         elif state not in ("active", "activating"):
             out[inst] = f"not running ({state or 'unknown'})"
     return out
+
+
+# ---------------------------------------------------------------- commands, built pure
+
+def restart_batch(manifest: dict, insts: list[str]) -> dict:
+    """One batch: the systemctl commands that restart `insts` together and what each one's gate expects: where
+    the service listens and the host's API-key file (the agent reads the key there; the key never travels)."""
+    units = [render.unit_name(i) for i in insts]
+    svc = manifest["services"]
+    return {"instances": list(insts), "reset_failed": SYSTEMCTL_RESET + units, "restart": SYSTEMCTL_RESTART + units,
+            "gates": {i: {"port": svc[i]["port"], "digest": svc[i]["digest"],
+                          "expect": {"model": svc[i]["served_model_name"] or svc[i]["model"],
+                                     "algorithm": svc[i]["algorithm"]},
+                          "address": svc[i].get("address"), "api_key_file": svc[i].get("api_key_file")}
+                      for i in insts}}
+
+
+def activation(host: Host, manifest: dict, previous: dict | None) -> dict:
+    """What makes `manifest`'s release active on `host`, and the command that puts the venv's plugin back the way
+    it was if the transaction has to be undone (the previous release's wheel, or no plugin)."""
+    root, py = host.vars["release_root"], commands.venv_python(host.vars["venv"])
+    rid = manifest["release"]
+    enabled = [render.unit_name(i) for i, s in manifest["services"].items() if s.get("enabled", True)]
+    disabled = [render.unit_name(i) for i, s in manifest["services"].items() if not s.get("enabled", True)]
+    undo = (commands.pip_install(py, [f"{root}/{previous['release']}/{previous['plugin']['wheel']}"]) if previous
+            else commands.pip_uninstall(py, [manifest["plugin"]["dist"]]))
+    return {"release": rid, "dropin_name": render.GPU_DROPIN, "commands": {
+        "install_plugin": commands.pip_install(py, [f"{root}/{rid}/{manifest['plugin']['wheel']}"]),
+        "undo_plugin": undo,
+        "daemon_reload": commands.systemctl("daemon-reload"),
+        "enable": commands.systemctl("enable", enabled, "--quiet") if enabled else None,
+        "disable": commands.systemctl("disable", disabled, "--now", "--quiet") if disabled else None}}
+
+
+def rollback_spec(host: Host, previous: dict | None, current: dict) -> dict:
+    """What the host does when something fails after activation began: re-activate `previous` (whose own undo
+    puts `current`'s plugin back) and restart the touched services in batches; with no previous release, stop
+    them."""
+    return {"activate": activation(host, previous, current) if previous else None, "stop": SYSTEMCTL_STOP,
+            "reset_failed": SYSTEMCTL_RESET, "restart": SYSTEMCTL_RESTART,
+            "max_unavailable": host.vars["max_unavailable"]}
+
+
+def apply_commands(payload: dict) -> list[list[str]]:
+    """Every command a release.apply payload runs, in order (what the confirmation shows)."""
+    out = []
+    act = payload.get("activate")
+    if act:
+        c = act["commands"]
+        out += [c["install_plugin"], c["daemon_reload"]] + [c[k] for k in ("enable", "disable") if c.get(k)]
+    if payload.get("stop"):
+        out.append(payload["stop"]["argv"])
+    for b in payload.get("batches") or []:
+        out.append(b["restart"])
+    return out
+
+
+def _timeouts(host: Host) -> dict:
+    return {"start_timeout": host.vars["start_timeout"], "gate_timeout": host.vars["gate_timeout"]}
+
+
+def apply_deadline(host: Host, payload: dict) -> float:
+    """A bound on one release.apply: the bundle, pip, each batch's gates -- twice when it may roll back."""
+    per = host.vars["start_timeout"] + host.vars["gate_timeout"] + 30
+    restarts = sum(len(b["instances"]) for b in payload.get("batches") or [])
+    once = 900 + per * max(1, restarts) + (payload.get("stage") or {}).get("size", 0) / 1e6
+    return 120 + once * (2 if payload.get("rollback") else 1)
 
 
 # ---------------------------------------------------------------- printing
@@ -124,6 +174,116 @@ def gate_line(inst: str, port: int, g: dict) -> str:
     return out + "".join(f"\n      | {ln}" for ln in tail)
 
 
+def event_printer(host: str, out: Printer, kind: str):
+    """Turn the agent's events into the run's lines."""
+    def on_event(ev: dict) -> None:
+        e = ev.get("event")
+        if e == "activated" and kind == "deploy" and ev.get("bundle"):
+            out(host, f"release {ev['release']} staged and active ({ev['bundle'] // 1024} KiB, "
+                      f"{(ev.get('stage_seconds') or 0) + ev.get('seconds', 0):.1f}s)")
+        elif e == "activated":
+            out(host, f"release {ev['release']} active ({ev.get('seconds', 0):.1f}s)")
+        elif e == "stopped":
+            out(host, f"stopped {', '.join(ev['instances'])} (removed or disabled)")
+        elif e == "gate":
+            out(host, gate_line(ev["instance"], ev["port"], ev["gate"]))
+        elif e == "note" and ev.get("message") == "nothing-restarted":
+            out(host, "all services up to date; nothing restarted" if kind != "rollback"
+                else "no service differs between the releases; nothing restarted")
+        elif e == "rollback" and ev.get("phase") == "start":
+            out(host, f"rolling back to {ev['release']}")
+        elif e == "rollback" and ev.get("phase") == "done":
+            out(host, f"rollback to {ev['release']} {'ok' if ev.get('ok') else 'FAILED'} in {ev['seconds']:.1f}s")
+        elif e == "rollback" and ev.get("phase") == "none":
+            out(host, f"no previous release to roll back to: stopped {', '.join(ev.get('instances') or [])}")
+    return on_event
+
+
+# ---------------------------------------------------------------- one skeleton for every change
+
+class HostLocked(RuntimeError):
+    def __init__(self, host: str, h: dict):
+        age = time.time() - float(h.get("started_ts") or time.time())
+        super().__init__(f"locked by {h.get('holder')} running {h.get('command')!r} since {h.get('started')} "
+                         f"({age / 60:.1f} min ago, pid {h.get('pid')}); wait, or `--break-lock` if that run is dead")
+
+
+def probe(remote: Remote, host: Host, **extra) -> dict:
+    """The host's release state, read-only; it also checks the secrets env file and the API-key files (the
+    inventory's and those of the manifests it reads) as the unit's start check will."""
+    keyfile = host.vars.get("api_key_file")
+    return remote.call("release.probe", host_args(host) | {"api_key_files": [keyfile] if keyfile else []} | extra,
+                       deadline=PROBE_DEADLINE)
+
+
+def secrets_refusals(state: dict, key_files) -> list[str]:
+    """Why a plan refuses a host for its secrets: the secrets env file or an API-key file the change would
+    start services with is one the unit's own start check (ExecStartPre) would refuse -- found before anything
+    is staged or stopped, not at the restart."""
+    out = []
+    if state.get("secrets") not in (None, "ok", "absent", "unchecked"):
+        out.append(f"secrets file: {state['secrets']}")
+    checked = state.get("api_keys") or {}
+    for f in sorted({f for f in key_files if f}):
+        why = checked.get(f, f"{f}: not checked by the host")
+        if why != "ok":
+            out.append(f"API key file: {why}")
+    return out
+
+
+def check_lock(host: Host, state: dict, break_lock: bool) -> None:
+    """A plan refuses a host another live run holds (the apply would refuse it anyway)."""
+    lk = state.get("lock")
+    if lk and not break_lock and not lk.get("stale"):
+        raise HostLocked(host.name, lk)
+
+
+def run_host(inv: Inventory, remote: Remote, host: Host, payload: dict, lock: dict, out: Printer, kind: str,
+             data: bytes = b"") -> dict:
+    """One release.apply call: the transaction runs on the host; its events print as they come. A lost link is
+    followed by reading the outcome from the host's journal once it answers again."""
+    try:
+        return remote.call("release.apply", payload, deadline=apply_deadline(host, payload), lock=lock, data=data,
+                           on_event=event_printer(host.name, out, kind), silence=SILENCE)
+    except AgentError as exc:
+        if exc.kind == "locked":
+            raise HostLocked(host.name, exc.reply.get("holder") or {}) from None
+        if not isinstance(exc, LinkLost):
+            raise
+        out(host.name, f"LINK LOST during {kind}: {exc.message}; the host's agent finishes or rolls back on its own")
+        return outcome_after_loss(inv, host, lock["token"], exc.message)
+
+
+def outcome_after_loss(inv: Inventory, host: Host, token: str, why: str, wait: float = 120.0) -> dict:
+    """Reconnect and read what the host did with the run `token` (its journal entry), for up to `wait` s."""
+    end = time.monotonic() + wait
+    last = why
+    while time.monotonic() < end:
+        conn = None
+        try:
+            conn = open_checked(inv, host)
+            r = Remote(conn, host.name).call("release.outcome", host_args(host) | {"token": token},
+                                                               deadline=30)
+            if r.get("entry") and not r.get("running"):
+                j = r["entry"]
+                return {"ok": bool(j.get("ok")), "error": f"link lost ({why}); on the host: {j.get('event')}"
+                        + (f": {j.get('error')}" if j.get("error") else ""), "restarted": j.get("restarted") or [],
+                        "rolled_back": bool(j.get("rollback_ok")),
+                        "rollback": {"release": j.get("rolled_back_to"), "ok": j.get("rollback_ok"),
+                                     "seconds": j.get("rollback_seconds") or 0} if j.get("rolled_back_to") else None,
+                        "link_lost": True, "journal": j}
+            last = "still running on the host"
+        except Exception as exc:  # still unreachable: try again until `wait` is over
+            last = f"{type(exc).__name__}: {exc}"
+        finally:
+            if conn is not None:
+                conn.close()
+        time.sleep(3)
+    return {"ok": False, "link_lost": True, "restarted": [],
+            "error": f"link lost ({why}); outcome unknown ({last}): the host's agent finishes or rolls back on its "
+                     f"own and journals it -- `fab status --history 5` shows it once the host answers"}
+
+
 # ---------------------------------------------------------------- the deploy
 
 @dataclass
@@ -140,7 +300,6 @@ class DeployOptions:
 @dataclass
 class HostPlan:
     host: Host
-    token: str
     release: str
     current: str | None
     manifest: dict
@@ -151,40 +310,42 @@ class HostPlan:
     warnings: list = field(default_factory=list)
     unchanged: bool = False
     probe: dict = field(default_factory=dict)
+    payload: dict = field(default_factory=dict)
+
+    @property
+    def commands(self) -> list[list[str]]:
+        return apply_commands(self.payload)
 
 
 def with_mode(host: Host, mode: str | None) -> Host:
     """The host with every service switched to `mode` (the --mode override for the hosts given)."""
     if not mode:
         return host
-    from dataclasses import replace
     return replace(host, services=tuple(replace(s, mode=mode) for s in host.services))
 
 
 def plan_host(conn, host: Host, plugin: build.Plugin, overlays: list[dict], release: str, opts: DeployOptions,
-              lock: dict) -> HostPlan:
+              remote: Remote | None = None) -> HostPlan:
+    """Read the host (no lock) and plan it."""
+    remote = remote or Remote(conn, host.name)
     models = sorted({s.model for s in host.services if s.mode == "tree-verify" and s.enabled and s.model})
-    probe = call(conn, "probe", host_args(host) | {
-        "instances": [s.instance for s in host.services], "models": models, "lock_holder": lock,
-        "break_lock": opts.break_lock,
-        "overlays": [{k: o[k] for k in ("package", "version", "path", "sha256", "new_sha256")} for o in overlays]})
-    lr = probe.get("lock_result") or {}
-    if not lr.get("ok"):
-        h = lr.get("holder") or {}
-        raise HostLocked(host.name, h)
-    try:
-        return _plan_host(host, plugin, overlays, release, opts, lock, probe)
-    except Exception:
-        call(conn, "finish", host_args(host) | {"token": lock["token"], "keep": 10 ** 6})  # never leave our lock
-        raise
+    state = probe(remote, host, instances=[s.instance for s in host.services], models=models,
+                  overlays=[{k: o[k] for k in ("package", "version", "path", "sha256", "new_sha256")}
+                            for o in overlays])
+    check_lock(host, state, opts.break_lock)
+    return make_plan(host, plugin, overlays, release, opts, state)
 
 
-def _plan_host(host, plugin, overlays, release, opts, lock, probe) -> HostPlan:
+def make_plan(host, plugin, overlays, release, opts, state) -> HostPlan:
+    """The pure plan of one host from what its probe saw."""
     files, svc = build.host_files(host, plugin, overlays)
     params = {"mode_override": opts.mode, "services": {s.instance: s.mode for s in host.services}}
     manifest = build.make_manifest(release, host, plugin, overlays, files, svc, opts.command, params)
-    p = HostPlan(host, lock["token"], release, probe.get("current"), manifest, files, {}, [], probe=probe)
-    for o in probe.get("overlays", []):
+    p = HostPlan(host, release, state.get("current"), manifest, files, {}, [], probe=state)
+    if state.get("venv_trust") not in (None, "ok"):
+        p.refused.append(f"venv {host.vars['venv']}: root will not run it: {state['venv_trust']}")
+    p.refused += secrets_refusals(state, [host.vars.get("api_key_file")])
+    for o in state.get("overlays", []):
         if not o["ok"]:
             p.refused.append(f"file overlay {o['path']}: {o['why']}")
     for s in host.services:
@@ -195,7 +356,7 @@ def _plan_host(host, plugin, overlays, release, opts, lock, probe) -> HostPlan:
                              f"not {s.mode}")
         if s.mode != "tree-verify":
             continue
-        c = probe["configs"].get(s.model, {})
+        c = state["configs"].get(s.model, {})
         if "error" in c:
             p.refused.append(f"{s.instance}: cannot read the model's config.json for the hybrid check: {c['error']}")
             continue
@@ -207,128 +368,40 @@ def _plan_host(host, plugin, overlays, release, opts, lock, probe) -> HostPlan:
             manifest["unsafe"][s.instance] = msg
             p.warnings.append(f"{s.instance}: WARNING {msg}")
     manifest["allow_hybrid_unsafe"] = bool(manifest["unsafe"])
-    old = probe.get("manifest")
+    old = state.get("manifest")
     if old and old.get("content_digest") == manifest["content_digest"] and \
             old.get("unsafe", {}) == manifest["unsafe"]:
-        p.unchanged = True
-        p.release = old["release"]
-        p.manifest = old
-    p.restart = changed_services(p.manifest, None if p.unchanged else old, probe["units"],
-                                 probe.get("services") or {}) if not p.unchanged else \
-        changed_services(old, old, probe["units"], probe.get("services") or {})
+        p.unchanged, p.release, p.manifest = True, old["release"], old
+    units, recorded = state.get("units") or {}, state.get("services") or {}
+    p.restart = changed_services(old, old, units, recorded) if p.unchanged else \
+        changed_services(p.manifest, old, units, recorded)
     if old:
         p.stop = [i for i, s in old.get("services", {}).items()
                   if i not in p.manifest["services"] or not p.manifest["services"][i].get("enabled", True)]
+    p.payload = deploy_payload(p, opts)
     return p
 
 
-class HostLocked(RuntimeError):
-    def __init__(self, host: str, h: dict):
-        age = time.time() - float(h.get("started_ts") or time.time())
-        super().__init__(f"locked by {h.get('holder')} running {h.get('command')!r} since {h.get('started')} "
-                         f"({age / 60:.1f} min ago, pid {h.get('pid')}); wait, or `--break-lock` if that run is dead")
-
-
-def restart_batch(conn, host: Host, manifest: dict, insts: list[str], out: Printer, action: str = "restart") -> dict:
-    gates = {i: {"port": manifest["services"][i]["port"],
-                 "expect": {"model": manifest["services"][i]["served_model_name"] or manifest["services"][i]["model"],
-                            "algorithm": manifest["services"][i]["algorithm"]},
-                 "digest": manifest["services"][i]["digest"],
-                 # where it listens and the host's API-key file (the agent reads the key there; never sent)
-                 "address": manifest["services"][i].get("address"),
-                 "api_key_file": manifest["services"][i].get("api_key_file")} for i in insts}
-    r = call(conn, "restart", host_args(host) | {
-        "instances": insts, "gates": gates, "action": action, "release": manifest["release"],
-        "start_timeout": host.vars["start_timeout"], "gate_timeout": host.vars["gate_timeout"]},
-             timeout=(host.vars["start_timeout"] + host.vars["gate_timeout"] + 30) * len(insts) + 120)
-    for i in insts:
-        out(host.name, gate_line(i, gates[i]["port"], r["results"][i]))
-    return r["results"]
-
-
-def execute_host(conn, plan: HostPlan, out: Printer) -> dict:
-    """Stage, activate and roll the host's changed services; roll back on a failing gate."""
-    host, t0 = plan.host, time.monotonic()
-    res = {"host": host.name, "release": plan.release, "previous": plan.current, "restarted": [], "ok": True,
-           "rolled_back": False, "unchanged": plan.unchanged, "gates": {}}
-    journal = {"event": "deploy-noop" if plan.unchanged and not plan.restart else "deploy", "release": plan.release, "previous": plan.current, "by": plan.manifest.get(
-        "created_by"), "command": plan.manifest.get("command"), "unsafe": plan.manifest.get("unsafe", {})}
-    service_seconds = 0.0
-    try:
-        if not plan.unchanged:
-            t = time.monotonic()
-            data = build.bundle(plan.release, plan.files, plan.manifest)
-            remote = f"/tmp/ddtree-release-{plan.release}-{plan.token[:8]}.tar.gz"
-            sftp = open_root_sftp(conn)
-            try:
-                sftp.putfo(io.BytesIO(data), remote)
-            finally:
-                sftp.close()
-            act = call(conn, "stage", host_args(host) | {"release": plan.release, "bundle": remote})
-            res["stage_seconds"] = round(time.monotonic() - t, 2)
-            out(host.name, f"release {plan.release} staged and active ({len(data) // 1024} KiB, wheel "
-                           f"{act['steps'].get('wheel')}s, {res['stage_seconds']:.1f}s)")
-        if plan.stop:
-            call(conn, "stop", host_args(host) | {"instances": plan.stop})
-            out(host.name, f"stopped {', '.join(plan.stop)} (removed or disabled)")
-        todo = [s.instance for s in host.services if s.instance in plan.restart]
-        if not todo:
-            out(host.name, "all services up to date; nothing restarted")
-        for batch in batches(todo, host.vars["max_unavailable"]):
-            t = time.monotonic()
-            results = restart_batch(conn, host, plan.manifest, batch, out)
-            service_seconds += time.monotonic() - t
-            res["gates"].update(results)
-            bad = [i for i in batch if not results[i].get("ok")]
-            res["restarted"] += batch
-            if bad:
-                res["ok"] = False
-                res["failed"] = bad
-                res["error"] = f"gate failed on {', '.join(bad)}: " + "; ".join(
-                    f"{results[i].get('step')}: {results[i].get('detail')}" for i in bad)
-                rb = rollback_after_failure(conn, plan, res["restarted"], out) if not plan.unchanged else None
-                res["rolled_back"] = bool(rb and rb["ok"])
-                res["rollback"] = rb
-                journal.update(event="deploy-failed", failed=bad, error=res["error"],
-                               rolled_back_to=rb and rb.get("release"), rollback_ok=rb and rb["ok"])
-                break
-    except Exception as exc:
-        res.update(ok=False, error=f"{type(exc).__name__}: {exc}")
-        journal.update(event="deploy-failed", error=res["error"])
-    finally:
-        res["seconds"] = round(time.monotonic() - t0, 2)
-        res["service_seconds"] = round(service_seconds, 2)
-        journal.update(restarted=res["restarted"], seconds=res["seconds"], unchanged=plan.unchanged)
-        failed = {"failed_release": plan.release, "failed_why": res.get("error", "")} \
-            if not res["ok"] and not plan.unchanged else {}
-        fin = call(conn, "finish", host_args(host) | failed | {"journal": journal, "token": plan.token,
-                                                     "keep": host.vars["releases_keep"],
-                                                     "protect": [p for p in (plan.current,) if p]})
-        res["pruned"] = fin["pruned"]
-    return res
-
-
-def rollback_after_failure(conn, plan: HostPlan, touched: list[str], out: Printer) -> dict:
-    host, t0 = plan.host, time.monotonic()
-    if not plan.current:
-        call(conn, "stop", host_args(host) | {"instances": touched})
-        out(host.name, f"no previous release to roll back to: stopped {', '.join(touched)}")
-        return {"ok": False, "release": None, "detail": "no previous release; services stopped",
-                "seconds": round(time.monotonic() - t0, 2)}
-    out(host.name, f"rolling back to {plan.current}")
-    act = call(conn, "activate", host_args(host) | {"target": plan.current})
-    prev = call(conn, "status", host_args(host) | {"journal_n": 0})["manifest"]
-    restart = [i for i in touched if i in prev.get("services", {})]
-    gone = [i for i in touched if i not in prev.get("services", {})]
-    if gone:
-        call(conn, "stop", host_args(host) | {"instances": gone})
-    ok = True
-    for batch in batches(restart, host.vars["max_unavailable"]):
-        results = restart_batch(conn, host, prev, batch, out)
-        ok = ok and all(r.get("ok") for r in results.values())
-    secs = round(time.monotonic() - t0, 2)
-    out(host.name, f"rollback to {plan.current} {'ok' if ok else 'FAILED'} in {secs:.1f}s")
-    return {"ok": ok, "release": plan.current, "seconds": secs, "activate": act}
+def deploy_payload(p: HostPlan, opts: DeployOptions) -> dict:
+    """The release.apply arguments of a planned host (its bundle travels as the call's data)."""
+    host, old = p.host, p.probe.get("manifest")
+    todo = [s.instance for s in host.services if s.instance in p.restart]
+    payload = host_args(host) | _timeouts(host) | {
+        "expect_current": p.current, "keep": host.vars["releases_keep"],
+        "protect": [x for x in (p.current,) if x],
+        "batches": [restart_batch(p.manifest, b) for b in batches(todo, host.vars["max_unavailable"])],
+        "journal": {"event": "deploy-noop" if p.unchanged and not p.restart else "deploy", "release": p.release,
+                    "previous": p.current, "by": p.manifest.get("created_by"), "command": p.manifest.get("command"),
+                    "unsafe": p.manifest.get("unsafe", {}), "unchanged": p.unchanged},
+        "fail_event": "deploy-failed"}
+    if p.stop:
+        payload["stop"] = {"instances": p.stop, "argv": SYSTEMCTL_STOP + [render.unit_name(i) for i in p.stop]}
+    if not p.unchanged:
+        payload["stage"] = {"release": p.release, "user": {"name": host.vars["service_user"],
+                                                           "useradd": commands.useradd(host.vars["service_user"])}}
+        payload["activate"] = activation(host, p.manifest, old)
+        payload["rollback"] = rollback_spec(host, old, p.manifest)
+    return payload
 
 
 def build_release(opts: DeployOptions, release: str | None = None):
@@ -339,7 +412,7 @@ def build_release(opts: DeployOptions, release: str | None = None):
 
 
 def deploy(inv: Inventory, hosts: list[Host], opts: DeployOptions, confirm=None, out: Printer | None = None) -> dict:
-    """Plan on every host (taking locks), confirm, then roll out. Returns a summary dict (see tasks.release)."""
+    """Plan every host (read-only), confirm, then roll out. Returns a summary dict (see tasks.release)."""
     out = out or Printer()
     t0 = time.monotonic()
     hosts = [with_mode(h, opts.mode) for h in hosts]
@@ -362,10 +435,8 @@ def _deploy(inv, hosts, opts, confirm, out, t0, release, plugin, overlays, build
             problems.append(str(exc))
     if problems:
         raise build.BuildError("cannot render:\n  " + "\n  ".join(problems))
-    lock = holder(opts.command)
     plans: dict[str, HostPlan] = {}
-    planned = run_per_host(inv, hosts, lambda c, h: plan_host(c, h, plugin, overlays, release, opts, lock),
-                           label="plan")
+    planned = run_per_host(inv, hosts, lambda c, h: plan_host(c, h, plugin, overlays, release, opts), label="plan")
     summary = {"release": release, "wheel": plugin.wheel.name, "hosts": {}, "build_seconds": round(build_s, 2)}
     for r in planned:
         if r.ok:
@@ -373,18 +444,11 @@ def _deploy(inv, hosts, opts, confirm, out, t0, release, plugin, overlays, build
         else:
             summary["hosts"][r.host] = {"ok": False, "error": r.error, "kind": r.kind, "phase": "plan"}
     by_name = {h.name: h for h in hosts}
-
-    def unlock_all(names):
-        run_per_host(inv, [by_name[n] for n in names],
-                     lambda c, h: call(c, "finish", host_args(h) | {"token": lock["token"], "keep": 10 ** 6}))
-
-    refused = {n: p for n, p in plans.items() if p.refused}
-    for n, p in refused.items():
-        summary["hosts"][n] = {"ok": False, "error": "; ".join(p.refused), "kind": "refused", "phase": "plan"}
-        for msg in p.refused:
-            out(n, f"REFUSED {msg}")
-    if refused:
-        unlock_all(list(refused))
+    for n, p in plans.items():
+        if p.refused:
+            summary["hosts"][n] = {"ok": False, "error": "; ".join(p.refused), "kind": "refused", "phase": "plan"}
+            for msg in p.refused:
+                out(n, f"REFUSED {msg}")
     go = {n: p for n, p in plans.items() if not p.refused}
     for n, p in go.items():
         for w in p.warnings:
@@ -392,9 +456,13 @@ def _deploy(inv, hosts, opts, confirm, out, t0, release, plugin, overlays, build
         what = "unchanged" if p.unchanged else f"{p.current or '(none)'} -> {p.release}"
         rs = ", ".join(f"{i} ({why})" for i, why in p.restart.items()) or "none"
         out(n, f"plan: release {what}; restart: {rs}" + (f"; stop: {', '.join(p.stop)}" if p.stop else ""))
+        summary["hosts"].setdefault(n, {})["commands"] = [commands.shown(c) for c in p.commands]
     if go and confirm is not None and any(not p.unchanged or p.restart for p in go.values()):
+        for n, p in go.items():
+            for argv in p.commands:
+                out(n, "  $ " + commands.shown(argv))
         if not confirm():
-            unlock_all(list(go))
+            # nothing was locked: the plan only read the hosts
             for n in go:
                 summary["hosts"][n] = {"ok": False, "error": "not confirmed", "kind": "aborted", "phase": "plan"}
             summary["aborted"] = True
@@ -402,24 +470,31 @@ def _deploy(inv, hosts, opts, confirm, out, t0, release, plugin, overlays, build
     failures = [0]
     fail_lock = threading.Lock()
     max_fail = opts.max_fail if opts.max_fail > 0 else 10 ** 9
-    # only rollout failures count toward --max-fail (refused and unreachable hosts are reported above)
+    lock = dict(holder(opts.command), mode="once", **({"break": True} if opts.break_lock else {}))
 
     def one(conn, host):
         with fail_lock:
             skip = failures[0] >= max_fail
         if skip:
-            call(conn, "finish", host_args(host) | {"token": lock["token"], "keep": 10 ** 6})
-            return {"host": host.name, "ok": False, "skipped": True,
-                    "error": f"skipped: --max-fail {max_fail} reached"}
-        r = execute_host(conn, go[host.name], out)
+            return {"host": host.name, "ok": False, "skipped": True, "error": f"skipped: --max-fail {max_fail} reached"}
+        p = go[host.name]
+        remote = Remote(conn, host.name)
+        data = b""
+        if p.payload.get("stage"):
+            data = build.bundle(p.release, p.files, p.manifest)
+            p.payload["stage"].update(size=len(data), sha256=hashlib.sha256(data).hexdigest())
+        r = run_host(inv, remote, host, p.payload, dict(lock, journal=f"{render.state_dir(host)}/journal.jsonl"), out,
+                     "deploy", data)
+        r = dict(r, host=host.name, release=p.release, previous=p.current, unchanged=p.unchanged,
+                 service_seconds=round(sum(g.get("seconds", 0) for g in (r.get("gates") or {}).values()), 2))
         if not r["ok"]:
             with fail_lock:
                 failures[0] += 1
         return r
 
     for r in run_per_host(inv, [by_name[n] for n in go], one, label="deploy"):
-        summary["hosts"][r.host] = r.value if r.ok else {"ok": False, "error": r.error, "kind": r.kind,
-                                                         "phase": "deploy"}
+        summary["hosts"][r.host] = (dict(summary["hosts"].get(r.host, {}), **r.value) if r.ok else
+                                    {"ok": False, "error": r.error, "kind": r.kind, "phase": "deploy"})
     return _finish_summary(summary, t0)
 
 
@@ -431,117 +506,103 @@ def _finish_summary(summary: dict, t0: float) -> dict:
 
 # ---------------------------------------------------------------- rollback and restart
 
-def rollback(inv: Inventory, hosts: list[Host], to: str | None = None, break_lock: bool = False,
-             command: str = "fab rollback", out: Printer | None = None) -> dict:
-    """Re-activate the previous (or named) release on each host through the same gated restart."""
-    out = out or Printer()
-    lock = holder(command)
+def rollback_target(current: str | None, releases: list[str], failed: list[str], to: str | None, host: str) -> str:
+    """The release a rollback re-activates: `to`, or the newest good release older than the current one."""
+    if to:
+        if to not in releases:
+            raise RuntimeError(f"release {to} is not on {host} (kept: {', '.join(releases) or 'none'})")
+        return to
+    bad = set(failed or [])
+    older = [r for r in releases if (current is None or r < current) and r not in bad]
+    if not older:
+        raise RuntimeError(f"no good release older than {current} on {host} (kept: {', '.join(releases)}"
+                           + (f"; failed: {', '.join(sorted(bad))}" if bad else "") + ")")
+    return older[-1]
+
+
+def _runbook(inv: Inventory, hosts: list[Host], kind: str, plan_one, command: str, break_lock: bool,
+             out: Printer) -> dict:
+    """rollback and restart: probe (read-only) -> pure payload -> one release.apply per host."""
+    lock = dict(holder(command), mode="once", **({"break": True} if break_lock else {}))
     t0 = time.monotonic()
 
     def one(conn, host):
         t = time.monotonic()
-        probe = call(conn, "probe", host_args(host) | {"instances": [s.instance for s in host.services],
-                                                       "lock_holder": lock, "break_lock": break_lock})
-        if not probe["lock_result"]["ok"]:
-            raise HostLocked(host.name, probe["lock_result"]["holder"])
-        cur, rels = probe["current"], probe["releases"]
-        journal = {"event": "rollback", "previous": cur, "by": lock["holder"], "command": command}
-        res = {"host": host.name, "previous": cur, "ok": False, "restarted": []}
+        remote = Remote(conn, host.name)
+        state = probe(remote, host, instances=[s.instance for s in host.services], manifests=True)
+        check_lock(host, state, break_lock)
+        res = {"host": host.name, "ok": False, "restarted": [], "release": state.get("current")}
         try:
-            if to:
-                if to not in rels:
-                    raise RuntimeError(f"release {to} is not on {host.name} (kept: {', '.join(rels) or 'none'})")
-                target = to
-            else:
-                bad = set(probe.get("failed") or [])
-                older = [r for r in rels if (cur is None or r < cur) and r not in bad]
-                if not older:
-                    raise RuntimeError(f"no good release older than {cur} on {host.name} (kept: {', '.join(rels)}"
-                                       + (f"; failed: {', '.join(sorted(bad))}" if bad else "") + ")")
-                target = older[-1]
-            res["release"] = journal["release"] = target
-            out(host.name, f"rollback {cur} -> {target}")
-            call(conn, "activate", host_args(host) | {"target": target})
-            man = call(conn, "status", host_args(host) | {"journal_n": 0})["manifest"]
-            old = probe.get("manifest") or {}
-            todo = [i for i, s in man["services"].items() if s.get("enabled", True) and (
-                (old.get("services", {}).get(i) or {}).get("digest") != s["digest"]
-                or (probe["units"].get(i) or {}).get("ActiveState") not in ("active", "activating"))]
-            stop = [i for i in old.get("services", {}) if i not in man["services"]]
-            if stop:
-                call(conn, "stop", host_args(host) | {"instances": stop})
-            ok = True
-            res["service_seconds"] = 0.0
-            for batch in batches(sorted(todo, key=lambda s: (len(s), s)), host.vars["max_unavailable"]):
-                tb = time.monotonic()
-                results = restart_batch(conn, host, man, batch, out)
-                res["service_seconds"] += round(time.monotonic() - tb, 2)
-                res["restarted"] += batch
-                ok = ok and all(r.get("ok") for r in results.values())
-                if not ok:
-                    res["error"] = "gate failed after rollback on " + ", ".join(
-                        i for i, r in results.items() if not r.get("ok"))
-                    break
-            if not todo:
-                out(host.name, "no service differs between the releases; nothing restarted")
-            res["ok"] = ok
-        except Exception as exc:
-            res["error"] = f"{type(exc).__name__}: {exc}" if not isinstance(exc, RuntimeError) else str(exc)
-        finally:
-            res["seconds"] = round(time.monotonic() - t, 2)
-            journal.update(ok=res["ok"], restarted=res["restarted"], seconds=res["seconds"],
-                           error=res.get("error"))
-            call(conn, "finish", host_args(host) | {"journal": journal, "token": lock["token"],
-                                                   "keep": host.vars["releases_keep"],
-                                                   "protect": [p for p in (cur,) if p]})
+            payload = plan_one(host, state, out)
+        except RuntimeError as exc:
+            res.update(error=str(exc), seconds=round(time.monotonic() - t, 2))
+            return res
+        refused = secrets_refusals(state, [g.get("api_key_file") for b in payload.get("batches") or []
+                                           for g in b["gates"].values()])
+        if refused:
+            for msg in refused:
+                out(host.name, f"REFUSED {msg}")
+            res.update(error="; ".join(refused), kind="refused", seconds=round(time.monotonic() - t, 2))
+            return res
+        payload["journal"] = dict(payload["journal"], by=lock["holder"], command=command)
+        r = run_host(inv, remote, host, payload, dict(lock, journal=f"{render.state_dir(host)}/journal.jsonl"), out, kind)
+        res.update(r, seconds=round(time.monotonic() - t, 2),
+                   service_seconds=round(sum(g.get("seconds", 0) for g in (r.get("gates") or {}).values()), 2))
+        if not res["ok"] and kind == "rollback" and r.get("failed"):
+            res["error"] = "gate failed after rollback on " + ", ".join(r["failed"])
         return res
 
     summary = {"hosts": {}}
-    for r in run_per_host(inv, hosts, one, label="rollback"):
+    for r in run_per_host(inv, hosts, one, label=kind):
         summary["hosts"][r.host] = r.value if r.ok else {"ok": False, "error": r.error, "kind": r.kind}
     return _finish_summary(summary, t0)
+
+
+def rollback_payload(host: Host, state: dict, to: str | None, out: Printer) -> dict:
+    cur, rels = state.get("current"), state.get("releases") or []
+    target = rollback_target(cur, rels, state.get("failed"), to, host.name)
+    out(host.name, f"rollback {cur} -> {target}")
+    mans = state.get("manifests") or {}
+    man, old = mans.get(target), state.get("manifest") or {}
+    if not man:
+        raise RuntimeError(f"release {target} on {host.name} has no readable manifest")
+    units = state.get("units") or {}
+    todo = by_gpu(i for i, s in man["services"].items() if s.get("enabled", True) and (
+        (old.get("services", {}).get(i) or {}).get("digest") != s["digest"]
+        or (units.get(i) or {}).get("ActiveState") not in ("active", "activating")))
+    stop = [i for i in old.get("services", {}) if i not in man["services"]]
+    payload = host_args(host) | _timeouts(host) | {
+        "expect_current": cur, "keep": host.vars["releases_keep"], "protect": [x for x in (cur,) if x],
+        "activate": activation(host, man, old or None),
+        "batches": [restart_batch(man, b) for b in batches(todo, host.vars["max_unavailable"])],
+        "journal": {"event": "rollback", "previous": cur, "release": target}, "fail_event": "rollback",
+        "mark_failed": False}
+    if stop:
+        payload["stop"] = {"instances": stop, "argv": SYSTEMCTL_STOP + [render.unit_name(i) for i in stop]}
+    return payload
+
+
+def rollback(inv: Inventory, hosts: list[Host], to: str | None = None, break_lock: bool = False,
+             command: str = "fab rollback", out: Printer | None = None) -> dict:
+    """Re-activate the previous (or named) release on each host through the same gated restart."""
+    return _runbook(inv, hosts, "rollback", lambda h, st, o: rollback_payload(h, st, to, o), command, break_lock,
+                    out or Printer())
+
+
+def restart_payload(host: Host, state: dict, gpus: list[int] | None) -> dict:
+    man = state.get("manifest")
+    if not man:
+        raise RuntimeError(f"no active release on {host.name}; run fab deploy first")
+    insts = by_gpu(i for i, s in man["services"].items() if s.get("enabled", True) and (gpus is None or s["gpu"] in gpus))
+    return host_args(host) | _timeouts(host) | {
+        "expect_current": state.get("current"), "keep": host.vars["releases_keep"],
+        "batches": [restart_batch(man, b) for b in batches(insts, host.vars["max_unavailable"])],
+        "journal": {"event": "restart", "release": state.get("current")}, "fail_event": "restart",
+        "mark_failed": False}
 
 
 def restart(inv: Inventory, hosts: list[Host], gpus: list[int] | None = None, break_lock: bool = False,
             command: str = "fab restart", out: Printer | None = None) -> dict:
     """Gated restart of the current release's services (one batch of max_unavailable at a time)."""
-    out = out or Printer()
-    lock = holder(command)
-    t0 = time.monotonic()
-
-    def one(conn, host):
-        t = time.monotonic()
-        probe = call(conn, "probe", host_args(host) | {"lock_holder": lock, "break_lock": break_lock})
-        if not probe["lock_result"]["ok"]:
-            raise HostLocked(host.name, probe["lock_result"]["holder"])
-        res = {"host": host.name, "ok": False, "restarted": [], "release": probe["current"]}
-        try:
-            man = probe.get("manifest")
-            if not man:
-                raise RuntimeError(f"no active release on {host.name}; run fab deploy first")
-            insts = [i for i, s in man["services"].items() if s.get("enabled", True)
-                     and (gpus is None or s["gpu"] in gpus)]
-            ok = True
-            for batch in batches(sorted(insts, key=lambda s: (len(s), s)), host.vars["max_unavailable"]):
-                results = restart_batch(conn, host, man, batch, out)
-                res["restarted"] += batch
-                if not all(r.get("ok") for r in results.values()):
-                    ok = False
-                    res["error"] = "gate failed on " + ", ".join(i for i, r in results.items() if not r.get("ok"))
-                    break
-            res["ok"] = ok
-        except Exception as exc:
-            res["error"] = str(exc)
-        finally:
-            res["seconds"] = round(time.monotonic() - t, 2)
-            call(conn, "finish", host_args(host) | {"token": lock["token"], "keep": host.vars["releases_keep"],
-                                                   "journal": {"event": "restart", "release": probe["current"],
-                                                               "by": lock["holder"], "ok": res["ok"],
-                                                               "restarted": res["restarted"],
-                                                               "error": res.get("error")}})
-        return res
-
-    summary = {"hosts": {}}
-    for r in run_per_host(inv, hosts, one, label="restart"):
-        summary["hosts"][r.host] = r.value if r.ok else {"ok": False, "error": r.error, "kind": r.kind}
-    return _finish_summary(summary, t0)
+    return _runbook(inv, hosts, "restart", lambda h, st, o: restart_payload(h, st, gpus), command, break_lock,
+                    out or Printer())

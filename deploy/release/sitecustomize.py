@@ -22,7 +22,8 @@ MASK = "<redacted>"
 
 def _parser():
     here = os.path.dirname(os.path.abspath(__file__))
-    for d in (os.path.join(here, os.pardir, "bin"), here):  # in a release: ../bin; in the repo: alongside
+    # in a release: ../bin; in the repo: the agent's host package, where the file lives
+    for d in (os.path.join(here, os.pardir, "bin"), os.path.join(here, os.pardir, "remote", "host")):
         path = os.path.join(d, "server_secrets.py")
         if os.path.isfile(path):
             spec = importlib.util.spec_from_file_location("_ddtree_server_secrets", path)

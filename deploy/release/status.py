@@ -1,17 +1,20 @@
-"""`fab status` and `fab logs`: one agent round trip per host, then pure row building and printing."""
+"""`fab status` and `fab logs`: one read-only agent call per host (no lock), then pure row building and printing."""
 from __future__ import annotations
 
 from ..inventory import Host, Inventory
+from ..remote.client import Remote
 from ..ssh import run_per_host
 from . import render
-from .rollout import call, host_args
+from .rollout import host_args
+
+DEADLINE = 60.0
 
 
 def gather(inv: Inventory, hosts: list[Host], journal_n: int = 5) -> list[dict]:
     def one(conn, host):
-        return call(conn, "status", host_args(host) | {
+        return Remote(conn, host.name).call("release.status", host_args(host) | {
             "instances": [s.instance for s in host.services], "journal_n": journal_n,
-            "ports": {s.instance: s.port for s in host.services}})
+            "ports": {s.instance: s.port for s in host.services}}, deadline=DEADLINE)
     out = []
     for r in run_per_host(inv, hosts, one, label="status"):
         out.append({"host": r.host, "ok": r.ok, "error": r.error, "kind": r.kind, "state": r.value})
@@ -94,7 +97,8 @@ def print_table(rs: list[dict], console=None) -> None:
 def logs(inv: Inventory, hosts: list[Host], gpus: list[int] | None, n: int, since: str | None) -> list:
     def one(conn, host):
         insts = [s.instance for s in host.services if gpus is None or s.gpu in gpus]
-        return call(conn, "logs", host_args(host) | {"instances": insts, "n": n, "since": since})
+        return Remote(conn, host.name).call("release.logs", host_args(host) | {"instances": insts, "n": n,
+                                                                                "since": since}, deadline=DEADLINE)
     return run_per_host(inv, hosts, one, label="logs")
 
 

@@ -4,15 +4,14 @@ from __future__ import annotations
 import json as jsonlib
 
 from invoke import Exit, task
-from rich.console import Console
-from rich.table import Table
 
-from ..lab import fleet
+from ..lab.drifts import DRIFTS
 
 
 @task(help={"extra": "also boot N more hosts of the ct200 kind (ct201, ct202, ...) for scale tests"})
 def up(c, extra=0):
     """Boot the lab hosts that are not running (builds the Debian base once); idempotent."""
+    from ..lab import fleet
     try:
         report = fleet.up(int(extra))
     except fleet.LabError as exc:
@@ -27,24 +26,30 @@ def up(c, extra=0):
 @task
 def down(c):
     """Remove every lab container, mount, namespace, veth and bridge (also after a crash)."""
+    from ..lab import fleet
     removed = fleet.down()
     print("lab down: " + ", ".join(f"{v} {k}" for k, v in removed.items()))
 
 
 @task(help={"host": "the lab host (ct129, ct200, h200, ...)",
-            "kind": "one of: " + ", ".join(fleet.DRIFTS)})
+            "kind": "one of: " + ", ".join(DRIFTS)})
 def drift(c, host, kind):
     """Make one lab host's managed venv incoherent on purpose (real captured metadata), or 'coherent' again."""
+    from ..lab import fleet
     try:
         fleet.set_drift(host, kind)
     except fleet.LabError as exc:
         raise Exit(f"lab.drift failed: {exc}", code=1)
-    print(f"{host}: {fleet.DRIFTS[kind]}")
+    print(f"{host}: {DRIFTS[kind]}")
 
 
 @task(help={"json": "print JSON"})
 def status(c, json=False):
     """Show the lab hosts: running, address, sshd, GPU persona, torch build."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from ..lab import fleet
     rows = fleet.status()
     if json:
         print(jsonlib.dumps(rows, indent=1))

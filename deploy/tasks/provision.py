@@ -5,9 +5,6 @@ import json as jsonlib
 import sys
 
 from invoke import Exit, task
-from rich.console import Console
-
-from ..inventory import InventoryError, load_inventory
 
 
 @task(help={"hosts": "target host(s) or group(s), comma separated",
@@ -18,6 +15,9 @@ from ..inventory import InventoryError, load_inventory
             "parallel": "hosts worked on at once (default: inventory settings.parallel)"})
 def provision(c, hosts, dry_run=False, json=False, yes=False, undo=False, parallel=0):
     """Overlay the reference host's exact wheels onto HOSTS (plan, back up, install offline, verify)."""
+    from rich.console import Console
+
+    from ..inventory import InventoryError, load_inventory
     from ..provision import overlay
 
     console = Console(stderr=True) if json else Console()

@@ -8,11 +8,10 @@ from pathlib import Path
 from invoke import Exit, task
 
 from .. import modes
-from ..inventory import InventoryError, load_inventory
-from ..release import build, rollout
 
 
 def _inv(hosts):
+    from ..inventory import InventoryError, load_inventory
     try:
         inv = load_inventory()
         return inv, inv.select(hosts)
@@ -28,7 +27,12 @@ def confirm_prompt(yes: bool):
         raise Exit("no terminal to confirm on: review the plan with a terminal, or pass --yes", code=2)
 
     def ask():
-        return input("Proceed with this rollout? [y/N] ").strip().lower() in ("y", "yes")
+        # Ctrl-C or end of input is a no; the plan took no lock, so no host is left locked
+        try:
+            return input("Proceed with this rollout? [y/N] ").strip().lower() in ("y", "yes")
+        except (KeyboardInterrupt, EOFError):
+            print("\nnot confirmed: nothing changed, no host locked", file=sys.stderr)
+            return False
     return ask
 
 
@@ -67,6 +71,7 @@ def report(summary: dict, json: bool, what: str) -> None:
 def deploy(c, mode=None, hosts=None, yes=False, allow_hybrid_unsafe=False, max_fail=1, break_lock=False,
            plugin=None, overlays=None, json=False):
     """Build a release and roll it out: one gated restart per changed GPU service, auto-rollback on failure."""
+    from ..release import build, rollout
     if mode is not None and mode not in modes.MODES:
         raise Exit(f"--mode must be one of {', '.join(modes.MODES)}", code=2)
     inv, selected = _inv(hosts)
@@ -88,6 +93,7 @@ def deploy(c, mode=None, hosts=None, yes=False, allow_hybrid_unsafe=False, max_f
             "yes": "accepted for symmetry with deploy: rollback never asks (a runbook action, gated per GPU)"})
 def rollback(c, yes=False, hosts=None, to=None, break_lock=False, json=False):
     """Re-activate the previous (or --to) release through the same gated restart."""
+    from ..release import rollout
     inv, selected = _inv(hosts)
     summary = rollout.rollback(inv, selected, to=to, break_lock=break_lock,
                                command=" ".join(["fab"] + sys.argv[1:]))

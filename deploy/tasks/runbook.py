@@ -6,7 +6,6 @@ import sys
 
 from invoke import Exit, task
 
-from ..release import rollout, status as st
 from .release import _inv, report
 
 
@@ -21,6 +20,7 @@ def _gpus(gpus):
             "history": "also show the last N audit-journal entries of each host (deploys, rollbacks, restarts)"})
 def status(c, hosts=None, json=False, history=0):
     """Per host and GPU: unit state, port, health, mode, release, unsafe override, lock, last deploy."""
+    from ..release import status as st
     inv, selected = _inv(hosts)
     gathered = st.gather(inv, selected, journal_n=max(5, int(history)))
     rows = st.rows(gathered, inv.hosts)
@@ -45,6 +45,7 @@ def status(c, hosts=None, json=False, history=0):
             "lines": "journal lines per service (default 50)", "since": "journalctl --since, e.g. '10 min ago'"})
 def logs(c, hosts=None, gpus=None, lines=50, since=None):
     """Show the journal of the GPU services (prefixed by host and GPU)."""
+    from ..release import status as st
     inv, selected = _inv(hosts)
     bad = False
     for r in st.logs(inv, selected, _gpus(gpus), int(lines), since):
@@ -64,6 +65,7 @@ def logs(c, hosts=None, gpus=None, lines=50, since=None):
             "yes": "accepted for symmetry with deploy: restart never asks (a runbook action, gated per GPU)"})
 def restart(c, yes=False, hosts=None, gpus=None, break_lock=False, json=False):
     """Restart services of the active release one batch at a time, each through the health gate."""
+    from ..release import rollout
     inv, selected = _inv(hosts)
     summary = rollout.restart(inv, selected, _gpus(gpus), break_lock=break_lock,
                               command=" ".join(["fab"] + sys.argv[1:]))

@@ -1,6 +1,7 @@
 """Shared helpers for the deploy tests: inventories derived from inventory/lab.yaml and lab-host SSH."""
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import subprocess
@@ -48,5 +49,34 @@ def write_model(inv, host: str, path: str, config: dict) -> None:
                    f"{shlex.quote(path)}/config.json")
 
 
+def secret_file(d: Path, name: str, text: str, mode: int = 0o600) -> str:
+    """A secrets file as an operator writes it: `text` in d/name, mode `mode` (a test loosens it on purpose)."""
+    p = Path(d) / name
+    p.write_text(text)
+    os.chmod(p, mode)
+    return str(p)
+
+
 def strip_ansi(s: str) -> str:
     return re.sub(r"\x1b\[[0-9;]*m", "", s)
+
+
+# Leaves a lab host with no sglang-ddtree services, releases or unit (the lab is shared by test modules).
+CLEAN = ("systemctl stop 'sglang-ddtree@*' 2>/dev/null; systemctl reset-failed 'sglang-ddtree@*' 2>/dev/null; "
+         "rm -rf /opt/ddtree /etc/systemd/system/sglang-ddtree@.service /etc/systemd/system/sglang-ddtree@*.service.d "
+         "/etc/systemd/system/multi-user.target.wants/sglang-ddtree@*; systemctl daemon-reload")
+
+
+def agent_call(inv, host: str, op: str, args: dict, **kw) -> dict:
+    """One agent call on a lab host through the real client (root state directory)."""
+    from deploy.remote.client import Remote
+    from deploy.ssh import open_checked
+    conn = open_checked(inv, inv.hosts[host])
+    try:
+        return Remote(conn, host).call(op, args, deadline=kw.pop("deadline", 60), **kw)
+    finally:
+        conn.close()
+
+
+def host_lock(inv, host: str):
+    return agent_call(inv, host, "lock.read", {})["lock"]

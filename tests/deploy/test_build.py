@@ -124,11 +124,85 @@ def test_same_inputs_same_service_digests_and_changes_are_per_gpu(tmp_path):
     assert rollout.batches(list("abcde"), 2) == [["a", "b"], ["c", "d"], ["e"]]
 
 
-def test_agent_command_is_an_argv_with_the_source_as_argument():
-    argv = rollout.agent_argv("probe", {"root": "/opt/ddtree/releases"})
-    assert argv[0] == "python3" and argv[1] == "-c" and argv[3] == "probe"
-    assert json.loads(__import__("base64").b64decode(argv[4])) == {"root": "/opt/ddtree/releases"}
-    out = "noise\n@@AGENT@@ " + json.dumps({"ok": True, "result": {"a": 1}}) + "\n"
-    assert rollout.parse_agent_output(out) == {"a": 1}
-    with pytest.raises(rollout.AgentError, match="boom"):
-        rollout.parse_agent_output("@@AGENT@@ " + json.dumps({"ok": False, "error": "boom"}))
+def _planned(tmp_path, state):
+    inv = load_inventory(str(ROOT / "inventory" / "hosts.yaml"))
+    host = inv.hosts["ct200"]
+    plugin = build.build_plugin("20261129T083000Z-abc123", _toy_project(tmp_path, {}), tmp_path / "w")
+    opts = rollout.DeployOptions()
+    state = dict(state, configs={s.model: {"config": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}}
+                                 for s in host.services})
+    return host, rollout.make_plan(host, plugin, [], "20261129T083000Z-abc123", opts, state)
+
+
+def test_deploy_plan_is_data_with_every_command_as_argv(tmp_path):
+    """Kamal's habit: a deploy is a value -- every command that changes the host is an argv list the plan shows
+    and this test reads, and the rollback is planned with it."""
+    state = {"current": None, "manifest": None, "units": {}, "services": {}, "configs": {}, "overlays": [],
+             "venv_trust": "ok", "secrets": "absent"}
+    host, p = _planned(tmp_path, state)
+    pay = p.payload
+    py = host.vars["venv"] + "/bin/python"         # /opt/sglang/.venv in the seed inventory
+    wheel = "/opt/ddtree/releases/20261129T083000Z-abc123/wheels/" + p.manifest["plugin"]["wheel"].split("/")[-1]
+    act = pay["activate"]["commands"]
+    assert act["install_plugin"] == [py, "-m", "pip", "install", "--isolated", "--no-index", "--no-deps",
+                                     "--force-reinstall", "--disable-pip-version-check", "--no-input",
+                                     "--no-cache-dir", wheel]
+    assert act["undo_plugin"] == [py, "-m", "pip", "uninstall", "--isolated", "--yes", "--disable-pip-version-check",
+                                  "--no-input", "toy-pkg"]               # first release: undo = no plugin at all
+    assert act["daemon_reload"] == ["systemctl", "daemon-reload"]
+    assert act["enable"][:2] == ["systemctl", "enable"] and "sglang-ddtree@gpu7.service" in act["enable"]
+    assert [b["restart"] for b in pay["batches"]][0] == ["systemctl", "restart", "--no-block",
+                                                         "sglang-ddtree@gpu0.service"]
+    assert len(pay["batches"]) == 8 and pay["expect_current"] is None
+    assert pay["rollback"]["activate"] is None and pay["rollback"]["stop"] == ["systemctl", "stop"]
+    assert pay["stage"]["user"]["useradd"][0] == "useradd" and pay["secrets_file"] == "/etc/ddtree/secrets.env"
+    assert rollout.apply_commands(pay)[0] == act["install_plugin"] and len(rollout.apply_commands(pay)) == 11
+    # the next release rolls back to this one: its wheel, its services
+    old = dict(p.manifest, release="20261128T000000Z-000000", content_digest="0" * 64,
+               plugin=dict(p.manifest["plugin"], wheel="wheels/toy_pkg-2.0+r0-py3-none-any.whl"))
+    _host, q = _planned(tmp_path / "b", dict(state, current=old["release"], manifest=old))
+    rb = q.payload["rollback"]["activate"]
+    assert rb["release"] == old["release"] and rb["commands"]["install_plugin"][-1] == \
+        "/opt/ddtree/releases/20261128T000000Z-000000/wheels/toy_pkg-2.0+r0-py3-none-any.whl"
+    assert q.payload["activate"]["commands"]["undo_plugin"][-1].endswith("toy_pkg-2.0+r0-py3-none-any.whl")
+    assert q.payload["expect_current"] == old["release"]
+
+
+def test_plan_refuses_an_untrusted_venv_or_a_readable_secrets_file(tmp_path):
+    state = {"current": None, "manifest": None, "units": {}, "services": {}, "configs": {}, "overlays": [],
+             "venv_trust": "/opt/sglang/venv/lib/python3.11/site-packages is writable by group",
+             "secrets": "/etc/ddtree/secrets.env: has mode 0644; it must be 0600 (or 0400)"}
+    _host, p = _planned(tmp_path, state)
+    assert any("root will not run it" in r for r in p.refused) and any("0644" in r for r in p.refused)
+
+
+def test_plan_refuses_an_api_key_file_the_unit_would_refuse(tmp_path):
+    """The probe judged the inventory's API-key file as the unit's ExecStartPre will: a bad one is refused at the
+    plan, before anything is staged; one the probe did not report is refused too (never assumed fine)."""
+    ok = {"current": None, "manifest": None, "units": {}, "services": {}, "configs": {}, "overlays": [],
+          "venv_trust": "ok", "secrets": "absent"}
+    inv = load_inventory(str(ROOT / "inventory" / "hosts.yaml"))
+    keyed = dataclasses.replace(inv.hosts["ct200"], vars=dict(inv.hosts["ct200"].vars, api_key_file="/etc/k.yaml"))
+    plugin = build.build_plugin("20261129T083000Z-abc123", _toy_project(tmp_path, {}), tmp_path / "w")
+    configs = {s.model: {"config": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}}
+               for s in keyed.services}
+
+    def plan(**state):
+        return rollout.make_plan(keyed, plugin, [], "20261129T083000Z-abc123", rollout.DeployOptions(),
+                                 dict(ok, configs=configs, **state))
+    assert plan(api_keys={"/etc/k.yaml": "ok"}).refused == []
+    assert plan(api_keys={"/etc/k.yaml": "/etc/k.yaml: has mode 0644"}).refused == [
+        "API key file: /etc/k.yaml: has mode 0644"]
+    assert plan().refused == ["API key file: /etc/k.yaml: not checked by the host"]
+    p = plan(api_keys={"/etc/k.yaml": "ok"})
+    gates = [g for b in p.payload["batches"] for g in b["gates"].values()]
+    assert gates and all(g["api_key_file"] == "/etc/k.yaml" and g["address"] == "127.0.0.1" for g in gates)
+    assert p.payload["activate"]["dropin_name"] == "50-ddtree-gpu.conf"
+
+
+def test_rollback_target_skips_failed_releases():
+    rels = ["20260101T000000Z-a", "20260102T000000Z-b", "20260103T000000Z-c"]
+    assert rollout.rollback_target(rels[2], rels, [rels[1]], None, "h") == rels[0]
+    assert rollout.rollback_target(rels[2], rels, [], rels[1], "h") == rels[1]
+    with pytest.raises(RuntimeError, match="is not on h"):
+        rollout.rollback_target(rels[2], rels, [], "nope", "h")

@@ -1,5 +1,5 @@
 """The health gate against the lab stand-in on loopback (real HTTP, real processes), its misbehaviours,
-and the agent's lock and journal. The stand-in runs under /usr/bin/python3 with SGLang hidden (stdlib only),
+and the agent's host lock. The stand-in runs under /usr/bin/python3 with SGLang hidden (stdlib only),
 as on the lab hosts."""
 from __future__ import annotations
 
@@ -12,7 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from deploy.release import agent
+from agenthelpers import call, result
+from deploy.remote.host import gate as agent
+from deploy.remote.host import locks
+from deploy.remote.host.release import overlay_check
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVER = ROOT / "deploy" / "labserver" / "server.py"
@@ -102,18 +105,61 @@ def test_fail_at_start(labserver):
     assert "failing to load the model" in p.stdout.read()
 
 
-def test_lock_is_exclusive_and_names_its_holder(tmp_path):
-    a = {"state_dir": str(tmp_path)}
-    first = agent.lock_acquire(a, {"holder": "alice@laptop", "command": "fab deploy", "token": "t1"})
-    assert first["ok"]
-    second = agent.lock_acquire(a, {"holder": "bob@desk", "command": "fab deploy", "token": "t2"})
+def _state(tmp_path):
+    d = tmp_path / "state"
+    d.mkdir(mode=0o700)
+    return str(d)
+
+
+def test_lock_is_exclusive_names_its_holder_and_journals_a_break(tmp_path):
+    state = _state(tmp_path)
+    first = locks.acquire(state, {"holder": "alice@laptop", "command": "fab deploy", "token": "t1"})
+    assert first["ok"] and first["lock"]["expires_ts"] > first["lock"]["started_ts"]
+    second = locks.acquire(state, {"holder": "bob@desk", "command": "fab deploy", "token": "t2"})
     assert not second["ok"] and second["holder"]["holder"] == "alice@laptop"
-    assert not agent.lock_release(a, "t2")  # only the holder releases
-    broken = agent.lock_acquire(dict(a, break_lock=True), {"holder": "bob@desk", "command": "x", "token": "t2"})
-    assert broken["ok"]
-    events = agent.journal_tail(a, 5)
+    assert not locks.release(state, "t2")  # only the holder releases
+    broken = locks.acquire(state, {"holder": "bob@desk", "command": "x", "token": "t2", "break": True})
+    assert broken["ok"] and broken["took_over"]["holder"] == "alice@laptop"
+    from deploy.remote.host.fsutil import tail_jsonl
+    events = tail_jsonl(f"{state}/journal.jsonl", 5)
     assert events[-1]["event"] == "break-lock" and events[-1]["broken"]["holder"] == "alice@laptop"
-    assert agent.lock_release(a, "t2") and agent.lock_read(a) is None
+    # the run whose lock was broken notices at its next step, and cannot release the new holder's lock
+    with pytest.raises(locks.LockLost, match="bob@desk"):
+        locks.check(state, "t1")
+    assert not locks.release(state, "t1")
+    assert locks.release(state, "t2") and locks.read(state) is None
+
+
+def test_a_lock_expires_and_one_held_by_a_dead_agent_is_stale(tmp_path):
+    """Issue 9: locks never expired; a run cut off after taking one left every later run refused until someone
+    broke it by hand. A lock now carries an expiry (renewed by each step of its run), and a lock taken for one
+    agent call names that call's process: once the process is gone, so is the lock."""
+    import subprocess
+    import time
+    state = _state(tmp_path)
+    assert locks.acquire(state, {"holder": "gone@laptop", "token": "t1", "ttl": 1})["ok"]
+    assert not locks.acquire(state, {"holder": "me", "token": "t2"})["ok"]
+    time.sleep(1.2)
+    got = locks.acquire(state, {"holder": "me", "token": "t2"})
+    assert got["ok"] and got["took_over"]["holder"] == "gone@laptop"
+    assert locks.check(state, "t2", extend=3600)["expires_ts"] > time.time() + 3500   # a step renews it
+    locks.release(state, "t2")
+    p = subprocess.Popen(["sleep", "30"])
+    assert locks.acquire(state, {"holder": "agent", "token": "t3", "ttl": 3600}, agent_pid=p.pid)["ok"]
+    assert not locks.acquire(state, {"holder": "me", "token": "t4"})["ok"]
+    p.kill()
+    p.wait()
+    assert locks.stale(locks.read(state)) == f"its agent process {p.pid} is gone"
+    assert locks.acquire(state, {"holder": "me", "token": "t4"})["ok"]
+
+
+def test_lock_ops_through_the_agent(tmp_path):
+    state = tmp_path / "state"
+    assert result("lock.acquire", {"holder": "a", "command": "c", "token": "t1"}, state)["ok"]
+    fin, _r, _p = call("lock.acquire", {"holder": "b", "command": "c", "token": "t2"}, state)
+    assert fin["kind"] == "locked" and fin["holder"]["holder"] == "a"
+    assert (state / "lock.json").stat().st_mode & 0o777 == 0o600
+    assert result("lock.release", {"token": "t1"}, state) == {"released": True}
 
 
 def test_overlay_guard(tmp_path):
@@ -124,8 +170,9 @@ def test_overlay_guard(tmp_path):
     (sp / "pkg" / "mod.py").write_text("ORIG\n")
     o = {"package": "pkg", "version": "1.0", "path": "pkg/mod.py",
          "sha256": hashlib.sha256(b"ORIG\n").hexdigest(), "new_sha256": hashlib.sha256(b"NEW\n").hexdigest()}
-    assert agent.overlay_check(str(tmp_path / "venv"), [o])[0]["ok"]
-    assert "is 1.0 on the host" in agent.overlay_check(str(tmp_path / "venv"), [dict(o, version="2.0")])[0]["why"]
+    (sp / "pkg-1.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: pkg\nVersion: 1.0\n\n")
+    assert overlay_check(str(tmp_path / "venv"), [o])[0]["ok"]
+    assert "is 1.0 on the host" in overlay_check(str(tmp_path / "venv"), [dict(o, version="2.0")])[0]["why"]
     (sp / "pkg" / "mod.py").write_text("SOMEONE ELSE'S PATCH\n")
-    [c] = agent.overlay_check(str(tmp_path / "venv"), [o])
+    [c] = overlay_check(str(tmp_path / "venv"), [o])
     assert not c["ok"] and "expects" in c["why"]

@@ -17,12 +17,13 @@ import time
 import pytest
 import yaml
 
-from .helpers import lab_inventory, ssh, strip_ansi
+from .helpers import agent_call, lab_inventory, ssh, strip_ansi
 
 pytestmark = pytest.mark.lab
 HOST = "h200"
 KEY = "Kx9fTq2LmZ7wP4sR8vB1nY6hLabOnly"
 KEY_FILE = "/etc/ddtree/api-key.yaml"
+LOCK = "/var/lib/ddtree/lock.json"  # the host lock, in the agent's private state directory
 CLEAN = ("systemctl stop 'sglang-ddtree@*' 2>/dev/null; systemctl reset-failed 'sglang-ddtree@*' 2>/dev/null; "
          "rm -rf /opt/ddtree /etc/systemd/system/sglang-ddtree@.service /etc/systemd/system/sglang-ddtree@*.service.d "
          f"/etc/systemd/system/multi-user.target.wants/sglang-ddtree@* {KEY_FILE} /tmp/pwned; "
@@ -61,7 +62,7 @@ def snapshot(lab) -> dict:
     """What a refused command must leave exactly as it was on the host."""
     cmd = ("readlink /opt/ddtree/releases/current; sha256sum /etc/systemd/system/sglang-ddtree@.service "
            "/etc/systemd/system/sglang-ddtree@gpu0.service.d/*.conf /opt/ddtree/releases/current/env/*.env; "
-           "wc -l < /opt/ddtree/journal.jsonl; ls /opt/ddtree/releases; test -e /opt/ddtree/deploy.lock && echo LOCKED; "
+           f"wc -l < /opt/ddtree/journal.jsonl; ls /opt/ddtree/releases; test -e {LOCK} && echo LOCKED; "
            "systemctl show -p InvocationID,ActiveState,NRestarts sglang-ddtree@gpu0; test -e /tmp/pwned && echo PWNED; true")
     return {"state": ssh(lab, HOST, cmd).stdout}
 
@@ -142,7 +143,7 @@ def test_markup_in_a_hosts_strings_is_printed_verbatim(env, fab):
     lab = env["lab"]
     holder = "[/red][green]alice[/green]@[bold]laptop"
     lock = json.dumps({"holder": holder, "command": "fab deploy [/]", "pid": 1, "token": "x", "started": "[red]then"})
-    ssh(lab, HOST, f"printf %s '{lock}' > /opt/ddtree/deploy.lock")
+    ssh(lab, HOST, f"(umask 077; printf %s '{lock}' > {LOCK})")
     try:
         r = fab("status", "--hosts", HOST, inventory=env["inv"])
         out = strip_ansi(r.stdout)
@@ -153,7 +154,7 @@ def test_markup_in_a_hosts_strings_is_printed_verbatim(env, fab):
         r = fab("status", "--json", "--hosts", HOST, inventory=env["inv"])
         assert holder in json.loads(r.stdout)[0]["lock"]
     finally:
-        ssh(lab, HOST, "rm -f /opt/ddtree/deploy.lock")
+        ssh(lab, HOST, f"rm -f {LOCK}")
     healthy(fab, env["inv"])
 
 
@@ -191,15 +192,33 @@ def test_api_key_from_a_root_only_file_through_a_credential(env, fab):
 
 
 def test_an_unsafe_secrets_file_stops_a_restart_before_anything_stops(env, fab):
-    """Fault: the key file made world-readable (0644). `fab restart` refuses before restarting (the service keeps
-    serving the same process); systemd itself refuses to start the unit (ExecStartPre); back to 0600: fine."""
+    """Fault: the key file made world-readable (0644). `fab restart` and `fab deploy` refuse at their plan (the
+    probe judged the file as the unit's ExecStartPre does), and the host's agent refuses a restart it is sent
+    anyway (a file changed between plan and apply) before anything stops: the service keeps serving the same
+    process. systemd itself refuses to start the unit (ExecStartPre); back to 0600: fine."""
+    from deploy.inventory import load_inventory
+    from deploy.release import rollout
     lab = env["lab"]
     before = show(lab, "InvocationID")["InvocationID"]
+    journal_before = ssh(lab, HOST, "wc -l < /opt/ddtree/journal.jsonl").stdout
     ssh(lab, HOST, f"chmod 0644 {KEY_FILE}")
     try:
-        r = fab("restart", "--hosts", HOST, inventory=env["keyed"])
-        assert r.returncode != 0 and "gate FAILED at secrets" in r.stdout and "has mode 0644" in r.stdout, r.stdout
+        for args in (("restart", "--hosts", HOST), ("deploy", "--yes", "--hosts", HOST, "--mode", "shadow-linear")):
+            r = fab(*args, inventory=env["keyed"])
+            assert r.returncode != 0 and f"REFUSED API key file: {KEY_FILE}: has mode 0644" in r.stdout, r.stdout
+            assert KEY not in r.stdout + r.stderr
         assert show(lab, "InvocationID")["InvocationID"] == before  # nothing was restarted
+        assert ssh(lab, HOST, "wc -l < /opt/ddtree/journal.jsonl").stdout == journal_before  # nor applied
+        # the agent's own check, past the plan: the restart payload sent as is
+        inv = load_inventory(str(env["keyed"]))
+        host = inv.hosts[HOST]
+        state = agent_call(inv, HOST, "release.probe", rollout.host_args(host) | {"instances": ["gpu0"]})
+        assert state["api_keys"][KEY_FILE].startswith(f"{KEY_FILE}: has mode 0644")
+        res = agent_call(inv, HOST, "release.apply", rollout.restart_payload(host, state, None),
+                         lock=dict(rollout.holder("pytest"), mode="once"), deadline=120)
+        assert not res["ok"] and res["kind"] == "secrets" and "has mode 0644" in res["error"], res
+        assert res["restarted"] == [] and KEY not in json.dumps(res)
+        assert show(lab, "InvocationID")["InvocationID"] == before
         healthy(fab, env["keyed"])
         r = ssh(lab, HOST, "systemctl restart sglang-ddtree@gpu0", check=False)  # behind the tool's back
         assert r.returncode != 0

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy.release import agent
+from deploy.remote.host import gate as agent
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVER = ROOT / "deploy" / "labserver" / "server.py"

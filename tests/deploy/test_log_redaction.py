@@ -22,7 +22,7 @@ def release(tmp_path):
     """A release's bin/ and site/ as the unit sees them, and the unit's credentials directory."""
     (tmp_path / "rel" / "bin").mkdir(parents=True)
     (tmp_path / "rel" / "site").mkdir()
-    shutil.copy(ROOT / "deploy/release/server_secrets.py", tmp_path / "rel/bin/server_secrets.py")
+    shutil.copy(ROOT / "deploy/remote/host/server_secrets.py", tmp_path / "rel/bin/server_secrets.py")
     shutil.copy(ROOT / "deploy/release/sitecustomize.py", tmp_path / "rel/site/sitecustomize.py")
     creds = tmp_path / "creds"
     creds.mkdir(mode=0o700)

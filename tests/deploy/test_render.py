@@ -265,7 +265,7 @@ def test_api_key_argv_through_sglangs_real_config_merger(seed, sglang_parser, tm
     ConfigArgumentMerger turns the credential (the host's key file, as server_secrets.py accepts it) into
     --api-key, and the command line keeps the last word on --host/--port (config args go first)."""
     from sglang.srt.utils.server_args_config_parser import ConfigArgumentMerger
-    from deploy.release import server_secrets
+    from deploy.remote.host import server_secrets
     host = keyed(seed.hosts["ct200"], "10.0.0.5")
     s = dataclasses.replace(host.services[1], mode="tree-verify")
     argv = render.service_argv(host, s)

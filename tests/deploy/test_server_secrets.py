@@ -1,4 +1,4 @@
-"""The secrets files' checks (deploy/release/server_secrets.py, the unit's ExecStartPre and the gate's key
+"""The secrets files' checks (deploy/remote/host/server_secrets.py, the unit's ExecStartPre and the gate's key
 reader): owner, mode, type and directory of real files, and the key file's format -- which must read the
 same under PyYAML (what SGLang's --config uses) as under the host's stdlib parser. No message holds a key."""
 from __future__ import annotations
@@ -10,7 +10,9 @@ import sys
 import pytest
 import yaml
 
-from deploy.release import server_secrets as ss
+from deploy.remote.host import server_secrets as ss
+
+from .helpers import secret_file
 
 KEY = "Kx9fTq2LmZ7wP4sR8vB1nY6h"
 
@@ -24,10 +26,7 @@ def secret_dir(tmp_path):
 
 
 def make(d, name="api-key.yaml", text=f"api-key: {KEY}\n", mode=0o600):
-    p = d / name
-    p.write_text(text)
-    os.chmod(p, mode)
-    return str(p)
+    return secret_file(d, name, text, mode)
 
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="owner checks need root to create root-owned files")

@@ -10,7 +10,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
-AGENT = (REPO / "deploy" / "provision" / "agent.py").read_text()
 
 
 def make_project(root: Path, name: str, version: str, *, module: str | None = None, body: str = "VALUE = 1\n",
@@ -66,13 +65,27 @@ def pip(venv_python: Path, *args: str, check: bool = True) -> subprocess.Complet
                           capture_output=True, text=True, check=check, env=_env())
 
 
-def agent(venv_python: Path, cmd: str, payload: dict, home: Path | None = None) -> dict:
-    """Run the agent as the hosts do; HOME points at an empty folder so ~/.cache/pip is not consulted."""
-    env = dict(os.environ, HOME=str(home or Path(venv_python).parents[1] / "home"))
-    p = subprocess.run([str(venv_python), "-c", AGENT, cmd, json.dumps(payload)], capture_output=True, text=True,
-                       env=env)
-    assert "@@AGENT@@" in p.stdout, p.stderr
-    return json.loads(p.stdout.rsplit("@@AGENT@@", 1)[1])
+def stage(state: Path, whl: Path) -> dict:
+    """Put a wheel into the agent's private staging directory as an upload would (0700 dirs), and describe it."""
+    from deploy.remote.host.fsutil import sha256_file
+    from deploy.remote.host.wheels import parse_wheel_filename
+    sha = sha256_file(str(whl))
+    d = state / "provision" / "incoming" / sha
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    for p in (state, state / "provision", state / "provision" / "incoming", d):
+        p.chmod(0o700)
+    (d / whl.name).write_bytes(whl.read_bytes())
+    name, version = parse_wheel_filename(whl.name)
+    return {"name": name, "version": version, "sha256": sha, "filename": whl.name}
+
+
+def apply_args(venv_python: Path, install: list[dict], remove=(), pid: str = "t1") -> dict:
+    """provision.apply's arguments, with the command prefixes the control machine builds."""
+    from deploy.remote import commands
+    py = str(venv_python)
+    return {"id": pid, "venv": str(Path(py).parents[1]), "install": install, "remove": list(remove),
+            "commands": {"pip_install": commands.pip_install(py), "pip_uninstall": commands.pip_uninstall(py),
+                         "smoke": commands.smoke(py)}, "cuda_init": False}
 
 
 def versions(venv_python: Path) -> dict[str, str]:
@@ -80,10 +93,11 @@ def versions(venv_python: Path) -> dict[str, str]:
     return {d["name"].lower().replace("_", "-"): d["version"] for d in json.loads(out)}
 
 
-def rewrite_wheel(whl: Path, changes: dict[str, bytes], out_dir: Path) -> Path:
-    """A copy of `whl` with some members replaced and a RECORD that matches (a valid wheel)."""
+def rewrite_wheel(whl: Path, changes: dict[str, bytes], out_dir: Path, extra: dict[str, bytes] | None = None) -> Path:
+    """A copy of `whl` with some members replaced (and `extra` members added) and a RECORD that matches: a wheel
+    whose every hash checks out."""
     import zipfile
-    from deploy.provision.agent import parse_record, record_hash
+    from deploy.remote.host.wheels import record_hash
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / whl.name
     with zipfile.ZipFile(whl) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as dst:
@@ -94,6 +108,9 @@ def rewrite_wheel(whl: Path, changes: dict[str, bytes], out_dir: Path) -> Path:
             if n == rec:
                 continue
             data = changes.get(n, src.read(n))
+            dst.writestr(n, data)
+            rows.append(f"{n},{record_hash(data)},{len(data)}")
+        for n, data in (extra or {}).items():
             dst.writestr(n, data)
             rows.append(f"{n},{record_hash(data)},{len(data)}")
         rows.append(f"{rec},,")

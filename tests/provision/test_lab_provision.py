@@ -1,8 +1,8 @@
 """`provision` on the lab's real hosts (real sshd, SFTP, pip): the faults of issue 3.
 
 Isolation: these tests never touch the shared /opt/sglang/venv. They create their own venvs
-(/opt/provtest/venv on ct129 and ct200), their own stage root, and their own control-side cache,
-and remove them at the end. The managed set is `provtest-*`.
+(/opt/provtest/venv on ct129 and ct200), their own agent state directory (staging, backups, lock), and their
+own control-side cache, and remove them at the end. The managed set is `provtest-*`.
 """
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from deploy.inventory import Host
-from deploy.provision import agent as agentmod
 from deploy.provision import overlay
 from deploy.provision.cache import WheelCache
+from deploy.remote.host.fsutil import sha256_file
 from deploy.ssh import open_checked
 
 from provhelpers import build_wheel, make_project, rewrite_wheel
@@ -25,8 +25,8 @@ pytestmark = pytest.mark.lab
 
 VENV = "/opt/provtest/venv"
 HOUSE = "/opt/provtest/wheelhouse"
-ROOT = "/var/tmp/ddtree-provision-test"
-BLOB = 8 << 20
+ROOT = "/var/lib/ddtree-provtest"
+BLOB = 48 << 20  # large enough that a cut lands mid-wheel (events every 0.25 s)
 
 
 def _sh(conn, cmd, **kw):
@@ -90,8 +90,9 @@ def world(lab, tmp_path_factory):
 
 def _opts(world, **kw):
     from rich.console import Console
-    return overlay.Options(yes=True, cache=world["cache"], stage_root=ROOT, progress=False,
-                           console=Console(width=200, record=True), **kw)
+    kw.setdefault("state_dir", ROOT)
+    return overlay.Options(yes=True, cache=world["cache"], progress=False, console=Console(width=200, record=True),
+                           **kw)
 
 
 BEFORE = {"provtest-alpha": "1.0+cu128", "provtest-beta": "1.0", "provtest-extra": "0.1"}
@@ -114,11 +115,11 @@ def test_dry_run_plan_changes_nothing(world):
 def test_cut_connection_mid_transfer_then_resume(world):
     cut = {"sent": 0, "done": False}
 
-    def hook(host, sftp, n):
+    def hook(host, ssh_proc, n):
         cut["sent"] += n
-        if cut["sent"] > 3 << 20 and not cut["done"]:
+        if cut["sent"] > 0 and not cut["done"]:           # at the first word of progress (after ~1 MiB)
             cut["done"] = True
-            sftp.get_channel().get_transport().close()     # the SSH connection drops mid-wheel
+            ssh_proc.kill()                                # the SSH connection drops mid-wheel
 
     rep = overlay.provision(world["inv"], "ct200", _opts(world, hooks={"put_progress": hook}))
     (h,) = rep.hosts
@@ -126,7 +127,8 @@ def test_cut_connection_mid_transfer_then_resume(world):
     assert _versions(world["inv"], "ct200") == BEFORE               # nothing partial was installed
     conn = open_checked(world["inv"], world["inv"].hosts["ct200"])
     try:
-        parts = conn.run(f"find {ROOT}/incoming -name '*.part' -printf '%s\\n'", hide=True, in_stream=False).stdout.split()
+        parts = conn.run(f"find {ROOT}/provision/incoming -name '*.part' -printf '%s\\n'", hide=True,
+                         in_stream=False).stdout.split()
     finally:
         conn.close()
     assert parts and 0 < int(parts[0]) < BLOB + (64 << 10)
@@ -158,14 +160,14 @@ def test_undo_restores_the_previous_builds(world):
 
 def test_corrupted_cached_wheel_is_fetched_again(world):
     cache = world["cache"]
-    sha = agentmod.sha256_file(world["wheels"]["a1"])
+    sha = sha256_file(str(world["wheels"]["a1"]))
     (p,) = list((cache.root / sha[:2] / sha).glob("*.whl"))
     data = bytearray(p.read_bytes())
     data[len(data) // 2] ^= 0xFF
     p.write_bytes(bytes(data))
     conn = open_checked(world["inv"], world["inv"].hosts["ct200"])
     try:
-        _sh(conn, f"rm -rf {ROOT}/incoming/{sha}")     # so the target needs the wheel from the cache again
+        _sh(conn, f"rm -rf {ROOT}/provision/incoming/{sha}")  # so the target needs the wheel from the cache again
     finally:
         conn.close()
     world["cache"] = WheelCache(cache.root)             # a new run remembers nothing
@@ -187,12 +189,12 @@ def test_pip_failure_restores_and_drift_is_shown(world):
     ep = None
     try:
         ep = _sh(conn, f"ls -d {VENV}/lib/python3*/site-packages/provtest_alpha-*.dist-info").strip() + "/entry_points.txt"
-        orig = _sh(conn, f"cat {ep}")
+        _sh(conn, f"cp -p {ep} {ep}.keep")   # put back byte for byte below (the reference must not keep drift)
         _sh(conn, f"printf '[console_scripts]\\nprovtest_alpha-cli = provtest_alpha:\\n' > {ep}")
         rep = overlay.provision(inv, "ct200", _opts(world))
     finally:
         if ep:
-            conn.run(f"printf %s {json.dumps(orig)} > {ep}", hide=True, warn=True, in_stream=False)
+            conn.run(f"mv {ep}.keep {ep}", hide=True, warn=True, in_stream=False)
         conn.close()
     (h,) = rep.hosts
     assert any(w.code == "drift" and "entry_points.txt" in w.message for w in h.plan.warnings)
@@ -218,3 +220,86 @@ def test_fab_cli_json_dry_run_and_no_terminal(fab, lab):
         assert r.returncode != 0 and "--yes" in (r.stdout + r.stderr)
     r = fab("provision", "ct129", "--dry-run")
     assert "reference" in r.stdout
+
+
+# ---------------------------------------------------------------- faults of issue 9 (planted files, trust)
+
+def test_faults_planted_in_the_old_world_writable_staging_dir_are_never_used(world):
+    """Issue 9's attack: a local user plants built/<sha256 of RECORD>/built.json and a wheel with a .pth under the
+    old fixed /var/tmp/ddtree-provision; it was offered as 'rebuilt' and installed as root everywhere. The agent
+    never reads /var/tmp; its own staging is private."""
+    inv = world["inv"]
+    conn = open_checked(inv, inv.hosts["ct129"])
+    try:
+        key = _sh(conn, f"sha256sum {VENV}/lib/python3*/site-packages/provtest_beta-2.0.dist-info/RECORD").split()[0]
+        d = f"/var/tmp/ddtree-provision/built/{key}"
+        _sh(conn, f"mkdir -p {d} && chown -R deploy /var/tmp/ddtree-provision && "
+                  f"printf 'import os\\n' > /tmp/evil.pth && cd /tmp && "
+                  f"python3 -m zipfile -c {d}/provtest_beta-2.0-py3-none-any.whl evil.pth && "
+                  f"printf '{{\"filename\": \"provtest_beta-2.0-py3-none-any.whl\", \"sha256\": \"%s\", \"size\": 1}}' "
+                  f"$(sha256sum {d}/provtest_beta-2.0-py3-none-any.whl | cut -d' ' -f1) > {d}/built.json")
+        rep = overlay.provision(inv, "ct200", _opts(world, dry_run=True))
+        (h,) = rep.hosts
+        assert h.plan.sources["provtest-beta"]["kind"] in ("rebuild", "rebuilt"), h.plan.sources
+        assert h.plan.sources["provtest-beta"].get("sha256") != _sh(
+            conn, f"sha256sum {d}/provtest_beta-2.0-py3-none-any.whl").split()[0]
+    finally:
+        conn.run("rm -rf /var/tmp/ddtree-provision /tmp/evil.pth", hide=True, warn=True, in_stream=False)
+        conn.close()
+
+
+def test_faults_planted_symlink_built_json_and_dotdot_name_in_the_private_dir(world, tmp_path):
+    """Inside the private state directory (root only, so only root could plant these): a symlinked state dir is
+    refused outright; a built.json naming '../../../../etc/cron.d/...' is never offered or followed; a symlink
+    planted where an upload lands is refused and its target left alone. Nothing is installed from any of them."""
+    inv = world["inv"]
+    ref, tgt = open_checked(inv, inv.hosts["ct129"]), open_checked(inv, inv.hosts["ct200"])
+    try:
+        # a symlinked state directory
+        _sh(tgt, "mkdir -p /root/elsewhere && ln -sfn /root/elsewhere /var/lib/ddtree-provlink")
+        rep = overlay.provision(inv, "ct200", _opts(world, state_dir="/var/lib/ddtree-provlink"))
+        (h,) = rep.hosts
+        assert not h.ok and "symbolic link" in h.error, h.error
+        assert _sh(tgt, "ls -A /root/elsewhere").strip() == ""
+        # a built.json with a '../' name in the reference's private built directory
+        rep = overlay.provision(inv, "ct200", _opts(world, dry_run=True))
+        key = _sh(ref, f"sha256sum {VENV}/lib/python3*/site-packages/provtest_beta-2.0.dist-info/RECORD").split()[0]
+        d = f"{ROOT}/provision/built/{key}"
+        _sh(ref, f"mkdir -p {d} && chmod 700 {ROOT}/provision {ROOT}/provision/built {d} && "
+                 f"printf '{{\"filename\": \"../../../../etc/cron.d/ddtree-x-1.0-py3-none-any.whl\", "
+                 f"\"sha256\": \"{'a' * 64}\", \"size\": 1}}' > {d}/built.json")
+        rep = overlay.provision(inv, "ct200", _opts(world, dry_run=True))
+        (h,) = rep.hosts
+        assert h.plan.sources["provtest-beta"]["kind"] == "rebuild"   # the planted one is not offered
+        # a symlink where the upload of alpha's wheel lands on the target
+        sha = h.plan.sources["provtest-alpha"]["sha256"]
+        part = f"{ROOT}/provision/incoming/{sha}/{world['wheels']['a1'].name}.part"
+        _sh(tgt, f"rm -rf {ROOT}/provision/incoming/{sha} && mkdir -p -m 700 {ROOT}/provision/incoming/{sha} && "
+                 f"echo keep > /root/victim && ln -s /root/victim {part}")
+        rep = overlay.provision(inv, "ct200", _opts(world))
+        (h,) = rep.hosts
+        assert not h.ok and "symbolic link" in h.error, h.error
+        assert _sh(tgt, "cat /root/victim").strip() == "keep"
+        assert _versions(inv, "ct200") == BEFORE
+        assert not list(Path("/etc/cron.d").glob("ddtree-x*"))
+        assert _sh(ref, "ls /etc/cron.d").find("ddtree-x") < 0 and _sh(tgt, "ls /etc/cron.d").find("ddtree-x") < 0
+    finally:
+        for c in (ref, tgt):
+            c.run(f"rm -rf /var/lib/ddtree-provlink /root/elsewhere /root/victim {ROOT}/provision/built "
+                  f"{ROOT}/provision/incoming", hide=True, warn=True, in_stream=False)
+            c.close()
+
+
+def test_fault_group_writable_target_venv_blocks_the_provision(world):
+    inv = world["inv"]
+    conn = open_checked(inv, inv.hosts["ct200"])
+    site = _sh(conn, f"ls -d {VENV}/lib/python3*/site-packages").strip()
+    try:
+        _sh(conn, f"chmod g+w {site}")
+        rep = overlay.provision(inv, "ct200", _opts(world))
+        (h,) = rep.hosts
+        assert h.status == "blocked" and "venv-trust" in h.error and "writable by group" in h.error, h.error
+        assert _versions(inv, "ct200") == BEFORE and rep.sent_bytes == 0
+    finally:
+        _sh(conn, f"chmod g-w {site}")
+        conn.close()

@@ -149,7 +149,7 @@ def test_unknown_arch_list_is_a_warning():
 
 def test_blocker_disk():
     scan = {"torch": {"installed_bytes": 4 << 30, "drift": [],
-                      "source": {"kind": "original", "sha256": "a" * 64, "size": 1 << 30, "filename": "t.whl"}}}
+                      "source": {"kind": "original", "sha256": "a" * 64, "size": 1 << 30, "filename": "torch-2.11.0+cu130-cp311-cp311-linux_x86_64.whl"}}}
     b, _ = _blockers(facts("ct129", REF), facts("ct200", TGT, free=2 << 30), scan)
     assert "disk" in b and "free" in b["disk"]
     b, _ = _blockers(facts("ct129", REF), facts("ct200", TGT, free=200 << 30), scan)
@@ -175,7 +175,7 @@ def test_drift_on_reference_is_in_the_plan():
 def test_staged_wheel_is_not_transferred_again():
     sha = "b" * 64
     scan = {"torch": {"installed_bytes": 10, "drift": [],
-                      "source": {"kind": "original", "sha256": sha, "size": 1000, "filename": "t.whl"}}}
+                      "source": {"kind": "original", "sha256": sha, "size": 1000, "filename": "torch-2.11.0+cu130-cp311-cp311-linux_x86_64.whl"}}}
     p = make_plan(facts("ct129", REF), facts("ct200", TGT), PATTERNS, scan, {"staged": {}})
     assert p.transfer_bytes() == 1000
     p = make_plan(facts("ct129", REF), facts("ct200", TGT), PATTERNS, scan, {"staged": {sha: {}}})
@@ -215,3 +215,48 @@ def test_build_tag_from_version_py_when_metadata_lacks_it():
     same = facts("h200", dict(REF, torch="2.11.0"))
     same["torch"].update(version="2.11.0+cu130", local="cu130")
     assert make_plan(ref, same, PATTERNS).empty
+
+
+def test_a_wheel_name_that_is_not_one_blocks_the_host():
+    """Issue 9: a wheel file name from the reference host (`../../../../etc/cron.d/x`) became a path on the control
+    machine and, as root, on the targets. The plan refuses it before anything is fetched."""
+    for bad in ("../../../../etc/cron.d/x", "../../../../etc/cron.d/x-1.0-py3-none-any.whl", "t.whl"):
+        scan = {"torch": {"installed_bytes": 10, "drift": [],
+                          "source": {"kind": "rebuilt", "sha256": "c" * 64, "size": 1000, "filename": bad}}}
+        p = make_plan(facts("ct129", REF), facts("ct200", TGT), PATTERNS, scan, {"staged": {}})
+        assert p.blocked and p.blockers[-1].code == "wheel-name" and repr(bad) in p.blockers[-1].message
+        assert p.sources["torch"]["kind"] == "refused" and "filename" not in p.sources["torch"]
+
+
+def test_an_untrusted_target_venv_blocks_the_host():
+    tgt = facts("ct200", TGT)
+    tgt["venv"]["trust"] = "/opt/sglang/venv/lib/python3.11/site-packages is writable by group"
+    p = make_plan(facts("ct129", REF), tgt, PATTERNS)
+    assert p.blocked and any(b.code == "venv-trust" and "writable by group" in b.message for b in p.blockers)
+
+
+def test_the_confirmation_shows_each_command_and_a_ctrl_c_is_a_no():
+    """The commands a target will run are argv built here, shown before the question; Ctrl-C or EOF at the
+    question changes nothing (no lock was taken: provision locks only once it goes ahead)."""
+    from rich.console import Console
+
+    from deploy.inventory import Host
+    from deploy.provision import overlay
+    scan = {"torch": {"installed_bytes": 10, "drift": [], "pth": [],
+                      "source": {"kind": "original", "sha256": "d" * 64, "size": 1000,
+                                 "filename": "torch-2.11.0+cu130-cp311-cp311-linux_x86_64.whl"}}}
+    p = make_plan(facts("ct129", REF), facts("ct200", TGT), PATTERNS, scan, {"staged": {}})
+    host = Host("ct200", "10.0.0.2", "root", 22, (0,), vars={"venv": "/opt/sglang/venv"})
+    cmds = overlay.planned_commands(host, p, "/var/lib/ddtree")
+    assert cmds[0][:5] == ["/opt/sglang/venv/bin/python", "-m", "pip", "install", "--isolated"]
+    assert f"/var/lib/ddtree/provision/incoming/{'d' * 64}/torch-2.11.0+cu130-cp311-cp311-linux_x86_64.whl" in cmds[0]
+    pay = overlay.apply_payload(host, p, "id1")
+    assert pay["commands"]["pip_install"] == cmds[0][:len(pay["commands"]["pip_install"])]
+    assert pay["install"][0]["sha256"] == "d" * 64 and pay["allow_pth"] == {"torch": []}
+    for exc in (KeyboardInterrupt, EOFError):
+        def ask(_q, exc=exc):
+            raise exc
+        con = Console(record=True, width=200)
+        assert overlay._confirmed(overlay.Options(confirm=ask, console=con), con, [host], {"ct200": p}) is False
+        text = con.export_text()
+        assert "pip install --isolated" in text and "nothing changed, no host locked" in text

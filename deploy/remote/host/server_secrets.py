@@ -18,8 +18,10 @@ As the unit's ExecStartPre (as the service user: lstat needs no read permission 
     server_secrets.py --check /etc/ddtree/secrets.env [--api-key-file PATH --credential %d/sglang-server.yaml]
 exits 1 with the reason (never the key) when a file is unsafe or malformed, so the unit does not start.
 
-Stdlib only: runs with the host's /usr/bin/python3, and the deploy agent imports it from the release to read
-the key for the health gate (as root).
+Stdlib only, one copy: this module is part of the agent's host package (deploy/remote/host), whose release
+ops import it to check the files at plan time (release.probe) and before any restart (release.apply) and to read
+the key for the health gate (as root); every release carries the same file as bin/server_secrets.py for the
+unit's ExecStartPre and the log redactor (site/sitecustomize.py). So it imports nothing of the package.
 """
 import argparse
 import os

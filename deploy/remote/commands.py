@@ -1,0 +1,51 @@
+"""Every command that changes a host, built here as an argv list (Kamal's habit): the plan prints them, the
+tests assert them, and the agent runs them as given (appending only the private paths and names it verified).
+Pure functions; nothing here runs anything."""
+from __future__ import annotations
+
+SMOKE_CODE = ("import importlib, json, sys\n"
+              "mods = json.loads(sys.argv[1])\n"
+              "for m in mods:\n"
+              "    importlib.import_module(m)\n"
+              "if sys.argv[2] == 'cuda':\n"
+              "    import torch\n"
+              "    torch.cuda.init()\n"
+              "    print('cuda devices', torch.cuda.device_count())\n"
+              "print('imported', len(mods), 'modules')\n")
+
+
+def venv_python(venv: str) -> str:
+    return f"{venv}/bin/python"
+
+
+def pip_install(python: str, wheels: list[str] | tuple = ()) -> list[str]:
+    """Install exact wheel files offline (--isolated: no pip.conf or PIP_* setting of the host, such as a
+    constraint file or an index, can change what is installed)."""
+    return [python, "-m", "pip", "install", "--isolated", "--no-index", "--no-deps", "--force-reinstall",
+            "--disable-pip-version-check", "--no-input", "--no-cache-dir"] + list(wheels)
+
+
+def pip_uninstall(python: str, names: list[str] | tuple = ()) -> list[str]:
+    return [python, "-m", "pip", "uninstall", "--isolated", "--yes", "--disable-pip-version-check",
+            "--no-input"] + list(names)
+
+
+def smoke(python: str) -> list[str]:
+    """Import every top-level module of the installed distributions (the agent appends the module list as
+    JSON and 'cuda' or 'nocuda')."""
+    return [python, "-I", "-c", SMOKE_CODE]
+
+
+def systemctl(verb: str, units: list[str] | tuple = (), *flags: str) -> list[str]:
+    return ["systemctl", verb, *flags, *units]
+
+
+def useradd(user: str) -> list[str]:
+    return ["useradd", "--system", "--no-create-home", "--home-dir", "/nonexistent", "--shell", "/usr/sbin/nologin",
+            "--user-group", user]
+
+
+def shown(argv: list[str]) -> str:
+    """An argv as one shell-quoted line, for the plan."""
+    import shlex
+    return shlex.join(argv)

@@ -1,0 +1,677 @@
+"""Release ops: read a host's release state (probe, status, logs, outcome) and change it (apply) as one
+transaction per call.
+
+Host layout, under state_dir (the parent of release_root, from the inventory):
+
+    releases/<id>/{manifest.json, wheels/, systemd/ (unit, per-GPU drop-ins), env/gpuN.env (0600 root),
+                   bin/ (wait_ready.py, server_secrets.py), site/ (log redactor), labserver/, overlays/}
+    releases/current -> <id>          the active release (switched atomically)
+    journal.jsonl                     audit journal: one JSON line per run, with its token
+    services.json                     per GPU: release and digest it was last started with
+
+No secret is in a release: the secrets env file and the API-key file stay where the operator keeps them
+(root-only 0600); the unit reads them (EnvironmentFile=, LoadCredential=), and this agent reads the key only to
+send it in the gate's Authorization header.
+
+`release.apply` runs what the control machine planned, in order -- check the secrets files as the unit's own
+start check will (before any change), stage a bundle (read from stdin), activate a release, stop services,
+restart batches through the health gate -- under the host lock, checking the lock's token before each step.
+Activation is one transaction: the plugin in the venv, the file overlays, the unit file with the per-GPU
+drop-ins and `current` switch together, or every step already done is undone. Any failure after activation began
+re-activates the previous release and restarts what was touched (when the plan gives a previous release).
+The op never stops half-way because its client went away: it finishes or rolls back, journals the outcome
+with the run's token (release.outcome reads it) and only then lets the lock go.
+"""
+import glob
+import hashlib
+import io
+import json
+import os
+import shutil
+import tarfile
+import time
+
+from . import gate as gatemod
+from . import locks
+from . import server_secrets
+from . import venv as venvmod
+from .fsutil import (Unsafe, append_jsonl, atomic_write, check_path, now_iso, read_json, sha256_file, tail_jsonl,
+                     trusted_dir, trusted_tree, write_json)
+from .proc import run
+from .registry import Failure, op
+from .systemd import journal_lines, unit, unit_states
+from .wheels import WheelError, check_wheel, normalize
+
+ENV_MODE = 0o600       # env files: root only, from creation (systemd reads them as root)
+FILE_MODE = 0o644
+
+
+class ActivationFailed(Exception):
+    def __init__(self, release, step, error, undo_errors):
+        self.release, self.step, self.error, self.undo_errors = release, step, error, undo_errors
+        Exception.__init__(self, "activating %s failed at %s: %s; %s" % (
+            release, step, error, "every step done was undone" if not undo_errors
+            else "UNDO INCOMPLETE: " + "; ".join(undo_errors)))
+
+
+class GateFailed(Exception):
+    def __init__(self, message, failed):
+        Exception.__init__(self, message)
+        self.failed = failed
+
+
+# ---------------------------------------------------------------- reading state
+
+def current_release(root):
+    link = os.path.join(root, "current")
+    return os.path.basename(os.readlink(link)) if os.path.islink(link) else None
+
+
+def list_releases(root):
+    if not os.path.isdir(root):
+        return []
+    return sorted(d for d in os.listdir(root) if d != "current" and not d.startswith(".")
+                  and os.path.isfile(os.path.join(root, d, "manifest.json")))
+
+
+def failed_releases(root):
+    return [r for r in list_releases(root) if os.path.exists(os.path.join(root, r, "FAILED"))]
+
+
+def manifest_of(root, rid):
+    return read_json(os.path.join(root, rid, "manifest.json")) if rid else None
+
+
+def plugin_version(venv, dist):
+    try:
+        return venvmod.installed_versions(venvmod.site_packages(venv), [dist]).get(normalize(dist))
+    except venvmod.VenvError:
+        return None
+
+
+def overlay_check(venv, overlays):
+    """Each overlay: installed version matches and the target file is the original (or already patched)."""
+    out = []
+    if not overlays:
+        return out
+    sp = venvmod.site_packages(venv)
+    versions = venvmod.installed_versions(sp, [o["package"] for o in overlays])
+    for o in overlays:
+        path = os.path.join(sp, o["path"])
+        have = versions.get(normalize(o["package"]))
+        sha = sha256_file(path, follow=False) if os.path.isfile(path) and not os.path.islink(path) else None
+        ok = have == o["version"] and sha in (o["sha256"], o["new_sha256"])
+        why = ""
+        if have != o["version"]:
+            why = "%s is %s on the host, the overlay is for %s" % (o["package"], have, o["version"])
+        elif sha not in (o["sha256"], o["new_sha256"]):
+            why = "%s has sha256 %s, the overlay expects %s" % (o["path"], sha, o["sha256"])
+        out.append({"path": o["path"], "ok": ok, "why": why, "state": "patched" if sha == o["new_sha256"] else "orig"})
+    return out
+
+
+def check_secrets(secrets_file, key_files=()):
+    """The checks the unit's ExecStartPre makes before every start (server_secrets.py: this very module is the
+    release's bin/server_secrets.py), made by root before anything restarts, plus every directory above each file
+    trusted: the secrets env file, when present, and each API-key file must be root-owned 0600/0400 regular files,
+    each key file well-formed. Returns {key file: key} for the gate (never sent back); raises Unsafe, whose
+    message never holds a secret."""
+    keys = {}
+    try:
+        if secrets_file and os.path.lexists(secrets_file):
+            server_secrets.check_owner_mode(secrets_file)
+            check_path(os.path.dirname(secrets_file))
+        for f in key_files:
+            server_secrets.check_owner_mode(f)
+            check_path(os.path.dirname(f))
+            keys[f] = server_secrets.read_api_key(f)
+    except (server_secrets.SecretsError, OSError) as exc:
+        raise Unsafe(str(exc))
+    return keys
+
+
+def gate_keys(secrets_file, gates):
+    """{instance: its API key or None} for these gates, after check_secrets."""
+    keys = check_secrets(secrets_file, sorted(set(g["api_key_file"] for g in gates.values() if g.get("api_key_file"))))
+    return dict((i, keys.get(g.get("api_key_file"))) for i, g in gates.items())
+
+
+def venv_trust(venv):
+    try:
+        venvmod.check_runnable(venv)
+        return "ok"
+    except (Unsafe, venvmod.VenvError) as exc:
+        return str(exc)
+
+
+def _state(ctx, a, health=False):
+    root, sdir = a["root"], a["state_dir"]
+    cur = current_release(root)
+    man = manifest_of(root, cur)
+    lock = locks.read(ctx.state)
+    if lock:
+        lock["stale"] = locks.stale(lock)
+    out = {"current": cur, "releases": list_releases(root), "failed": failed_releases(root), "manifest": man,
+           "lock": lock, "services": read_json(os.path.join(sdir, "services.json"), {}),
+           "venv_python": os.path.exists(venvmod.python(a["venv"]))}
+    if a.get("manifests"):
+        out["manifests"] = dict((r, manifest_of(root, r)) for r in out["releases"])
+    insts = list(a.get("instances") or [])
+    if health:
+        insts = sorted(set(insts) | set((man or {}).get("services", {})), key=lambda s: (len(s), s))
+    out["units"] = unit_states(insts)
+    return out, man, insts
+
+
+@op("release.probe")
+def probe(ctx, a):
+    """What a plan needs, changing nothing and taking no lock: current release and manifest, unit states, each
+    tree-verify model's config.json (hybrid gate), the file-overlay guards, whether root may run the venv and
+    the secrets files: the secrets env file and every API-key file the plan may restart with (those asked for and
+    those of the manifests read), each "ok" or why the unit's start check would refuse it (never a key)."""
+    out, _man, _insts = _state(ctx, a)
+    out["configs"] = {}
+    for m in a.get("models", []):
+        p = os.path.join(m, "config.json")
+        try:
+            with open(p) as fh:
+                out["configs"][m] = {"config": json.load(fh)}
+        except (OSError, ValueError) as e:
+            out["configs"][m] = {"error": "%s: %s" % (p, e)}
+    try:
+        out["overlays"] = overlay_check(a["venv"], a.get("overlays", []))
+    except venvmod.VenvError as exc:
+        out["overlays"] = [{"path": o["path"], "ok": False, "why": str(exc), "state": "?"} for o in a["overlays"]]
+    out["venv_trust"] = venv_trust(a["venv"]) if out["venv_python"] else "no venv python"
+    secrets = a.get("secrets_file")
+    out["secrets"] = "unchecked" if not secrets else "ok" if os.path.lexists(secrets) else "absent"
+    if out["secrets"] == "ok":
+        try:
+            check_secrets(secrets)
+        except Unsafe as exc:
+            out["secrets"] = str(exc)
+    key_files = set(a.get("api_key_files") or [])
+    for m in [out["manifest"]] + list((out.get("manifests") or {}).values()):
+        key_files.update(s["api_key_file"] for s in ((m or {}).get("services") or {}).values()
+                         if isinstance(s, dict) and s.get("api_key_file"))
+    out["api_keys"] = {}
+    for f in sorted(key_files):
+        try:
+            check_secrets(None, [f])
+            out["api_keys"][f] = "ok"
+        except Unsafe as exc:
+            out["api_keys"][f] = str(exc)
+    return out
+
+
+@op("release.status")
+def status(ctx, a):
+    out, man, insts = _state(ctx, a, health=True)
+    health = {}
+    for i in insts:
+        ms = (man or {}).get("services", {}).get(i) or {}
+        port = ms.get("port") or (a.get("ports") or {}).get(i)
+        if port:  # at the address it listens on (the manifest's); /health needs no API key
+            code, _ = gatemod.http(int(port), "GET", "/health", timeout=2, address=ms.get("address") or "127.0.0.1")
+            health[i] = code
+    out.update(health=health, journal=tail_jsonl(os.path.join(a["state_dir"], "journal.jsonl"), a.get("journal_n", 5)),
+               plugin_installed=plugin_version(a["venv"], ((man or {}).get("plugin") or {}).get("dist")
+                                               or "sglang-ddtree"))
+    return out
+
+
+@op("release.logs")
+def logs(ctx, a):
+    return dict((i, journal_lines(i, a.get("n", 50), a.get("since"))) for i in a["instances"])
+
+
+@op("release.outcome")
+def outcome(ctx, a):
+    """The journal entry of the run with this token (what happened on the host while its client was away)."""
+    entries = [j for j in tail_jsonl(os.path.join(a["state_dir"], "journal.jsonl"), 200) if j.get("token") == a["token"]]
+    lock = locks.read(ctx.state)
+    return {"entry": entries[-1] if entries else None, "running": bool(lock and lock.get("token") == a["token"])}
+
+
+# ---------------------------------------------------------------- changing state
+
+class Host(object):
+    """One apply: the paths it works on, the commands it runs, the events it sends."""
+
+    def __init__(self, ctx, a):
+        self.ctx, self.a = ctx, a
+        self.root, self.sdir, self.venv = a["root"], a["state_dir"], a["venv"]
+        self.unit_dir = a.get("unit_dir") or "/etc/systemd/system"
+        self.unit_file = a.get("unit_file") or "sglang-ddtree@.service"
+
+    def run(self, argv, step, timeout=600, check=True):
+        r = run(argv, max(5.0, self.ctx.deadline.left(cap=timeout, floor=5)))
+        if check and r["rc"] != 0:
+            raise RuntimeError("%s: %s exited %s: %s" % (step, " ".join(argv[:4]), r["rc"],
+                                                         (r["out"] + r["err"]).strip()[-1500:]))
+        return r
+
+    # ---- stage
+
+    def stage(self, spec):
+        """Read the bundle from stdin, check every member and sha256, write it into root/.incoming-<id> with
+        each file's final mode from creation (env files 0600), then rename it to root/<id>."""
+        rid, size = spec["release"], int(spec["size"])
+        data = self.ctx.stdin.read(size)
+        if len(data) != size or hashlib.sha256(data).hexdigest() != spec["sha256"]:
+            raise RuntimeError("the release bundle arrived damaged (%d of %d bytes)" % (len(data), size))
+        trusted_dir(self.root, create=True)
+        tmp = os.path.join(self.root, ".incoming-%s" % rid)
+        if os.path.lexists(tmp):
+            shutil.rmtree(tmp)
+        os.mkdir(tmp, 0o700)
+        try:
+            with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+                members = tar.getmembers()
+                for m in members:
+                    parts = m.name.split("/")
+                    if not m.isfile() or m.name.startswith("/") or any(p in ("", ".", "..") for p in parts) \
+                            or parts[0] != rid or len(parts) < 2:
+                        raise RuntimeError("refusing bundle member %r" % m.name)
+                for m in members:
+                    rel = m.name.split("/", 1)[1]
+                    dst = os.path.join(tmp, rel)
+                    d = os.path.dirname(dst)
+                    if not os.path.isdir(d):
+                        os.makedirs(d, 0o755)
+                    mode = ENV_MODE if rel.startswith("env/") else FILE_MODE
+                    fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
+                    os.fchmod(fd, mode)
+                    with os.fdopen(fd, "wb") as fh:
+                        shutil.copyfileobj(tar.extractfile(m), fh)
+            man = read_json(os.path.join(tmp, "manifest.json"))
+            if not isinstance(man, dict) or man.get("release") != rid:
+                raise RuntimeError("bundle %s has no manifest for that release" % rid)
+            for rel, sha in man["files"].items():
+                if sha256_file(os.path.join(tmp, rel), follow=False) != sha:
+                    raise RuntimeError("sha256 mismatch for %s in release %s" % (rel, rid))
+            for dirpath, _dirs, _files in os.walk(tmp):
+                os.chmod(dirpath, 0o755)
+            dest = os.path.join(self.root, rid)
+            if os.path.lexists(dest):
+                shutil.rmtree(dest)
+            os.rename(tmp, dest)
+        finally:
+            if os.path.lexists(tmp):
+                shutil.rmtree(tmp, ignore_errors=True)
+        user = spec.get("user")
+        if user and run(["id", "-u", user["name"]], 30)["rc"] != 0:
+            self.run(user["useradd"], "useradd")
+        return man
+
+    # ---- activate: one transaction
+
+    def verify_release(self, rid, man):
+        tdir = os.path.join(self.root, rid)
+        check_path(tdir)
+        for rel, sha in man["files"].items():
+            if sha256_file(os.path.join(tdir, rel), follow=False) != sha:
+                raise RuntimeError("release %s: %s no longer has its recorded sha256" % (rid, rel))
+        wheel = os.path.join(tdir, man["plugin"]["wheel"])
+        try:
+            check_wheel(wheel)
+        except WheelError as exc:
+            raise RuntimeError("release %s: plugin wheel refused: %s" % (rid, exc))
+
+    def activate(self, spec):
+        """Make spec["release"] active: plugin wheel, overlays, unit file and per-GPU drop-ins, `current`,
+        enablement -- or nothing."""
+        target = spec["release"]
+        man = manifest_of(self.root, target)
+        if not man:
+            raise Failure("no-release", "release %s is not on this host" % target)
+        prev = current_release(self.root)
+        pman = manifest_of(self.root, prev) if prev and prev != target else None
+        # every check before the first change
+        self.verify_release(target, man)
+        try:
+            trusted_tree(self.venv)
+            check_secrets(self.a.get("secrets_file"))
+        except Unsafe as exc:
+            raise Failure("unsafe", "refusing to activate %s: %s; nothing changed" % (target, exc))
+        sp = venvmod.site_packages(self.venv) if (man["overlays"] or (pman and pman["overlays"])) else None
+        want = dict((o["path"], o) for o in man["overlays"])
+        undo, done, step = [], [], "checks"
+        t0 = time.monotonic()
+        try:
+            step = "plugin"
+            self.run(spec["commands"]["install_plugin"], "pip install")
+            undo.append(("plugin", lambda: self.run(spec["commands"]["undo_plugin"], "restore plugin")))
+            done.append(step)
+            step = "overlays"
+            saved = {}
+
+            def put_file(path, data):
+                if path not in saved:
+                    saved[path] = open(path, "rb").read() if os.path.isfile(path) else None
+                atomic_write(path, data, FILE_MODE)
+            undo.append(("overlays", lambda: [atomic_write(p, d, FILE_MODE) for p, d in saved.items()
+                                              if d is not None]))
+            for o in (pman or {}).get("overlays", []):
+                if o["path"] not in want:
+                    orig = os.path.join(self.root, prev, "overlays", "orig", o["path"])
+                    if os.path.isfile(orig):
+                        put_file(os.path.join(sp, o["path"]), open(orig, "rb").read())
+            bad = [c for c in overlay_check(self.venv, man["overlays"]) if not c["ok"]]
+            if bad:
+                raise RuntimeError("file overlay guard: " + "; ".join(c["why"] for c in bad))
+            tdir = os.path.join(self.root, target)
+            for o in man["overlays"]:
+                target_file = os.path.join(sp, o["path"])
+                orig = os.path.join(tdir, "overlays", "orig", o["path"])
+                if not os.path.exists(orig):
+                    src = None
+                    if sha256_file(target_file) == o["sha256"]:
+                        src = target_file
+                    elif pman:  # already patched by the previous release: its copy is the original
+                        porig = os.path.join(self.root, prev, "overlays", "orig", o["path"])
+                        src = porig if os.path.isfile(porig) else None
+                    if src:
+                        os.makedirs(os.path.dirname(orig), 0o755, exist_ok=True)
+                        atomic_write(orig, open(src, "rb").read(), FILE_MODE)
+                put_file(target_file, open(os.path.join(tdir, "overlays", "new", o["path"]), "rb").read())
+            done.append(step)
+            step = "unit"  # the template unit and the per-GPU drop-ins switch together, with one daemon-reload
+            self.put_systemd(self.systemd_files(tdir, man, spec), undo, spec["commands"]["daemon_reload"])
+            done.append(step)
+            step = "current"
+            self.link(target)
+            undo.append(("current", lambda: self.link(prev)))
+            done.append(step)
+            step = "enable"
+            for key in ("enable", "disable"):
+                if spec["commands"].get(key):
+                    self.run(spec["commands"][key], "systemctl " + key)
+            done.append(step)
+        except Failure:
+            raise
+        except Exception as exc:
+            errors = []
+            for name, fn in reversed(undo):
+                try:
+                    fn()
+                except Exception as uexc:  # keep undoing the rest; say what could not be undone
+                    errors.append("%s: %s: %s" % (name, type(uexc).__name__, uexc))
+            raise ActivationFailed(target, step, "%s: %s" % (type(exc).__name__, exc), errors)
+        return {"previous": prev, "current": target, "steps": done, "seconds": round(time.monotonic() - t0, 2)}
+
+    def systemd_files(self, tdir, man, spec):
+        """{path: bytes, or None to remove}: the release's template unit, each service's per-GPU drop-in
+        (DeviceAllow for its own GPU) and the removal of our drop-ins of instances the release has none for."""
+        prefix = self.unit_file.split("@", 1)[0] + "@"
+        want = {os.path.join(self.unit_dir, self.unit_file):
+                open(os.path.join(tdir, "systemd", self.unit_file), "rb").read()}
+        name = spec.get("dropin_name")
+        for inst, s in sorted(man.get("services", {}).items()):
+            rel = s.get("dropin")
+            if not rel:
+                continue
+            base = os.path.basename(rel)
+            if rel != "%s%s.service.d/%s" % (prefix, inst, base) or base != (name or base) \
+                    or not base.endswith(".conf") or "/" in inst or inst in ("", ".", ".."):
+                raise RuntimeError("release %s: refusing drop-in path %r of %s" % (man.get("release"), rel, inst))
+            want[os.path.join(self.unit_dir, rel)] = open(os.path.join(tdir, "systemd", rel), "rb").read()
+        if name:
+            for old in glob.glob(os.path.join(glob.escape(self.unit_dir), glob.escape(prefix) + "*.service.d",
+                                              glob.escape(name))):
+                want.setdefault(old, None)
+        return want
+
+    def put_systemd(self, want, undo, reload_argv):
+        """Write (or, for None, remove) each file of `want` that differs, into lstat-checked root directories;
+        one daemon-reload when anything changed. The undo puts every old file back and reloads again."""
+        saved = {}
+
+        def current(path):
+            return open(path, "rb").read() if os.path.isfile(path) and not os.path.islink(path) else None
+
+        def put(path, data):
+            if data is None:
+                if os.path.lexists(path):
+                    os.unlink(path)
+                try:
+                    os.rmdir(os.path.dirname(path))  # a drop-in directory left empty
+                except OSError:
+                    pass
+            else:
+                check_path(os.path.dirname(path), create=True)
+                atomic_write(path, data, FILE_MODE)
+
+        def restore():
+            for path, old in saved.items():
+                if old is None and current(path) is None:
+                    continue  # never written (or not ours): nothing to undo
+                put(path, old)
+            self.run(reload_argv, "daemon-reload")
+        for path, data in sorted(want.items(), key=lambda kv: (kv[1] is not None, kv[0])):
+            old = current(path)
+            if old == data:
+                continue
+            if not saved:
+                undo.append(("unit", restore))
+            saved[path] = old
+            put(path, data)
+        if saved:
+            self.run(reload_argv, "daemon-reload")
+        return sorted(saved)
+
+    def link(self, target):
+        cur = os.path.join(self.root, "current")
+        if target is None:
+            if os.path.islink(cur):
+                os.unlink(cur)
+            return
+        tmp = os.path.join(self.root, ".current-tmp")
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+        os.symlink(target, tmp)
+        os.replace(tmp, cur)
+
+    # ---- services
+
+    def stop(self, argv, insts):
+        self.run(argv, "stop", check=False)
+        self.ctx.event("stopped", instances=insts)
+
+    def restart_batch(self, batch, release):
+        """(Re)start one batch together, then gate each service; records services.json on success."""
+        insts = batch["instances"]
+        try:  # what the unit's ExecStartPre will check, before anything restarts (apply checked it once already)
+            keys = gate_keys(self.a.get("secrets_file"), batch["gates"])
+        except Unsafe as exc:  # nothing restarted: the running services keep serving
+            keys = None
+            results = dict((i, {"ok": False, "step": "secrets", "detail": str(exc), "port": batch["gates"][i]["port"]})
+                           for i in insts)
+        if keys is not None:
+            results = self.restart_gate(batch, keys)
+        rec_path = os.path.join(self.sdir, "services.json")
+        rec = read_json(rec_path, {})
+        for i in insts:
+            if results[i]["ok"]:
+                rec[i] = {"release": release, "digest": batch["gates"][i].get("digest"), "started": now_iso(),
+                          "accept_length": results[i].get("accept_length")}
+            self.ctx.event("gate", instance=i, port=batch["gates"][i]["port"], gate=results[i])
+        write_json(rec_path, rec)
+        return results
+
+    def restart_gate(self, batch, keys):
+        """Reset, restart the batch together (one systemctl), then gate each service with its address and key."""
+        insts = batch["instances"]
+        self.run(batch["reset_failed"], "reset-failed", check=False)  # a start-limit hit or failed state
+        before = unit_states(insts)
+        t0 = time.monotonic()
+        r = self.run(batch["restart"], "restart", check=False)
+        if r["rc"] != 0:
+            results = dict((i, {"ok": False, "step": "systemctl", "detail": (r["out"] + r["err"]).strip()[-400:]})
+                           for i in insts)
+        else:
+            results = {}
+            for i in insts:
+                g = batch["gates"][i]
+                results[i] = gatemod.gate(g["port"], g["expect"], self.a["start_timeout"], self.a["gate_timeout"],
+                                          inst=i, restarts_before=int(before[i].get("NRestarts") or 0),
+                                          old_invocation=before[i].get("InvocationID", ""),
+                                          address=g.get("address") or "127.0.0.1", api_key=keys.get(i))
+                results[i]["restart_seconds"] = round(time.monotonic() - t0, 2)
+        return results
+
+    def roll(self, batches, release, touched):
+        """Restart batch after batch; stops at the first batch with a failing gate (GateFailed)."""
+        gates = {}
+        for b in batches:
+            self.ctx.step("restart " + ",".join(b["instances"]),
+                          seconds=(self.a["start_timeout"] + self.a["gate_timeout"] + 30) * len(b["instances"]))
+            results = self.restart_batch(b, release)
+            gates.update(results)
+            touched.extend(b["instances"])
+            bad = [i for i in b["instances"] if not results[i].get("ok")]
+            if bad:
+                raise GateFailed("gate failed on %s: %s" % (", ".join(bad), "; ".join(
+                    "%s: %s" % (results[i].get("step"), results[i].get("detail")) for i in bad)), bad)
+        return gates
+
+    def rollback(self, spec, touched):
+        """After a failure past activation: re-activate the previous release, stop what it does not run, restart
+        and gate what was touched. Returns {ok, release, seconds, detail}."""
+        t0 = time.monotonic()
+        prev = spec.get("activate")
+        if not prev:
+            if touched:
+                self.stop(spec["stop"] + [unit(i) for i in touched], touched)
+            self.ctx.event("rollback", phase="none", instances=touched)
+            return {"ok": False, "release": None, "detail": "no previous release; services stopped",
+                    "seconds": round(time.monotonic() - t0, 2)}
+        self.ctx.event("rollback", phase="start", release=prev["release"])
+        ok, detail = True, ""
+        try:
+            self.activate(prev)
+            pman = manifest_of(self.root, prev["release"])
+            gone = [i for i in touched if i not in pman.get("services", {})]
+            if gone:
+                self.stop(spec["stop"] + [unit(i) for i in gone], gone)
+            restart = [i for i in touched if i in pman.get("services", {})]
+            size = max(1, int(spec.get("max_unavailable") or 1))
+            batches = [self.batch(spec, restart[i:i + size], pman) for i in range(0, len(restart), size)]
+            self.roll(batches, prev["release"], [])
+        except GateFailed as exc:
+            ok, detail = False, str(exc)
+        except Exception as exc:
+            ok, detail = False, "%s: %s" % (type(exc).__name__, exc)
+        res = {"ok": ok, "release": prev["release"], "seconds": round(time.monotonic() - t0, 2), "detail": detail}
+        self.ctx.event("rollback", phase="done", **res)
+        return res
+
+    @staticmethod
+    def batch(spec, insts, man):
+        """A restart batch of the previous release's services, from the command prefixes in the plan."""
+        units = [unit(i) for i in insts]
+        return {"instances": insts, "reset_failed": spec["reset_failed"] + units, "restart": spec["restart"] + units,
+                "gates": dict((i, {"port": man["services"][i]["port"], "digest": man["services"][i]["digest"],
+                                   "expect": {"model": man["services"][i].get("served_model_name")
+                                              or man["services"][i]["model"],
+                                              "algorithm": man["services"][i]["algorithm"]},
+                                   "address": man["services"][i].get("address"),
+                                   "api_key_file": man["services"][i].get("api_key_file")}) for i in insts)}
+
+    def finish(self, journal, failed_release, failed_why):
+        append_jsonl(os.path.join(self.sdir, "journal.jsonl"), dict(journal, time=journal.get("time") or now_iso()))
+        if failed_release:  # a release that failed its gate is never picked as "the previous one"
+            d = os.path.join(self.root, failed_release)
+            if os.path.isdir(d) and not os.path.islink(d):
+                write_json(os.path.join(d, "FAILED"), {"time": now_iso(), "why": failed_why})
+        pruned = []
+        keep = int(self.a.get("keep", 5))
+        rels = list_releases(self.root)
+        protect = {current_release(self.root)} | set(self.a.get("protect") or [])
+        for r in rels[:-keep] if len(rels) > keep else []:
+            if r not in protect:
+                shutil.rmtree(os.path.join(self.root, r), ignore_errors=True)
+                pruned.append(r)
+        return pruned
+
+
+@op("release.apply", mutating=True)
+def apply(ctx, a):
+    """Run a planned change: stage, activate, stop, restart batches (gated); roll back on any failure after
+    activation began; journal the outcome. Returns {ok, error, restarted, gates, rollback, pruned, ...}."""
+    h = Host(ctx, a)
+    t0 = time.monotonic()
+    trusted_dir(h.sdir, create=True)
+    cur = current_release(h.root)
+    if "expect_current" in a and cur != a["expect_current"]:
+        raise Failure("changed", "the host changed since the plan: its current release is %s, the plan saw %s; "
+                                 "plan again" % (cur, a["expect_current"]))
+    journal = dict(a.get("journal") or {}, token=(ctx.lock or {}).get("token"))
+    res = {"ok": True, "restarted": [], "gates": {}, "rolled_back": False, "previous": cur,
+           "release": (a.get("activate") or {}).get("release") or cur}
+    touched, began, lost = res["restarted"], False, False
+    try:
+        gates = {}
+        for b in a.get("batches") or []:
+            gates.update(b["gates"])
+        try:  # before any change: a restart the unit's own start check would refuse must not begin
+            gate_keys(a.get("secrets_file"), gates)
+        except Unsafe as exc:
+            raise Failure("secrets", "refusing to restart %s: %s; nothing changed" % (
+                ", ".join(sorted(gates, key=lambda s: (len(s), s))) or "anything", exc))
+        if a.get("stage"):
+            ctx.step("stage")
+            t = time.monotonic()
+            h.stage(a["stage"])
+            res["stage_seconds"] = round(time.monotonic() - t, 2)
+        if a.get("activate"):
+            ctx.step("activate")
+            began = True
+            act = h.activate(a["activate"])
+            res["activate"] = act
+            ctx.event("activated", release=act["current"], previous=act["previous"], seconds=act["seconds"],
+                      stage_seconds=res.get("stage_seconds"), bundle=(a.get("stage") or {}).get("size"))
+        if a.get("stop"):
+            ctx.step("stop")
+            h.stop(a["stop"]["argv"], a["stop"]["instances"])
+        batches = a.get("batches") or []
+        if not batches:
+            ctx.event("note", message="nothing-restarted")
+        res["gates"] = h.roll(batches, res["release"], touched)
+        ctx.step("done")  # a run whose lock was broken while it ran does not report success
+    except locks.LockLost as exc:  # someone broke our lock: they own the host now; stop, touch nothing more
+        res.update(ok=False, error=str(exc), lock_lost=True)
+        lost = True
+    except Exception as exc:
+        res.update(ok=False, error=str(exc) if isinstance(exc, (GateFailed, ActivationFailed, Failure))
+                   else "%s: %s" % (type(exc).__name__, exc))
+        if isinstance(exc, GateFailed):
+            res["failed"] = exc.failed
+        if isinstance(exc, Failure):
+            res["kind"] = exc.kind
+        # activation undoes itself when it fails; past it, the previous release comes back -- unless the lock
+        # was broken meanwhile (a failing gate may be the other run restarting our units): then hands off
+        if began and not isinstance(exc, ActivationFailed) and a.get("rollback") is not None:
+            try:
+                ctx.step("rollback")
+                rb = h.rollback(a["rollback"], list(touched))
+                res.update(rollback=rb, rolled_back=rb["ok"])
+            except locks.LockLost as lexc:
+                res.update(error=res["error"] + "; not rolled back: " + str(lexc), lock_lost=True)
+                lost = True
+    res["seconds"] = round(time.monotonic() - t0, 2)
+    journal.update(restarted=list(touched), seconds=res["seconds"])
+    if not res["ok"]:
+        journal.update(event=a.get("fail_event") or journal.get("event"), error=res.get("error"))
+        if res.get("failed"):
+            journal["failed"] = res["failed"]
+        if "rollback" in res:
+            journal.update(rolled_back_to=res["rollback"].get("release"), rollback_ok=res["rollback"]["ok"],
+                           rollback_seconds=res["rollback"].get("seconds"))
+    journal["ok"] = res["ok"]
+    if lost:
+        journal["event"] = "lock-lost"
+    staged = (a.get("stage") or {}).get("release")
+    res["pruned"] = h.finish(journal, staged if not res["ok"] and staged and a.get("mark_failed", True) else None,
+                             res.get("error", ""))
+    return res

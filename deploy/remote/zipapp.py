@@ -1,0 +1,47 @@
+"""The host package as one zipapp: deploy/remote/host/*.py under `ddtree_agent/`, entries sorted, times fixed,
+so the same sources always give the same bytes and the same sha256 -- the name it is shipped and invoked by."""
+from __future__ import annotations
+
+import functools
+import hashlib
+import io
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from .host.loader import PACKAGE
+
+HOST_DIR = Path(__file__).resolve().parent / "host"
+EPOCH = (1980, 1, 1, 0, 0, 0)
+
+
+@dataclass(frozen=True)
+class Zipapp:
+    data: bytes
+    sha256: str
+
+    @property
+    def size(self) -> int:
+        return len(self.data)
+
+
+def sources(host_dir: Path = HOST_DIR) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(host_dir.glob("*.py"))}
+
+
+def build_from(files: dict[str, bytes]) -> Zipapp:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as zf:
+        for name, data in sorted(files.items()):
+            zi = zipfile.ZipInfo(f"{PACKAGE}/{name}", EPOCH)
+            zi.external_attr = 0o100644 << 16
+            zi.compress_type = zipfile.ZIP_DEFLATED
+            zf.writestr(zi, data)
+    data = buf.getvalue()
+    return Zipapp(data, hashlib.sha256(data).hexdigest())
+
+
+@functools.lru_cache(maxsize=1)
+def build() -> Zipapp:
+    """The zipapp of this checkout's host package (built once per process)."""
+    return build_from(sources())
