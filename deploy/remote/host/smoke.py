@@ -66,7 +66,6 @@ def run(ctx, a):
     except (Unsafe, venvmod.VenvError) as exc:
         raise Failure("venv-trust", "%s: root will not run it: %s" % (venv, exc))
     python = venvmod.python(venv)
-    ctx.heartbeat()
     work = tempfile.mkdtemp(prefix="ddtree-smoke-op-")  # 0700, root's: the report file lives here
     report = os.path.join(work, "report.json")
     left = ctx.deadline.left(floor=30.0)
