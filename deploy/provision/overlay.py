@@ -313,9 +313,9 @@ def _confirmed(opts: Options, console: Console, todo: list[Host], plans: dict[st
         if not sys.stdin.isatty():
             console.print("[yellow]no terminal to confirm on: nothing changed (pass --yes to apply)[/]")
             return False
-        from rich.prompt import Confirm
-        return Confirm.ask(question, console=console, default=False)
-    except (KeyboardInterrupt, EOFError):
+        from ..prompt import ask_yes_no
+        return ask_yes_no(question)
+    except (KeyboardInterrupt, EOFError):  # raised by a caller-supplied confirm
         console.print("\n[yellow]not confirmed: nothing changed, no host locked[/]")
         return False
 

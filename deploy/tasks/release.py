@@ -28,11 +28,8 @@ def confirm_prompt(yes: bool):
 
     def ask():
         # Ctrl-C or end of input is a no; the plan took no lock, so no host is left locked
-        try:
-            return input("Proceed with this rollout? [y/N] ").strip().lower() in ("y", "yes")
-        except (KeyboardInterrupt, EOFError):
-            print("\nnot confirmed: nothing changed, no host locked", file=sys.stderr)
-            return False
+        from ..prompt import ask_yes_no
+        return ask_yes_no("Proceed with this rollout?")
     return ask
 
 
