@@ -51,24 +51,22 @@ from sglang.srt.speculative.draft_worker_common import build_block_pos_offsets, 
 from sglang.srt.speculative.eagle_utils import _verify_coins, verify_tree_greedy_func
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
+from ..admission import tree_verify_rejection
+from ..compile import FULL_MASK, compile_tree
 from ..config import SHADOW_LINEAR, TREE_VERIFY, resolve_ddtree_config
 from ..indexing import recurrent_state_step
-from ..step import ShadowStats, build_tree_from_candidates, commit_from_accept, mamba_track_steps, shadow_tree_accept
-from ..tree_sampling import max_bytes_from_env
+from ..step import (
+    ShadowStats,
+    build_tree_from_candidates,
+    commit_from_accept,
+    draft_topk_candidates,
+    mamba_track_steps,
+    merge_vocab_shards,
+    shadow_tree_accept,
+)
+from ..tree_sampling import max_bytes_from_env, sample_tree_accept
 from . import common
 from .v0_5_17 import attention_backends
-from .worker_common import (
-    TreeWorkerMixin,
-    accept_buffers,
-    append_accepted,
-    commit_window,
-    draft_candidates,
-    drafter_block,
-    greedy_accept,
-    sample_accept,
-    step_tree,
-    verify_host_bound,
-)
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +95,7 @@ class _Draft:
     cand_ids: torch.Tensor  # [bs, blk-1, K] int64
 
 
-class DDTreeWorker(TreeWorkerMixin, DFlashWorkerV2):
+class DDTreeWorker(DFlashWorkerV2):
     """DFlash v2 worker (SGLang 0.5.17) with DDTree tree verify; see the module docstring."""
 
     def __init__(self, server_args, gpu_id, ps, nccl_port, target_worker):
@@ -127,13 +125,42 @@ class DDTreeWorker(TreeWorkerMixin, DFlashWorkerV2):
         d = self.ddtree.num_draft_tokens
         # DFlash sized its block by --speculative-num-draft-tokens (= D, the tree width here);
         # the drafter keeps its own trained block width blk.
-        cfg = parse_dflash_draft_config(draft_hf_config=self.draft_model_runner.model_config.hf_config)
-        blk = drafter_block(d, self.ddtree.drafter_block_size, cfg.resolve_block_size(default=None),
-                            getattr(self.draft_model, "block_size", None))
+        blk = self.ddtree.drafter_block_size
+        if blk is None:
+            cfg = parse_dflash_draft_config(draft_hf_config=self.draft_model_runner.model_config.hf_config)
+            blk = cfg.resolve_block_size(default=None)
+        if blk is None:
+            blk = getattr(self.draft_model, "block_size", None)
+        if blk is None:
+            raise ValueError(
+                "DDTREE tree-verify needs the drafter's block width: set --speculative-dflash-block-size "
+                "or use a drafter whose config declares block_size."
+            )
+        blk = int(blk)
+        if not 2 <= blk <= 2 * d:
+            raise ValueError(
+                f"DDTREE drafter block {blk} must be in [2, 2*D = {2 * d}]: the scheduler reserves 2*D KV slots "
+                "per request and step and the drafter writes its whole block there."
+            )
         self.block_size = blk
         self._block_pos_offsets = build_block_pos_offsets(length=blk, device=self.device)
         self._draft_block_spec_info = make_draft_block_spec_info(draft_token_num=blk, device=self.device)
         self.speculative_num_draft_tokens = d
+
+    def init_cuda_graphs(self):
+        super().init_cuda_graphs()
+        # Checked here, after SGLang built (or skipped) its graphs: the target's decode graph
+        # is captured with custom_mask=None / topk=1 and would run the tree causally.
+        if self.ddtree.mode == TREE_VERIFY and getattr(self.model_runner, "decode_cuda_graph_runner", None):
+            raise RuntimeError(
+                "DDTREE tree-verify found a target decode CUDA graph (captured causal, topk=1); "
+                "run with --cuda-graph-backend-decode disabled."
+            )
+
+    def _maybe_build_draft_sampler(self):
+        # DDTREE needs the drafter's hidden states (per-position distributions), not the
+        # greedy ids a sampler folded into the draft graph would produce.
+        return None
 
     # ----- entry ----------------------------------------------------------------
     def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None):
@@ -152,8 +179,35 @@ class DDTreeWorker(TreeWorkerMixin, DFlashWorkerV2):
             raise NotImplementedError("DDTREE needs a dense (unquantized) target lm_head to rank draft tokens.")
         return lm_head
 
-    def _draft_candidates(self, hidden_states: torch.Tensor, lm_head, k: int):
-        return draft_candidates(hidden_states, lm_head, k, self._vocab_size, get_tp_group())
+    def _draft_candidates(self, hidden_states: torch.Tensor, lm_head, k: int, chunk: int = 256):
+        """Global-vocab top-``k`` log-probs / ids of the target LM head on the
+        drafter's hidden states ``[R, H]`` -> ``([R, k] float64, [R, k] int64)``."""
+        weight = lm_head.weight
+        shard = getattr(lm_head, "shard_indices", None)
+        if shard is None:
+            start, num_org = 0, min(int(weight.shape[0]), self._vocab_size)
+        else:
+            if int(shard.num_added_elements) != 0:
+                raise NotImplementedError("DDTREE does not support LoRA-added vocabulary in the lm_head.")
+            start, num_org = int(shard.org_vocab_start_index), int(shard.num_org_elements)
+        tp_group = get_tp_group()
+        tp = int(tp_group.world_size) if shard is not None else 1
+        vals, ids, lses = [], [], []
+        for a in range(0, hidden_states.shape[0], chunk):
+            hs = hidden_states[a : a + chunk].to(weight.dtype)
+            v, i, l = draft_topk_candidates(torch.matmul(hs, weight[:num_org].T), k, vocab_start=start)
+            vals.append(v), ids.append(i), lses.append(l)
+        v, i, l = torch.cat(vals), torch.cat(ids), torch.cat(lses)
+        if tp > 1:
+            gathered = []
+            for t in (v, i, l):
+                g = torch.empty((tp,) + tuple(t.shape), dtype=t.dtype, device=t.device)
+                tp_group.all_gather_into_tensor(g.view(-1), t.contiguous().view(-1))
+                gathered.append(g)
+            v, i, l = gathered
+        else:
+            v, i, l = v.unsqueeze(0), i.unsqueeze(0), l.unsqueeze(0)
+        return merge_vocab_shards(v, i, l, k)
 
     # ----- shadow-linear ---------------------------------------------------------
     def _greedy_sample_from_vocab_parallel_head(self, *, hidden_states, lm_head, chunk_size: int = 256):
@@ -197,6 +251,20 @@ class DDTreeWorker(TreeWorkerMixin, DFlashWorkerV2):
         return out
 
     # ----- tree-verify -------------------------------------------------------------
+    def _unsupported_in_batch(self, batch) -> None:
+        """Admission rejects these; if one got into a batch anyway (an admission path
+        this adapter does not know), serve it with its plain sampling parameters and
+        say so once instead of raising inside the scheduler loop."""
+        if self._warned_unsupported:
+            return
+        for req in batch.reqs:
+            why = tree_verify_rejection(req)
+            if why:
+                self._warned_unsupported = True
+                logger.error("DDTREE: a request reached tree-verify unchecked (%s); serving it without "
+                             "those features.", why)
+                return
+
     def _forward_tree_verify(self, batch, on_publish):
         self._unsupported_in_batch(batch)
         if batch.spec_info is None:
@@ -262,7 +330,15 @@ class DDTreeWorker(TreeWorkerMixin, DFlashWorkerV2):
     def _tree_verify(self, batch, draft: _Draft):
         draft_input = batch.spec_info
         bs, d = len(batch.seq_lens), int(self.ddtree.num_draft_tokens)
-        tree, vin = step_tree(batch, draft.cand_logprobs, draft.cand_ids, self.ddtree.budget, self.ddtree.topk)
+        tree = build_tree_from_candidates(draft.cand_logprobs, draft.cand_ids, self.ddtree.budget)
+        vin = compile_tree(
+            tree,
+            draft_input.bonus_tokens,
+            batch.seq_lens,
+            mask_mode=FULL_MASK,
+            prefix_lens_sum=batch.seq_lens_sum if batch.seq_lens_cpu is not None else None,
+            topk=self.ddtree.topk,
+        )
         assert vin.draft_token_num == d
         verify_input = DDTreeVerifyInput(
             draft_token=vin.draft_token,
@@ -277,8 +353,15 @@ class DDTreeWorker(TreeWorkerMixin, DFlashWorkerV2):
         )
         batch.out_cache_loc = draft.window[:, :d].reshape(-1)
         self._seq_lens_pre_verify = batch.seq_lens.clone() if self._need_mamba_verify_commit else None
-        with verify_host_bound(batch, d, draft_input.reserved_seq_lens_cpu, draft_input.reserved_seq_lens_sum):
-            verify_fb, can_run_graph = verify_input.prepare_for_verify(batch, self.target_worker)
+        cpu_backup, sum_backup = batch.seq_lens_cpu, batch.seq_lens_sum
+        if cpu_backup is not None:
+            batch.seq_lens_cpu = cpu_backup + d  # host bound: committed prefix + the verify width
+            batch.seq_lens_sum = int(batch.seq_lens_cpu.sum())
+        elif draft_input.reserved_seq_lens_cpu is not None:
+            batch.seq_lens_cpu = draft_input.reserved_seq_lens_cpu
+            batch.seq_lens_sum = int(draft_input.reserved_seq_lens_sum)
+        verify_fb, can_run_graph = verify_input.prepare_for_verify(batch, self.target_worker)
+        batch.seq_lens_cpu, batch.seq_lens_sum = cpu_backup, sum_backup
         if can_run_graph:
             raise RuntimeError("DDTREE tree-verify must not replay a decode CUDA graph (causal mask capture).")
         out = self.target_worker.forward_batch_generation(
@@ -290,22 +373,52 @@ class DDTreeWorker(TreeWorkerMixin, DFlashWorkerV2):
         bs, d = len(batch.seq_lens), int(vin.draft_token_num)
         device = self.device
         candidates = vin.draft_token.view(bs, d)
-        predict, accept_index, accept_num = accept_buffers(bs, d, vin.max_tree_depth + 1, device)
+        m = vin.max_tree_depth + 1
+        predict = torch.zeros((bs * d,), dtype=torch.int32, device=device)
+        accept_index = torch.full((bs, m), -1, dtype=torch.int32, device=device)
+        accept_num = torch.zeros((bs,), dtype=torch.int32, device=device)
         si = batch.sampling_info
         logits = logits_output.next_token_logits
         if si is None or si.is_all_greedy:
             target_predict = torch.argmax(logits, dim=-1).view(bs, d).to(torch.int64)
-            predict, accept_index, accept_num = greedy_accept(
-                verify_tree_greedy_func, vin, candidates, target_predict, predict, accept_index, accept_num)
+            predict, accept_index, accept_num = verify_tree_greedy_func(
+                predicts=predict,
+                accept_index=accept_index,
+                accept_token_num=accept_num,
+                candidates=candidates,
+                retrieve_index=vin.retrieve_index,
+                retrieve_next_token=vin.retrieve_next_token,
+                retrieve_next_sibling=vin.retrieve_next_sibling,
+                target_predict=target_predict,
+                topk=vin.topk,
+            )
         else:
             from sgl_kernel import top_k_renorm_prob, top_p_renorm_prob, tree_speculative_sampling_target_only
 
             coins, coins_final = _verify_coins(
                 sampling_info=si, seq_lens=batch.seq_lens, draft_token_num=d, candidates=candidates, device=device
             )
-            sample_accept(si, logits, vin, candidates, coins, coins_final, predict, accept_index, accept_num,
-                          kernel=tree_speculative_sampling_target_only, top_k_renorm=top_k_renorm_prob,
-                          top_p_renorm=top_p_renorm_prob, max_bytes=self._sampling_bytes)
+            sample_tree_accept(
+                logits=logits,
+                d=d,
+                temperatures=si.temperatures,
+                top_ks=si.top_ks if si.need_top_k_sampling else None,
+                top_ps=si.top_ps if si.need_top_p_sampling else None,
+                min_ps=si.min_ps if si.need_min_p_sampling else None,
+                candidates=candidates,
+                retrieve_index=vin.retrieve_index,
+                retrieve_next_token=vin.retrieve_next_token,
+                retrieve_next_sibling=vin.retrieve_next_sibling,
+                coins=coins,
+                coins_final=coins_final,
+                predicts=predict,
+                accept_index=accept_index,
+                accept_num=accept_num,
+                kernel=tree_speculative_sampling_target_only,
+                top_k_renorm=top_k_renorm_prob,
+                top_p_renorm=top_p_renorm_prob,
+                max_bytes=self._sampling_bytes,
+            )
             tp_group = get_tp_group()
             if tp_group.world_size > 1:  # ranks may sample differently at float ties; rank 0 decides
                 for t in (predict, accept_index, accept_num):
@@ -314,6 +427,7 @@ class DDTreeWorker(TreeWorkerMixin, DFlashWorkerV2):
 
     def _tree_commit(self, batch, draft: _Draft, vin, logits_output, predict, accept_index, accept_num, on_publish):
         bs, d = len(batch.seq_lens), int(vin.draft_token_num)
+        device = self.device
         prefix = batch.seq_lens
         window = draft.window[:, :d]
         c = commit_from_accept(
@@ -327,7 +441,10 @@ class DDTreeWorker(TreeWorkerMixin, DFlashWorkerV2):
             out_width=d,
         )
         new_seq_lens = c.new_seq_lens.to(prefix.dtype)
-        commit_window(self.model_runner.req_to_token_pool.req_to_token, batch.req_pool_indices, prefix, c)
+        # The accepted path becomes the sequence: permute the step's window in req_to_token.
+        req_to_token = self.model_runner.req_to_token_pool.req_to_token
+        cols = prefix.to(torch.int64).unsqueeze(1) + torch.arange(d, device=device).unsqueeze(0)
+        req_to_token[batch.req_pool_indices.to(torch.int64).unsqueeze(1), cols] = c.window_locs.to(req_to_token.dtype)
 
         if self._need_mamba_verify_commit:
             backend = self.target_worker.model_runner.attn_backend
@@ -347,7 +464,16 @@ class DDTreeWorker(TreeWorkerMixin, DFlashWorkerV2):
         if on_publish is not None:
             on_publish(new_seq_lens)
 
-        append_accepted(self, logits_output.hidden_states, c)
+        hidden = logits_output.hidden_states
+        if hidden is None:
+            raise RuntimeError("DDTREE verify requires target hidden states, but got None.")
+        self._append_target_hidden_to_draft_kv_by_loc(
+            target_hidden=hidden.index_select(0, c.append_rows),
+            cache_loc=c.append_cache_loc_2d.reshape(-1),
+            cache_loc_2d=c.append_cache_loc_2d,
+            positions=c.append_positions,
+            commit_lens=c.commit_lens,
+        )
         logits_output.hidden_states = None
         return GenerationBatchResult(
             logits_output=logits_output,

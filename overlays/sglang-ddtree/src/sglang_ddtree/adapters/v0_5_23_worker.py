@@ -48,23 +48,21 @@ from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.srt.speculative.spec_tp_sync import SpecTpSyncSite
 from sglang.srt.speculative.spec_utils import draft_tp_context
 
+from ..admission import tree_verify_rejection
+from ..compile import FULL_MASK, compile_tree
 from ..config import SHADOW_LINEAR, TREE_VERIFY, resolve_ddtree_config
 from ..indexing import recurrent_state_step
-from ..step import ShadowStats, build_tree_from_candidates, commit_from_accept, mamba_track_steps, shadow_tree_accept
-from ..tree_sampling import max_bytes_from_env
+from ..tree_sampling import max_bytes_from_env, sample_tree_accept
 from . import common
 from .v0_5_23 import attention_backends
-from .worker_common import (
-    TreeWorkerMixin,
-    accept_buffers,
-    append_accepted,
-    commit_window,
-    draft_candidates,
-    drafter_block,
-    greedy_accept,
-    sample_accept,
-    step_tree,
-    verify_host_bound,
+from ..step import (
+    ShadowStats,
+    build_tree_from_candidates,
+    commit_from_accept,
+    draft_topk_candidates,
+    mamba_track_steps,
+    merge_vocab_shards,
+    shadow_tree_accept,
 )
 
 logger = logging.getLogger(__name__)
@@ -84,7 +82,7 @@ class DDTreeVerifyInput(DFlashVerifyInput):
     retrieve_next_sibling: Optional[torch.Tensor] = None
 
 
-class DDTreeWorker(TreeWorkerMixin, DFlashWorkerV2):
+class DDTreeWorker(DFlashWorkerV2):
     """DFlash v2 worker with DDTree tree verify (implemented, unrun; see module docstring)."""
 
     def __init__(self, server_args, *args, **kwargs):
@@ -120,10 +118,25 @@ class DDTreeWorker(TreeWorkerMixin, DFlashWorkerV2):
 
     def _init_tree_verify(self) -> None:
         d = self.ddtree.num_draft_tokens
-        # DFlash sized its drafter block by --speculative-num-draft-tokens (= D here); the drafter keeps its
-        # own trained block width, the verify is D = B + 1 wide.
-        cfg = parse_dflash_draft_config(draft_hf_config=self.draft_model_runner.model_config.hf_config)
-        blk = drafter_block(d, self.ddtree.drafter_block_size, cfg.block_size)
+        # DFlash sized its drafter block by --speculative-num-draft-tokens (= D here); the
+        # drafter keeps its own trained block width, the verify is D = B + 1 wide.
+        blk = self.ddtree.drafter_block_size
+        if blk is None:
+            cfg = parse_dflash_draft_config(draft_hf_config=self.draft_model_runner.model_config.hf_config)
+            blk = cfg.block_size
+        if blk is None:
+            raise ValueError(
+                "DDTREE tree-verify needs the drafter's block width: set --speculative-dflash-block-size "
+                "or use a drafter whose config declares block_size."
+            )
+        blk = int(blk)
+        if blk < 2:
+            raise ValueError(f"DDTREE drafter block width must be >= 2, got {blk}.")
+        if blk > 2 * d:
+            raise ValueError(
+                f"DDTREE drafter block {blk} exceeds the 2*D = {2 * d} KV slots the scheduler reserves per "
+                "request and step; raise --speculative-num-draft-tokens or lower the drafter block."
+            )
         if self.use_compact_draft_cache:
             raise NotImplementedError("DDTREE tree-verify does not support --speculative-draft-window-size.")
         self.block_size = blk
@@ -132,11 +145,54 @@ class DDTreeWorker(TreeWorkerMixin, DFlashWorkerV2):
         self._draft_block_spec_info = make_draft_block_spec_info(draft_token_num=blk, device=self.device)
         self.speculative_num_draft_tokens = d
 
+    def init_cuda_graphs(self):
+        super().init_cuda_graphs()
+        # Checked here, after SGLang built (or skipped) its graphs: the target's decode graph is
+        # captured with custom_mask=None / topk=1 and would run the tree causally.
+        if self.ddtree.mode == TREE_VERIFY and getattr(self.model_runner, "decode_cuda_graph_runner", None):
+            raise RuntimeError(
+                "DDTREE tree-verify found a target decode CUDA graph (captured causal, topk=1); "
+                "run with --cuda-graph-backend-decode disabled."
+            )
+
+    def _maybe_build_draft_sampler(self):
+        # DDTREE needs the drafter's hidden states (full per-position distributions),
+        # not the greedy ids a folded in-graph sampler would produce.
+        return None
+
     # ----- drafter candidates (vocab-parallel safe) ---------------------------
-    def _draft_candidates(self, hidden_states: torch.Tensor, lm_head, k: int):
-        if not is_dense_head_weight(getattr(lm_head, "weight", None)):
+    def _draft_candidates(self, hidden_states: torch.Tensor, lm_head, k: int, chunk: int = 256):
+        """Global-vocab top-``k`` log-probs / ids of the target LM head on the
+        drafter's hidden states ``[R, H]`` -> ``([R, k] float64, [R, k] int64)``."""
+        weight = getattr(lm_head, "weight", None)
+        if not is_dense_head_weight(weight):
             raise NotImplementedError("DDTREE needs a dense (unquantized) target lm_head to rank draft tokens.")
-        return draft_candidates(hidden_states, lm_head, k, self._vocab_size, get_parallel().tp_group)
+        shard = getattr(lm_head, "shard_indices", None)
+        if shard is None:
+            start, num_org = 0, min(int(weight.shape[0]), self._vocab_size)
+        else:
+            if int(shard.num_added_elements) != 0:
+                raise NotImplementedError("DDTREE does not support LoRA-added vocabulary in the lm_head.")
+            start, num_org = int(shard.org_vocab_start_index), int(shard.num_org_elements)
+        tp_group = get_parallel().tp_group
+        tp = int(tp_group.world_size) if shard is not None else 1
+        vals, ids, lses = [], [], []
+        for a in range(0, hidden_states.shape[0], chunk):
+            hs = hidden_states[a : a + chunk].to(weight.dtype)
+            v, i, l = draft_topk_candidates(torch.matmul(hs, weight[:num_org].T), k, vocab_start=start)
+            vals.append(v), ids.append(i), lses.append(l)
+        v, i, l = torch.cat(vals), torch.cat(ids), torch.cat(lses)
+        if tp > 1:
+            gv = torch.empty((tp,) + tuple(v.shape), dtype=v.dtype, device=v.device)
+            gi = torch.empty((tp,) + tuple(i.shape), dtype=i.dtype, device=i.device)
+            gl = torch.empty((tp,) + tuple(l.shape), dtype=l.dtype, device=l.device)
+            tp_group.all_gather_into_tensor(gv.view(-1), v.contiguous().view(-1))
+            tp_group.all_gather_into_tensor(gi.view(-1), i.contiguous().view(-1))
+            tp_group.all_gather_into_tensor(gl.view(-1), l.contiguous().view(-1))
+            v, i, l = gv, gi, gl
+        else:
+            v, i, l = v.unsqueeze(0), i.unsqueeze(0), l.unsqueeze(0)
+        return merge_vocab_shards(v, i, l, k)
 
     # ----- recurrent state commit -------------------------------------------
     def _update_target_mamba_state_after_verify(
@@ -249,6 +305,20 @@ class DDTreeWorker(TreeWorkerMixin, DFlashWorkerV2):
         return self._forward_tree_verify(batch, on_publish)
 
     # ----- tree-verify decode step ----------------------------------------------
+    def _unsupported_in_batch(self, batch) -> None:
+        """Admission rejects these (sglang_ddtree.admission); if one reached a batch through a
+        path admission does not see, serve it with its plain sampling parameters and log why
+        once - raising here would stop the scheduler loop for every request."""
+        if self._warned_unsupported:
+            return
+        for req in batch.reqs:
+            why = tree_verify_rejection(req)
+            if why:
+                self._warned_unsupported = True
+                logger.error("DDTREE: a request reached tree-verify unchecked (%s); serving it without "
+                             "those features.", why)
+                return
+
     def _draft_block_input(self, bs, blk, prefix_lens, batch):
         """The drafter block's spec info with an explicit all-True mask (prefix and
         the whole block visible - the drafter's ENCODER_ONLY semantics).  DDTREE
@@ -355,7 +425,15 @@ class DDTreeWorker(TreeWorkerMixin, DFlashWorkerV2):
         """Tree over the candidates -> compiled verify inputs -> one target verify forward."""
         draft_input = batch.spec_info
         d = int(self.ddtree.num_draft_tokens)
-        _tree, vin = step_tree(batch, draft["lp"], draft["ids"], self.ddtree.budget, self.ddtree.topk)
+        tree = build_tree_from_candidates(draft["lp"], draft["ids"], self.ddtree.budget)
+        vin = compile_tree(
+            tree,
+            draft_input.bonus_tokens,
+            batch.seq_lens,
+            mask_mode=FULL_MASK,
+            prefix_lens_sum=batch.seq_lens_sum if batch.seq_lens_cpu is not None else None,
+            topk=self.ddtree.topk,
+        )
         assert vin.draft_token_num == d
         verify_input = DDTreeVerifyInput(
             draft_token=vin.draft_token,
@@ -372,8 +450,15 @@ class DDTreeWorker(TreeWorkerMixin, DFlashWorkerV2):
         )
         batch.out_cache_loc = draft["window"][:, :d].reshape(-1)
         self._seq_lens_pre_verify = batch.seq_lens.clone() if self._need_mamba_verify_commit else None
-        with verify_host_bound(batch, d, draft_input.nxt_kv_lens_cpu, draft_input.nxt_kv_lens_sum):
-            verify_fb, can_run_graph = verify_input.prepare_for_verify(batch, self.target_worker)
+        seq_lens_cpu_backup, seq_lens_sum_backup = batch.seq_lens_cpu, batch.seq_lens_sum
+        if seq_lens_cpu_backup is not None:
+            batch.seq_lens_cpu = seq_lens_cpu_backup + d
+            batch.seq_lens_sum = int(batch.seq_lens_cpu.sum())
+        elif draft_input.nxt_kv_lens_cpu is not None:
+            batch.seq_lens_cpu = draft_input.nxt_kv_lens_cpu
+            batch.seq_lens_sum = int(draft_input.nxt_kv_lens_sum)
+        verify_fb, can_run_graph = verify_input.prepare_for_verify(batch, self.target_worker)
+        batch.seq_lens_cpu, batch.seq_lens_sum = seq_lens_cpu_backup, seq_lens_sum_backup
         if can_run_graph:
             raise RuntimeError("DDTREE tree-verify must not replay a decode CUDA graph (causal mask capture).")
         verify_fb.can_run_decode_cuda_graph = False
@@ -397,14 +482,26 @@ class DDTreeWorker(TreeWorkerMixin, DFlashWorkerV2):
         bs, d = len(batch.seq_lens), int(vin.draft_token_num)
         sampling_info = batch.sampling_info
         candidates = vin.draft_token.view(bs, d)
-        predict, accept_index, accept_num = accept_buffers(bs, d, vin.max_tree_depth + 1, device)
+        m = vin.max_tree_depth + 1
+        predict = torch.zeros((bs * d,), dtype=torch.int32, device=device)
+        accept_index = torch.full((bs, m), -1, dtype=torch.int32, device=device)
+        accept_num = torch.zeros((bs,), dtype=torch.int32, device=device)
         if target_predict is not None or _is_all_greedy(sampling_info):
             if target_predict is None:
                 target_predict = torch.argmax(logits_output.next_token_logits, dim=-1)
             target_predict = target_predict.view(bs, d).to(torch.int64)
             self._tp_sync.sync(SpecTpSyncSite.DFLASH_ACCEPT_GREEDY, target_predict)
-            predict, accept_index, accept_num = greedy_accept(
-                verify_tree_greedy_func, vin, candidates, target_predict, predict, accept_index, accept_num)
+            predict, accept_index, accept_num = verify_tree_greedy_func(
+                predicts=predict,
+                accept_index=accept_index,
+                accept_token_num=accept_num,
+                candidates=candidates,
+                retrieve_index=vin.retrieve_index,
+                retrieve_next_token=vin.retrieve_next_token,
+                retrieve_next_sibling=vin.retrieve_next_sibling,
+                target_predict=target_predict,
+                topk=vin.topk,
+            )
         else:
             from sglang.kernels.ops.sampling.renorm import top_k_renorm_prob, top_p_renorm_prob
             from sglang.kernels.ops.speculative.sampling import tree_speculative_sampling_target_only
@@ -414,10 +511,27 @@ class DDTreeWorker(TreeWorkerMixin, DFlashWorkerV2):
             coins, coins_final = _verify_coins(
                 sampling_info=si, seq_lens=batch.seq_lens, draft_token_num=d, candidates=candidates, device=device
             )
-            sample_accept(si, logits_output.next_token_logits, vin, candidates, coins, coins_final, predict,
-                          accept_index, accept_num, kernel=tree_speculative_sampling_target_only,
-                          top_k_renorm=top_k_renorm_prob, top_p_renorm=top_p_renorm_prob,
-                          max_bytes=self._sampling_bytes)
+            sample_tree_accept(
+                logits=logits_output.next_token_logits,
+                d=d,
+                temperatures=si.temperatures,
+                top_ks=si.top_ks if si.need_top_k_sampling else None,
+                top_ps=si.top_ps if si.need_top_p_sampling else None,
+                min_ps=si.min_ps if getattr(si, "need_min_p_sampling", False) else None,
+                candidates=candidates,
+                retrieve_index=vin.retrieve_index,
+                retrieve_next_token=vin.retrieve_next_token,
+                retrieve_next_sibling=vin.retrieve_next_sibling,
+                coins=coins,
+                coins_final=coins_final,
+                predicts=predict,
+                accept_index=accept_index,
+                accept_num=accept_num,
+                kernel=tree_speculative_sampling_target_only,
+                top_k_renorm=top_k_renorm_prob,
+                top_p_renorm=top_p_renorm_prob,
+                max_bytes=self._sampling_bytes,
+            )
             for t in (predict, accept_index, accept_num):
                 self._tp_sync.sync(SpecTpSyncSite.DFLASH_ACCEPT_SAMPLE, t)
         return predict, accept_index, accept_num
@@ -425,6 +539,7 @@ class DDTreeWorker(TreeWorkerMixin, DFlashWorkerV2):
     def _tree_commit(self, batch, draft, vin, target_out, predict, accept_index, accept_num, on_publish):
         """The accepted path becomes the sequence (KV window permutation, recurrent
         state, drafter KV append) and the DFlash-shaped result."""
+        device = self.device
         d = int(vin.draft_token_num)
         bs = len(batch.seq_lens)
         prefix_lens = batch.seq_lens
@@ -442,7 +557,9 @@ class DDTreeWorker(TreeWorkerMixin, DFlashWorkerV2):
             out_width=d,
         )
         new_seq_lens = c.new_seq_lens.to(prefix_lens.dtype)
-        commit_window(self.model_runner.req_to_token_pool.req_to_token, batch.req_pool_indices, prefix_lens, c)
+        req_to_token = self.model_runner.req_to_token_pool.req_to_token
+        cols = prefix_lens.to(torch.int64).unsqueeze(1) + torch.arange(d, device=device).unsqueeze(0)
+        req_to_token[batch.req_pool_indices.to(torch.int64).unsqueeze(1), cols] = c.window_locs.to(req_to_token.dtype)
 
         if self._need_mamba_verify_commit:
             self._tree_accept_slots, self._tree_accept_length = c.accept_slots, c.accept_length
@@ -458,7 +575,16 @@ class DDTreeWorker(TreeWorkerMixin, DFlashWorkerV2):
         if on_publish is not None:
             on_publish(new_seq_lens)
 
-        append_accepted(self, logits_output.hidden_states, c)
+        hidden = logits_output.hidden_states
+        if hidden is None:
+            raise RuntimeError("DDTREE verify requires target hidden states, but got None.")
+        self._append_target_hidden_to_draft_kv_by_loc(
+            target_hidden=hidden.index_select(0, c.append_rows),
+            cache_loc=c.append_cache_loc_2d.reshape(-1),
+            cache_loc_2d=c.append_cache_loc_2d,
+            positions=c.append_positions,
+            commit_lens=c.commit_lens,
+        )
         logits_output.hidden_states = None
 
         next_draft_input = self._make_next_draft_input_decode(bonus_tokens=c.bonus, new_seq_lens=new_seq_lens)
