@@ -12,6 +12,7 @@ torch), evaluated with `packaging`. Three verdicts, each a value with human-read
 """
 from __future__ import annotations
 
+import functools
 import json
 import zipfile
 from dataclasses import asdict, dataclass, field
@@ -95,6 +96,15 @@ def _evaluate(marker, environment: dict, extra: str) -> bool:
     return marker.evaluate(dict(environment, extra=extra))
 
 
+@functools.lru_cache(maxsize=1 << 14)
+def _dependency(line: str, environment: tuple) -> Requirement | None:
+    """A Requires-Dist line as pip's iter_dependencies() keeps it: the requirement when it has no marker or
+    its marker is true with extra == "", else None. Cached: a fleet repeats the same lines host after host
+    (parsing them is most of a pip check's time); a line that does not parse raises, and is not cached."""
+    req = Requirement(line.strip())
+    return req if req.marker is None or _evaluate(req.marker, dict(environment), "") else None
+
+
 def package_set(dists: list[dict], environment: dict, modern: bool | None = None) -> tuple[dict[str, Installed], list[str]]:
     """pip's `create_package_set_from_installed` over collected distributions: first of a name wins;
     each one's requirements filtered as `iter_dependencies()` filters them (no marker, or a marker true
@@ -103,6 +113,7 @@ def package_set(dists: list[dict], environment: dict, modern: bool | None = None
     modern = modern_pip(dists) if modern is None else modern
     out: dict[str, Installed] = {}
     problems: list[str] = []
+    env_key = tuple(sorted((str(k), str(v)) for k, v in environment.items()))
     for d in dists:
         raw, ver = _pip_identity(d, modern)
         if not raw:
@@ -113,11 +124,7 @@ def package_set(dists: list[dict], environment: dict, modern: bool | None = None
             continue
         try:
             version = Version(ver or "")
-            reqs = []
-            for line in d.get("requires_dist") or []:
-                req = Requirement(line.strip())
-                if req.marker is None or _evaluate(req.marker, environment, ""):
-                    reqs.append(req)
+            reqs = [r for r in (_dependency(str(line), env_key) for line in d.get("requires_dist") or []) if r is not None]
         except (InvalidVersion, InvalidRequirement, UndefinedComparison, UndefinedEnvironmentName, ValueError) as exc:
             problems.append(f"Error parsing dependencies of {name}: {exc}")
             continue
@@ -297,16 +304,19 @@ def deploy_verdict(dists: list[dict], environment: dict, caps: dict) -> Verdict:
                             "core": {n: str(pkgs[n].version) if n in pkgs else None for n in CORE}})
 
 
-def native_verdict(report: dict) -> Verdict:
-    """From elfsyms.check_site's report: refused when an extension SGLang loads at startup has torch
-    symbols that the host's torch does not export (or needs a torch library that is absent), or when
-    sgl_kernel has no common_ops for the GPU arch. Other torch-linked extensions that do not resolve
-    (loaded lazily, by some backends or models) are warnings."""
+def native_verdict(report: dict | list[dict]) -> Verdict:
+    """From elfsyms.check_site's report (or the probe's list of them, one per GPU arch of the host): refused
+    when an extension SGLang loads at startup has torch symbols that the host's torch does not export (or
+    needs a torch library that is absent), or when sgl_kernel has no common_ops for the GPU arch. Other
+    torch-linked extensions that do not resolve (loaded lazily, by some backends or models) are warnings."""
+    reports = report if isinstance(report, list) else [report]
     reasons: list[str] = []
     warnings: list[str] = []
-    if not report.get("torch_lib"):
-        return Verdict("native", True, (), ("torch is not installed: no native extension to check",),
-                       details={"sm": report.get("sm")})
+    checked: list[str] = []
+
+    def add(out: list[str], line: str) -> None:
+        if line not in out:  # the same lazy extension, seen from the report of each arch
+            out.append(line)
 
     def describe(r: dict) -> str:
         what = r.get("role") or r["path"]
@@ -322,25 +332,109 @@ def native_verdict(report: dict) -> Verdict:
                         f"host's torch: " + ", ".join(names))
         return f"{what} ({r['path']}): " + "; ".join(bits)
 
-    for r in report.get("startup", []):
-        if not r.get("ok"):
-            reasons.append(describe(r))
-    reasons += list(report.get("errors", []))
-    for r in report.get("other", []):
-        if not r.get("ok"):
-            warnings.append(describe(r))
+    for rep in reports:
+        if not rep.get("torch_lib"):
+            add(warnings, "torch is not installed: no native extension to check")
+            continue
+        for r in rep.get("startup", []):
+            checked.append(r["path"])
+            if not r.get("ok"):
+                add(reasons, describe(r))
+            if rep.get("sm") is None:
+                add(warnings, f"no GPU arch from nvidia-smi: checked the {r.get('role')} that loads without a "
+                              f"GPU ({r.get('variant')})")
+        for line in rep.get("errors", []):
+            add(reasons, line)
+        for r in rep.get("other", []):
+            if not r.get("ok"):
+                add(warnings, describe(r))
+    sms = [rep.get("sm") for rep in reports]
     return Verdict("native", not reasons, tuple(reasons), tuple(warnings),
-                   details={"sm": report.get("sm"), "checked": [r["path"] for r in report.get("startup", [])]})
+                   details={"sm": sms[0] if len(sms) == 1 else sms, "checked": checked})
 
 
-def host_verdicts(collected: dict, native: dict | None, caps: dict, tags: list[Tag] | None = None) -> list[Verdict]:
+def host_verdicts(collected: dict, native: dict | list | None, caps: dict,
+                  tags: list[Tag] | None = None) -> list[Verdict]:
     """Every verdict for one host, from what its collectors printed: `collected` is
-    dists.collect()'s document, `native` elfsyms.check_site()'s (None: not gathered). Returns
-    [pip-check, deploy, native]: `fab inventory` flags the first; the deploy preflight refuses on the
-    deploy and native verdicts and shows the pip-check one."""
+    dists.collect()'s document, `native` elfsyms.check_site()'s (or the probe's list of them; None: not
+    gathered). Returns [pip-check, deploy, native]: `fab inventory` flags the first and the last; the
+    deploy preflight refuses on the deploy and native verdicts and shows the pip-check one."""
     dists, env = collected["distributions"], collected["environment"]
-    prefix = next((p.split("/lib/python", 1)[0] for p in collected.get("paths", []) if p.endswith("site-packages")), None)
-    out = [coherence_verdict(dists, env, tags, prefix), deploy_verdict(dists, env, caps)]
+    out = [coherence_verdict(dists, env, tags, _prefix(collected)), deploy_verdict(dists, env, caps)]
     if native is not None:
         out.append(native_verdict(native))
     return out
+
+
+def _prefix(collected: dict) -> str | None:
+    """The environment's prefix (pip check judges the platform tags of what is installed under it)."""
+    return next((p.split("/lib/python", 1)[0] for p in collected.get("paths", []) if p.endswith("site-packages")),
+                None)
+
+
+# ---------------------------------------------------------------- facts and plans
+
+def venv_environment(environment: dict, python: str | None) -> dict:
+    """The marker environment of the venv's own interpreter: the collector ran under the host's python3
+    (the agent's), the venv may run another Python; the rest (platform, machine, OS) is the host's."""
+    if not python:
+        return dict(environment)
+    try:
+        v = Version(python)
+    except InvalidVersion:
+        return dict(environment)
+    full = ".".join(str(x) for x in (v.release + (0, 0))[:3])
+    out = dict(environment, python_version=f"{v.major}.{v.minor}", python_full_version=full)
+    if out.get("implementation_name") == "cpython":
+        out["implementation_version"] = full
+    return out
+
+
+def facts_coherence(venv: dict | None, machine: str | None, glibc: str | None) -> dict | None:
+    """What a host's facts carry about its coherence, from the probe's collected distributions and native
+    reports (venv facts as deploy/facts.py builds them): {"ok", "pip_check", "native", "reasons"} with each
+    verdict as a dict (native None when its check did not run), or None when the distributions were not read.
+    `fab inventory` flags a host whose "ok" is False; provision blocks on an incoherent reference."""
+    collected = (venv or {}).get("collected")
+    if not collected:
+        return None
+    env = venv_environment(collected.get("environment") or {}, venv.get("python"))
+    tags = None
+    if venv.get("python") and machine:
+        try:
+            tags = supported_tags(venv["python"], machine, glibc)
+        except InvalidVersion:
+            tags = None
+    pip = coherence_verdict(collected["distributions"], env, tags, _prefix(collected))
+    native = native_verdict(venv["native"]) if venv.get("native") is not None else None
+    reasons = [f"pip check: {r}" for r in pip.reasons] + [f"native: {r}" for r in (native.reasons if native else ())]
+    return {"ok": pip.ok and (native is None or native.ok), "pip_check": pip.as_dict(),
+            "native": native.as_dict() if native else None, "reasons": reasons}
+
+
+def deploy_refusals(venv: dict | None, caps: dict) -> tuple[list[str], list[str]]:
+    """(refusals, warnings) of the deploy preflight for one host, from fresh venv facts (deploy/facts.py)
+    and the capabilities of the plugin being deployed: the SGLang version the plugin must support, the pins
+    among sglang / sglang-kernel / torch / flashinfer-python, and the native extensions SGLang loads at
+    startup against the host's torch. Facts that could not be read refuse too (never assumed fine)."""
+    collected = (venv or {}).get("collected")
+    if not (venv or {}).get("exists"):
+        return [f"coherence: the venv {(venv or {}).get('path') or '?'} does not exist"], []
+    if not collected:
+        return ["coherence: the venv's distributions were not read: " + ((venv or {}).get("error") or
+                                                                         "no answer within the probe's deadline")], []
+    try:
+        supported_sglang_versions(caps)
+    except CoherenceError as exc:
+        return [f"coherence: {exc}"], []
+    env = venv_environment(collected.get("environment") or {}, venv.get("python"))
+    deploy = deploy_verdict(collected["distributions"], env, caps)
+    refusals = [f"coherence: {r}" for r in deploy.reasons]
+    warnings = [f"coherence: {w}" for w in deploy.warnings]
+    if venv.get("native") is None:
+        refusals.append("native: the native-extension check did not run (incomplete facts: see fab inventory)")
+    else:
+        native = native_verdict(venv["native"])
+        refusals += [f"native: {r}" for r in native.reasons]
+        warnings += [f"native: {w}" for w in native.warnings]
+    return refusals, warnings

@@ -26,6 +26,8 @@ from packaging.version import InvalidVersion, Version
 PROBE_BUDGET = float(os.environ.get("DDTREE_PROBE_BUDGET") or 10.0)
 CALL_MARGIN = 6.0  # the agent's start and reply around the budget; past it the host itself is hung
 TRACKED = ("torch", "triton", "sglang", "sglang-kernel", "flashinfer-python", "sglang-ddtree")
+# What a facts document holds: cached facts of another version are gathered again (3: coherence, requirements).
+FACTS_VERSION = 3
 
 
 class FactsError(RuntimeError):
@@ -185,8 +187,20 @@ def parse_pip_list_json(text: str) -> dict[str, str]:
     return {canonicalize_name(d["name"]): d["version"] for d in json.loads(text)}
 
 
+def raw_distributions(venv: dict) -> list[dict]:
+    """The probe's distributions of a venv as [{name, version, wheel_tags}]: from its collected metadata
+    (dists.collect: the METADATA name and version, the directory's when METADATA lacks them), or from the
+    list older probes sent (tests/captures/h200-probe-raw.json: WHEEL text)."""
+    collected = venv.get("collected")
+    if collected is None:
+        return [{"name": d["name"], "version": d["version"], "wheel_tags": parse_wheel_file(d.get("wheel"))}
+                for d in venv.get("distributions") or []]
+    return [{"name": d.get("name") or d.get("dir_name"), "version": d.get("version") or d.get("dir_version"),
+             "wheel_tags": list(d.get("wheel_tags") or [])} for d in collected.get("distributions") or []]
+
+
 def torch_facts(venv: dict) -> dict | None:
-    dists = {canonicalize_name(d["name"]): d for d in venv.get("distributions", [])}
+    dists = {canonicalize_name(d["name"]): d for d in raw_distributions(venv)}
     if "torch" not in dists:
         return None
     t = venv.get("torch") or {}
@@ -197,7 +211,7 @@ def torch_facts(venv: dict) -> dict | None:
     abi = imported.get("cxx11_abi")
     abi_source = "import" if abi is not None else None
     if abi is None:
-        abi = cxx11_abi_from_tags(parse_wheel_file(dists["torch"].get("wheel")))
+        abi = cxx11_abi_from_tags(dists["torch"]["wheel_tags"])
         abi_source = "wheel-tag" if abi is not None else None
     return {"version": version, "public": public, "local": local, "cuda": vp.get("cuda"),
             "git": vp.get("git_version"), "cxx11_abi": abi, "cxx11_abi_source": abi_source,
@@ -207,8 +221,24 @@ def torch_facts(venv: dict) -> dict | None:
 
 # ---------------------------------------------------------------- raw probe output -> facts
 
-def build_facts(host: str, raw: dict, gathered_at: float | None = None) -> dict:
-    """Turn the probe's raw JSON into the facts document cached in inventory/facts/HOST.json."""
+def coherence_of(venv: dict | None, machine: str | None, glibc: str | None, previous: dict | None) -> dict | None:
+    """coherence.facts_coherence of the venv, or `previous` facts' verdicts when they were made from the same
+    inputs: the probe's key of the distributions' metadata, the venv's Python, the machine, glibc and the same
+    native reports (a pip check of a few hundred distributions costs tens of ms; a fleet rarely changes)."""
+    collected = (venv or {}).get("collected") or {}
+    key = [collected["key"], venv.get("python"), machine, glibc] if collected.get("key") else None
+    prev = previous or {}
+    if key and prev.get("facts_version") == FACTS_VERSION and (prev.get("coherence") or {}).get("key") == key \
+            and (prev.get("venv") or {}).get("native") == venv.get("native"):
+        return prev["coherence"]
+    from . import coherence  # packaging's markers and requirements: imported only when a verdict is made
+    c = coherence.facts_coherence(venv, machine, glibc)
+    return dict(c, key=key) if c is not None else None
+
+
+def build_facts(host: str, raw: dict, gathered_at: float | None = None, previous: dict | None = None) -> dict:
+    """Turn the probe's raw JSON into the facts document cached in inventory/facts/HOST.json. `previous`: the
+    host's last facts, whose coherence verdicts are reused when nothing they were made from changed."""
     smi_q = raw.get("nvidia_smi_query") or {}
     smi = raw.get("nvidia_smi") or {}
     gpus = parse_query_gpu_csv(smi_q.get("out", "")) if smi_q.get("rc") == 0 else []
@@ -221,21 +251,35 @@ def build_facts(host: str, raw: dict, gathered_at: float | None = None) -> dict:
     osr = parse_os_release(raw.get("os_release"))
     ldd = raw.get("ldd") or []
     venv_raw = dict(raw.get("venv") or {})
+    incomplete = list(raw.get("incomplete") or [])
+    got = venv_raw.get("collected") or {}
+    if got.get("unchanged"):  # the probe left out the distribution list the previous facts hold (same key)
+        held = ((previous or {}).get("venv") or {}).get("collected") or {}
+        if held.get("key") == got.get("key") and "distributions" in held:
+            venv_raw["collected"] = dict(held, **{k: v for k, v in got.items() if k != "unchanged"})
+        else:
+            venv_raw["collected"] = None
+            incomplete.append({"what": "venv", "error": "the probe left out a distribution list these facts lack"})
     if venv_raw and not venv_raw.get("version") and (venv_raw.get("pyvenv_cfg") or venv_raw.get("lib_dir")):
         venv_raw.update(parse_pyvenv_cfg(venv_raw.get("pyvenv_cfg"), venv_raw.get("lib_dir")))
     venv = None
+    rows = raw_distributions(venv_raw) if venv_raw else []
     if venv_raw:
-        dists = {canonicalize_name(d["name"]): d["version"] for d in venv_raw.get("distributions", [])}
+        dists = {canonicalize_name(d["name"]): d["version"] for d in rows if d["name"]}
         venv = {"path": venv_raw.get("path"), "exists": venv_raw.get("exists", False),
                 "error": venv_raw.get("error"), "trust": venv_raw.get("trust"),
                 "python": venv_raw.get("version"),
                 "abi": python_abi_tag(venv_raw["version"], venv_raw.get("abiflags", "")) if venv_raw.get("version") else None,
                 "purelib": venv_raw.get("purelib"),
                 "distributions": dict(sorted(dists.items())),
-                "wheel_tags": {canonicalize_name(d["name"]): parse_wheel_file(d.get("wheel"))
-                               for d in venv_raw.get("distributions", []) if d.get("wheel")}}
+                "wheel_tags": {canonicalize_name(d["name"]): d["wheel_tags"] for d in rows if d["name"] and d["wheel_tags"]},
+                # what pip check reads (each distribution's requirements) and the native-extension reports
+                "collected": venv_raw.get("collected"), "native": venv_raw.get("native")}
     packages = {name: (venv or {}).get("distributions", {}).get(name) for name in TRACKED}
+    machine = raw.get("machine")
+    glibc = parse_glibc(ldd[0] if ldd else None) or parse_glibc(raw.get("glibc"))
     return {
+        "facts_version": FACTS_VERSION,
         "host": host,
         "gathered_at": datetime.fromtimestamp(gathered_at or time.time(), timezone.utc).isoformat(timespec="seconds"),
         "probe_seconds": raw.get("probe_seconds"),
@@ -243,32 +287,41 @@ def build_facts(host: str, raw: dict, gathered_at: float | None = None) -> dict:
         "nvidia": nvidia,
         "nvcc": parse_nvcc_version((raw.get("nvcc") or {}).get("out")),
         "os": {"id": osr.get("ID"), "version_id": osr.get("VERSION_ID"), "pretty_name": osr.get("PRETTY_NAME"),
-               "kernel": raw.get("kernel"), "machine": raw.get("machine"),
-               "glibc": parse_glibc(ldd[0] if ldd else None) or parse_glibc(raw.get("glibc"))},
+               "kernel": raw.get("kernel"), "machine": machine, "glibc": glibc},
         "system_python": raw.get("system_python"),
         "venv": venv,
-        "torch": torch_facts(venv_raw) if venv_raw.get("distributions") else None,
+        "torch": torch_facts(venv_raw) if rows else None,
         "packages": packages,
+        "coherence": coherence_of(venv, machine, glibc, previous),
         "disk": raw.get("disk", {}),
-        "incomplete": list(raw.get("incomplete") or []),
+        "incomplete": incomplete,
     }
 
 
-def gather(conn, host, *, root: bool = False, staged: bool = False, state_dir: str | None = None) -> dict:
+def gather(conn, host, *, root: bool = False, staged: bool = False, state_dir: str | None = None,
+           previous: dict | None = None) -> dict:
     """One agent call: run the facts probe on `conn` and build the facts of `host`. Without `root` it runs as
     the SSH user (no sudo). With `staged` (a provision target, as root) the facts carry the private staging
-    listing under "stage" and whether root may run the venv under venv.trust."""
+    listing under "stage" and whether root may run the venv under venv.trust. `previous`: see build_facts."""
     from .remote.client import Remote
     t0 = time.time()
+    known = (((previous or {}).get("venv") or {}).get("collected") or {}).get("key")
     raw = Remote(conn, host.name, state_dir).call(
-        "facts.probe", {"venv": host.venv, "budget": PROBE_BUDGET, "staged": staged, "trust": staged},
-        deadline=PROBE_BUDGET + CALL_MARGIN, root=root)
-    facts = build_facts(host.name, raw, t0)
+        "facts.probe", {"venv": host.venv, "budget": PROBE_BUDGET, "staged": staged, "trust": staged,
+                        "known_dists": known}, deadline=PROBE_BUDGET + CALL_MARGIN, root=root)
+    facts = build_facts(host.name, raw, t0, previous)
     facts["address"] = host.address
     facts["gather_seconds"] = round(time.time() - t0, 3)
     if staged:
         facts["stage"] = raw.get("stage")
     return facts
+
+
+def incoherent(facts_by_host: dict[str, dict]) -> dict[str, list[str]]:
+    """{host: its coherence reasons} for every host whose installed pins are unmet (pip check) or whose native
+    extensions do not resolve against its torch."""
+    return {h: list(f["coherence"]["reasons"]) for h, f in facts_by_host.items()
+            if f.get("coherence") and f["coherence"]["ok"] is False}
 
 
 def incomplete_summary(facts: dict) -> str | None:
@@ -284,12 +337,14 @@ def facts_dir(inventory_path: str) -> Path:
 
 
 def save_facts(inventory_path: str, facts: dict) -> Path:
+    """Cache a host's facts. One line (json's C encoder: the venv's metadata makes the file a few hundred KB,
+    and an indented dump of it costs more than the probe); `fab inventory --json` is the readable form."""
     from .remote.host.fsutil import atomic_write
     d = facts_dir(inventory_path)
     d.mkdir(parents=True, exist_ok=True)
     p = d / f"{facts['host']}.json"
-    atomic_write(str(p), json.dumps({k: v for k, v in facts.items() if k != "stage"}, indent=1,
-                                    sort_keys=True).encode(), 0o644)
+    atomic_write(str(p), json.dumps({k: v for k, v in facts.items() if k != "stage"}, sort_keys=True).encode(),
+                 0o644)
     return p
 
 
@@ -299,8 +354,9 @@ def load_cached_facts(inventory_path: str, host: str, max_age: float | None = No
         facts = json.loads(p.read_text())
     except (OSError, ValueError):
         return None
-    if max_age is not None:
-        age = time.time() - datetime.fromisoformat(facts["gathered_at"]).timestamp()
-        if age > max_age:
-            return None
-    return facts
+    return facts if max_age is None or is_fresh(facts, max_age) else None
+
+
+def is_fresh(facts: dict, max_age: float) -> bool:
+    """Gathered at most `max_age` seconds ago."""
+    return time.time() - datetime.fromisoformat(facts["gathered_at"]).timestamp() <= max_age

@@ -8,7 +8,7 @@ from datetime import datetime
 from rich.table import Table
 from rich.text import Text
 
-from .facts import split_local
+from .facts import incoherent, split_local
 
 
 def _age(facts: dict) -> str:
@@ -49,11 +49,28 @@ def row_values(facts: dict) -> dict[str, str | None]:
         "sglang-kernel": pk.get("sglang-kernel"),
         "flashinfer": pk.get("flashinfer-python"),
         "dists": str(len(venv.get("distributions") or {})) if venv.get("distributions") is not None else None,
+        "coherent": coherent_cell(facts),
     }
 
 
+def coherent_cell(facts: dict) -> str | None:
+    """'ok', or what is wrong ('2 unmet', 'native', '2 unmet, native'); None when the distributions were not
+    read. 'unmet' counts pip check's lines (unmet and conflicting requirements, wheels of another platform)."""
+    c = facts.get("coherence")
+    if not c:
+        return None
+    if c["ok"]:
+        return "ok"
+    bad = []
+    if not c["pip_check"]["ok"]:
+        bad.append(f"{len(c['pip_check']['reasons'])} unmet")
+    if c.get("native") and not c["native"]["ok"]:
+        bad.append("native")
+    return ", ".join(bad)
+
+
 COLUMNS = ["driver", "cuda", "gpus", "os", "glibc", "python", "torch", "abi", "archs", "triton", "sglang",
-           "sglang-kernel", "flashinfer", "dists"]
+           "sglang-kernel", "flashinfer", "dists", "coherent"]
 
 
 def drift(ref: dict | None, facts: dict) -> dict[str, str]:
@@ -63,7 +80,7 @@ def drift(ref: dict | None, facts: dict) -> dict[str, str]:
     a, b = row_values(ref), row_values(facts)
     out = {}
     for col in COLUMNS:
-        if col in ("gpus", "dists"):
+        if col in ("gpus", "dists", "coherent"):
             continue
         if a[col] != b[col]:
             out[col] = "differs"
@@ -93,9 +110,20 @@ def inventory_table(inv, facts_by_host: dict[str, dict], errors: dict[str, tuple
         for col in COLUMNS:
             v = vals[col] or "-"
             style = {"abi": "bold red", "differs": "yellow"}.get(marks.get(col, ""), "")
+            if col == "coherent" and vals[col] not in (None, "ok"):
+                style = "bold red"
             cells.append(Text(v + (" (ABI≠ref)" if marks.get(col) == "abi" else ""), style=style))
         table.add_row(label, *cells, Text(_age(facts)))
     for name, (kind, err) in errors.items():
         table.add_row(Text(name, style="bold red"), Text(f"{kind}: {err}", style="red"),
                       *[Text("")] * (len(COLUMNS) - 1), Text(""))
     return table
+
+
+def incoherent_lines(facts_by_host: dict[str, dict]) -> list[Text]:
+    """The reasons behind each flagged `coherent` cell, to print under the table (plain text, never markup)."""
+    out = []
+    for host, reasons in incoherent(facts_by_host).items():
+        out.append(Text.assemble((f"{host}: INCOHERENT", "bold red"), f" ({len(reasons)} reason(s))"))
+        out += [Text(f"  {r}") for r in reasons]
+    return out

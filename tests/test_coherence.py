@@ -14,13 +14,11 @@ import pytest
 from packaging.tags import sys_tags
 
 from deploy import coherence as C
-from deploy.lab.wheels import load_closure, write_dist_info
+from coherence_fixtures import CLOSURE, ENV, closure_with, native_report
+from deploy.lab.wheels import write_dist_info
 from deploy.remote.host import dists as D
-from deploy.remote.host import elfsyms as E
 
 ROOT = Path(__file__).resolve().parents[1]
-CLOSURE = load_closure()
-ENV = CLOSURE["environment"]  # the marker environment pip resolved the closure for (CPython 3.11, Linux x86_64)
 CAPS = C.load_capabilities()
 DISTS_SOURCE = Path(D.__file__).read_text()
 
@@ -156,15 +154,6 @@ def test_the_captured_closure_is_coherent_and_knows_its_pins():
 
 # ---------------------------------------------------------------- deploy verdict on real metadata
 
-def _with(*replace: tuple[str, str]) -> list[dict]:
-    """The captured closure with some distributions swapped for captured alternates (or removed: None)."""
-    out = [d for d in CLOSURE["distributions"] if d["name"] not in {n for n, _ in replace}]
-    for name, version in replace:
-        if version:
-            out.append(next(a for a in CLOSURE["alternates"] if a["name"] == name and a["version"] == version))
-    return out
-
-
 def test_caps_lists_and_per_version_forms():
     assert "0.5.23" in C.supported_sglang_versions(CAPS)
     assert C.supported_sglang_versions({"sglang_versions": {"0.5.17": {}, "0.5.23": {}}}) == ("0.5.17", "0.5.23")
@@ -199,14 +188,14 @@ def test_deploy_verdict_reads_the_capabilities_list():
 
 
 def test_deploy_refuses_sglang_kernel_0410_by_its_pins():
-    v = C.deploy_verdict(_with(("sglang-kernel", "0.4.10")), ENV, CAPS_BOTH)
+    v = C.deploy_verdict(closure_with(("sglang-kernel", "0.4.10")), ENV, CAPS_BOTH)
     assert not v.ok
     assert v.reasons == ("sglang 0.5.17 requires sglang-kernel==0.4.5, found sglang-kernel 0.4.10",
                          "sglang-kernel 0.4.10 requires torch==2.14.1, found torch 2.11.0")
 
 
 def test_deploy_refuses_an_unsupported_sglang():
-    v = C.deploy_verdict(_with(("sglang", "0.5.16")), ENV, CAPS_BOTH)
+    v = C.deploy_verdict(closure_with(("sglang", "0.5.16")), ENV, CAPS_BOTH)
     assert not v.ok
     assert v.reasons[0] == "SGLang 0.5.16 is not supported by the plugin (supported: 0.5.17, 0.5.23)"
     assert "sglang 0.5.16 requires flashinfer_python[cu13]==0.6.14, found flashinfer-python 0.6.15.post1" in v.reasons
@@ -215,7 +204,7 @@ def test_deploy_refuses_an_unsupported_sglang():
 
 def test_deploy_refuses_a_supported_sglang_whose_pins_are_unmet():
     """SGLang 0.5.23 (supported) on the fleet's torch 2.11: the case of issue 8."""
-    v = C.deploy_verdict(_with(("sglang", "0.5.23")), ENV, CAPS_BOTH)
+    v = C.deploy_verdict(closure_with(("sglang", "0.5.23")), ENV, CAPS_BOTH)
     assert not v.ok
     assert "sglang 0.5.23 requires torch==2.14.1, found torch 2.11.0" in v.reasons
     assert any(r.startswith("sglang 0.5.23 requires sglang-kernel==0.4.10") for r in v.reasons)
@@ -223,8 +212,8 @@ def test_deploy_refuses_a_supported_sglang_whose_pins_are_unmet():
 
 
 def test_deploy_refuses_without_sglang_or_its_kernel():
-    assert C.deploy_verdict(_with(("sglang", None)), ENV, CAPS_BOTH).reasons == ("SGLang is not installed",)
-    v = C.deploy_verdict(_with(("sglang-kernel", None)), ENV, CAPS_BOTH)
+    assert C.deploy_verdict(closure_with(("sglang", None)), ENV, CAPS_BOTH).reasons == ("SGLang is not installed",)
+    v = C.deploy_verdict(closure_with(("sglang-kernel", None)), ENV, CAPS_BOTH)
     assert v.reasons == ("sglang 0.5.17 requires sglang-kernel==0.4.5, which is not installed",)
 
 
@@ -235,37 +224,25 @@ def test_local_build_satisfies_the_pin_as_pep440_says():
 
 # ---------------------------------------------------------------- native verdict
 
-def _report(kernel: str, torch_version: str, sm: str) -> dict:
-    abi = json.loads((ROOT / "tests/captures/sgl-kernel-torch-abi.json").read_text())
-    libs = {n: {"needed": l["needed"], "defined": [[s, None] for s in l["exports"]]}
-            for n, l in abi["torch"][torch_version]["libraries"].items()}
-    variant = "sm90" if sm == "sm_90" else "sm100"
-    v = abi["sglang_kernel"][kernel][variant]
-    r = E.unresolved({"needed": v["needed"], "undefined": [[s, None, False] for s in v["torch_undefined"]]}, libs,
-                     ("libtorch_global_deps.so",))
-    r.update(role="sgl_kernel.common_ops", variant=variant, path=v["path"], ok=not r["unresolved"])
-    return {"torch_lib": True, "sm": sm, "startup": [r], "other": [], "errors": []}
-
-
 def test_native_verdict_045_on_torch_211():
-    v = C.native_verdict(_report("0.4.5", "2.11.0+cu130", "sm_120"))
+    v = C.native_verdict(native_report("0.4.5", "2.11.0+cu130", "sm_120"))
     assert v.ok and v.details["checked"] == ["sgl_kernel/sm100/common_ops.abi3.so"]
 
 
 def test_native_verdict_refuses_0410_on_torch_211_and_names_the_symbol():
-    v = C.native_verdict(_report("0.4.10", "2.11.0+cu130", "sm_90"))
+    v = C.native_verdict(native_report("0.4.10", "2.11.0+cu130", "sm_90"))
     assert not v.ok and len(v.reasons) == 1
     assert v.reasons[0].startswith("sgl_kernel.common_ops (sm90) (sgl_kernel/sm90/common_ops.abi3.so): 5 of its 99 torch")
     assert "_ZN3c104cuda19CUDAErrorLogCaptureC1Ev (c10::cuda::CUDAErrorLogCapture::CUDAErrorLogCapture)" in v.reasons[0]
 
 
 def test_native_verdict_0410_on_torch_2141():
-    assert C.native_verdict(_report("0.4.10", "2.14.1+cu130", "sm_90")).ok
+    assert C.native_verdict(native_report("0.4.10", "2.14.1+cu130", "sm_90")).ok
 
 
 def test_native_verdict_lazy_extensions_warn_and_errors_refuse():
-    rep = _report("0.4.5", "2.11.0+cu130", "sm_90")
-    bad = _report("0.4.10", "2.11.0+cu130", "sm_90")["startup"][0]
+    rep = native_report("0.4.5", "2.11.0+cu130", "sm_90")
+    bad = native_report("0.4.10", "2.11.0+cu130", "sm_90")["startup"][0]
     rep["other"] = [dict(bad, path="sgl_kernel/flashmla_ops.abi3.so", role=None, variant=None)]
     v = C.native_verdict(rep)
     assert v.ok and len(v.warnings) == 1 and v.warnings[0].startswith("sgl_kernel/flashmla_ops.abi3.so")
@@ -275,9 +252,9 @@ def test_native_verdict_lazy_extensions_warn_and_errors_refuse():
 
 
 def test_host_verdicts_from_collector_documents():
-    collected = {"distributions": _with(("sglang-kernel", "0.4.10")), "environment": ENV,
+    collected = {"distributions": closure_with(("sglang-kernel", "0.4.10")), "environment": ENV,
                  "paths": ["/opt/sglang/venv/lib/python3.11/site-packages"]}
-    pip, deploy, native = C.host_verdicts(collected, _report("0.4.10", "2.11.0+cu130", "sm_90"), CAPS_BOTH)
+    pip, deploy, native = C.host_verdicts(collected, native_report("0.4.10", "2.11.0+cu130", "sm_90"), CAPS_BOTH)
     assert (pip.check, deploy.check, native.check) == ("pip-check", "deploy", "native")
     assert not pip.ok and pip.reasons[0] == "sglang 0.5.17 has requirement sglang-kernel==0.4.5, but you have sglang-kernel 0.4.10."
     assert not deploy.ok and not native.ok

@@ -222,7 +222,8 @@ def provision(inv: Inventory, names: str | list[str] | None, opts: Options | Non
 
     # 2. classify; scan the reference for what any target needs (one read-only call)
     pre = {n: make_plan(ref_facts, g, inv.hosts[n].vars["managed"]) for n, g in gathered.items()}
-    needed = sorted({(i.name, i.reference) for p in pre.values() for i in p.installs})
+    # a host already blocked (an incoherent reference blocks them all) needs nothing from the reference: no scan
+    needed = sorted({(i.name, i.reference) for p in pre.values() if not p.blocked for i in p.installs})
     scan: dict = {}
     ref_conn = None
     try:

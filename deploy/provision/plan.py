@@ -10,7 +10,8 @@ Desired state is the reference host's installed distributions, restricted to the
                        +cu130): a different build, an ABI mismatch     -> install
   extra                on the target only                              -> remove
 
-Blockers refuse the whole host before anything changes; warnings are shown and do not refuse.
+Blockers refuse the whole host before anything changes; warnings are shown and do not refuse. An incoherent
+reference (its facts' pip-check or native verdict fails) blocks every target: its wheels would carry the breakage.
 Every version and tag comparison goes through `packaging`.
 """
 from __future__ import annotations
@@ -298,6 +299,21 @@ def find_blockers(ref_facts: dict, tgt_facts: dict, items: list[Item], scan: dic
     return blockers, warnings, disk
 
 
+def reference_findings(ref_facts: dict) -> tuple[list[Finding], list[Finding]]:
+    """(blockers, warnings) about the reference itself: provision copies its exact wheels, so an incoherent
+    reference (installed pins unmet as `pip check` says, or native extensions that do not resolve against its
+    torch: its facts' coherence verdicts) would copy its breakage; one blocker per reason. Unknown (its
+    distributions were not read): a warning."""
+    c = ref_facts.get("coherence")
+    name = ref_facts.get("host", "?")
+    if c is None:
+        return [], [Finding("reference-coherence", f"the reference {name}'s coherence is unknown (its venv's "
+                                                   f"distributions were not read): not checked")]
+    if c.get("ok") is False:
+        return [Finding("incoherent-reference", f"{name}: {r}") for r in c["reasons"]], []
+    return [], []
+
+
 def drift_findings(scan: dict, names: list[str]) -> list[Finding]:
     out = []
     for n in names:
@@ -316,6 +332,8 @@ def make_plan(ref_facts: dict, tgt_facts: dict, patterns: list[str], scan: dict 
     items = classify(ref_d, tgt_d, patterns, build_versions(ref_facts), build_versions(tgt_facts))
     plan = Plan(tgt_facts.get("host", "?"), ref_facts.get("host", "?"), items)
     plan.blockers, plan.warnings, plan.disk = find_blockers(ref_facts, tgt_facts, items, scan, stage)
+    ref_blockers, ref_warnings = reference_findings(ref_facts)
+    plan.blockers[:0], plan.warnings[:0] = ref_blockers, ref_warnings
     plan.stage = dict(stage or {})
     if scan:
         staged = (stage or {}).get("staged") or {}
@@ -401,8 +419,9 @@ def render(plan: Plan, console, show_sync: bool = False) -> None:
     unsized = [i.name for i in plan.installs if not (plan.sources.get(i.name) or {}).get("size")
                and not (plan.sources.get(i.name) or {}).get("staged")]
     xfer = human(plan.transfer_bytes()) + (f" + {len(unsized)} wheel(s) rebuilt first" if unsized else "")
+    xfer = "nothing scanned or sent (blocked)" if plan.blocked and not plan.sources else f"{xfer} to transfer"
     console.print(Text(f"  {nsync} managed distribution(s) in sync, {len(plan.installs)} to install, "
-                       f"{len(plan.removals)} to remove; {xfer} to transfer"))
+                       f"{len(plan.removals)} to remove; {xfer}"))
     for b in plan.blockers:
         console.print(Text.assemble("  ", ("BLOCKER", "bold red"), f" {b.code}: {b.message}"))
     for w in plan.warnings:

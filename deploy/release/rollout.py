@@ -24,6 +24,7 @@ import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from .. import facts as factsmod
 from ..inventory import Host, Inventory
 from ..remote import commands
 from ..remote.client import AgentError, LinkLost, Remote
@@ -311,6 +312,7 @@ class HostPlan:
     unchanged: bool = False
     probe: dict = field(default_factory=dict)
     payload: dict = field(default_factory=dict)
+    coherence: dict = field(default_factory=dict)
 
     @property
     def commands(self) -> list[list[str]]:
@@ -331,9 +333,28 @@ def plan_host(conn, host: Host, plugin: build.Plugin, overlays: list[dict], rele
     models = sorted({s.model for s in host.services if s.mode == "tree-verify" and s.enabled and s.model})
     state = probe(remote, host, instances=[s.instance for s in host.services], models=models,
                   overlays=[{k: o[k] for k in ("package", "version", "path", "sha256", "new_sha256")}
-                            for o in overlays])
+                            for o in overlays],
+                  facts={"budget": factsmod.PROBE_BUDGET, "import_torch": False})
     check_lock(host, state, opts.break_lock)
     return make_plan(host, plugin, overlays, release, opts, state)
+
+
+def coherence_preflight(host: Host, state: dict, caps: dict) -> tuple[list[str], list[str], dict]:
+    """Coherence before change, from the facts the plan's probe read (state["facts"]) and the capabilities of
+    the plugin being deployed: (refusals, warnings, the verdicts for the summary). Refused: an SGLang version
+    the plugin does not support, unmet pins among sglang / sglang-kernel / torch / flashinfer-python, native
+    extensions SGLang loads at startup (sgl_kernel's common_ops for the host's GPU arch) that do not resolve
+    against the host's torch, and facts that did not come back (never assumed fine)."""
+    from .. import coherence
+    raw = state.get("facts")
+    if raw is None:
+        return ["coherence: not checked (the host's probe returned no facts)"], [], {}
+    facts = factsmod.build_facts(host.name, raw)
+    refused, warnings = coherence.deploy_refusals(facts.get("venv"), caps)
+    summary = {"refused": refused, "warnings": warnings, "pip_check": (facts.get("coherence") or {}).get("pip_check"),
+               "sglang": (facts.get("packages") or {}).get("sglang"),
+               "gpu_archs": sorted({g["sm"] for g in ((facts.get("nvidia") or {}).get("gpus") or []) if g.get("sm")})}
+    return refused, warnings, summary
 
 
 def make_plan(host, plugin, overlays, release, opts, state) -> HostPlan:
@@ -342,6 +363,7 @@ def make_plan(host, plugin, overlays, release, opts, state) -> HostPlan:
     params = {"mode_override": opts.mode, "services": {s.instance: s.mode for s in host.services}}
     manifest = build.make_manifest(release, host, plugin, overlays, files, svc, opts.command, params)
     p = HostPlan(host, release, state.get("current"), manifest, files, {}, [], probe=state)
+    p.refused, p.warnings, p.coherence = coherence_preflight(host, state, plugin.capabilities)
     if state.get("venv_trust") not in (None, "ok"):
         p.refused.append(f"venv {host.vars['venv']}: root will not run it: {state['venv_trust']}")
     p.refused += secrets_refusals(state, [host.vars.get("api_key_file")])
@@ -446,7 +468,8 @@ def _deploy(inv, hosts, opts, confirm, out, t0, release, plugin, overlays, build
     by_name = {h.name: h for h in hosts}
     for n, p in plans.items():
         if p.refused:
-            summary["hosts"][n] = {"ok": False, "error": "; ".join(p.refused), "kind": "refused", "phase": "plan"}
+            summary["hosts"][n] = {"ok": False, "error": "; ".join(p.refused), "kind": "refused", "phase": "plan",
+                                   "coherence": p.coherence}
             for msg in p.refused:
                 out(n, f"REFUSED {msg}")
     go = {n: p for n, p in plans.items() if not p.refused}
@@ -456,7 +479,8 @@ def _deploy(inv, hosts, opts, confirm, out, t0, release, plugin, overlays, build
         what = "unchanged" if p.unchanged else f"{p.current or '(none)'} -> {p.release}"
         rs = ", ".join(f"{i} ({why})" for i, why in p.restart.items()) or "none"
         out(n, f"plan: release {what}; restart: {rs}" + (f"; stop: {', '.join(p.stop)}" if p.stop else ""))
-        summary["hosts"].setdefault(n, {})["commands"] = [commands.shown(c) for c in p.commands]
+        summary["hosts"].setdefault(n, {}).update(commands=[commands.shown(c) for c in p.commands],
+                                                  coherence=p.coherence)
     if go and confirm is not None and any(not p.unchanged or p.restart for p in go.values()):
         for n, p in go.items():
             for argv in p.commands:

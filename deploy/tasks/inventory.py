@@ -9,18 +9,21 @@ from invoke import Exit, task
 def collect(inv, hosts, refresh: bool):
     """Facts of `hosts`: cached ones younger than settings.facts_ttl (and complete) unless refresh, the rest
     gathered. Returns (facts by host, errors by host as (kind, message))."""
-    from ..facts import gather, load_cached_facts, save_facts
+    from ..facts import FACTS_VERSION, gather, is_fresh, load_cached_facts, save_facts
     from ..ssh import run_per_host
     ttl = inv.settings["facts_ttl"]
-    facts, stale = {}, []
+    facts, stale, previous = {}, [], {}
     for h in hosts:
-        cached = None if refresh else load_cached_facts(inv.path, h.name, max_age=ttl)
-        if cached and cached.get("address") == h.address and not cached.get("incomplete"):
-            facts[h.name] = cached
-        else:
-            stale.append(h)
+        cached = load_cached_facts(inv.path, h.name)
+        if cached and cached.get("address") == h.address and cached.get("facts_version") == FACTS_VERSION:
+            previous[h.name] = cached  # its coherence verdicts serve again if the venv did not change
+            if not refresh and not cached.get("incomplete") and is_fresh(cached, ttl):
+                facts[h.name] = cached
+                continue
+        stale.append(h)
     errors = {}
-    for r in run_per_host(inv, stale, gather, label="gathering facts"):
+    for r in run_per_host(inv, stale, lambda c, h: gather(c, h, previous=previous.get(h.name)),
+                          label="gathering facts"):
         if r.ok:
             save_facts(inv.path, r.value)
             facts[r.host] = r.value
@@ -29,14 +32,28 @@ def collect(inv, hosts, refresh: bool):
     return {h.name: facts[h.name] for h in hosts if h.name in facts}, errors
 
 
+def printed(facts: dict) -> dict:
+    """A host's facts as --json prints them: the coherence verdicts, not the raw collector documents they were
+    made from (every distribution's metadata, the ELF reports: kept in inventory/facts/HOST.json)."""
+    venv = facts.get("venv")
+    if not venv:
+        return facts
+    return dict(facts, venv={k: v for k, v in venv.items() if k not in ("collected", "native")})
+
+
 @task(help={"json": "print JSON instead of a table", "hosts": "comma-separated hosts or groups (default: all)",
             "refresh": "gather again even if cached facts are younger than settings.facts_ttl"})
 def inventory(c, json=False, hosts=None, refresh=False):
-    """Gather each host's driver, CUDA, GPUs, OS, Python, venv and torch/SGLang facts in parallel.
+    """Gather each host's driver, CUDA, GPUs, OS, Python, venv and torch/SGLang facts in parallel; flag incoherent hosts.
 
-    Exit 0 only when every host answered with complete facts; 1 when a host failed or some facts did not come
-    back within the probe's deadline (shown as `incomplete`)."""
-    from ..facts import incomplete_summary
+    A host is incoherent when its venv's installed pins are unmet (what `pip check` prints) or when the native
+    extensions SGLang loads (sgl_kernel's common_ops for the host's GPU arch) do not resolve against its torch:
+    the `coherent` column says so, the reasons follow the table, and --json has them under "incoherent".
+
+    Exit 0 when every host answered with complete facts and is coherent; 1 when a host failed or some facts did
+    not come back within the probe's deadline (shown as `incomplete`; takes precedence); 3 when every fact came
+    back but a host is incoherent (fab deploy would refuse it: fix its venv, or `fab provision` it)."""
+    from ..facts import incoherent, incomplete_summary
     from ..inventory import InventoryError, load_inventory
     try:
         inv = load_inventory()
@@ -49,24 +66,33 @@ def inventory(c, json=False, hosts=None, refresh=False):
         facts.pop(inv.reference_name, None)
         errors.pop(inv.reference_name, None)
     incomplete = {h: s for h, f in facts.items() if (s := incomplete_summary(f))}
+    bad = incoherent(facts)
     if json:
         import json as jsonlib
-        print(jsonlib.dumps({"fleet": inv.fleet, "reference": inv.reference_name, "hosts": facts,
+        print(jsonlib.dumps({"fleet": inv.fleet, "reference": inv.reference_name,
+                             "hosts": {h: printed(f) for h, f in facts.items()},
                              "errors": {h: {"kind": k, "error": e} for h, (k, e) in errors.items()},
-                             "incomplete": incomplete}, indent=1))
+                             "incomplete": incomplete, "incoherent": bad}, indent=1))
     else:
         from rich.console import Console
 
-        from ..report import inventory_table
-        Console(width=max(Console().width, 200)).print(inventory_table(inv, facts, errors))
+        from ..report import incoherent_lines, inventory_table
+        console = Console(width=max(Console().width, 200))
+        console.print(inventory_table(inv, facts, errors))
+        for line in incoherent_lines(facts):
+            console.print(line)
     if errors:
         print(f"{len(errors)} host(s) failed: " + "; ".join(f"{h} ({k}: {e})" for h, (k, e) in errors.items()),
               file=sys.stderr)
     if incomplete:
         print(f"{len(incomplete)} host(s) with incomplete facts: "
               + "; ".join(f"{h} ({s})" for h, s in incomplete.items()), file=sys.stderr)
+    if bad:
+        print(f"{len(bad)} host(s) incoherent: " + ", ".join(bad), file=sys.stderr)
     if errors or incomplete:
         raise Exit(code=1)
+    if bad:
+        raise Exit(code=3)
 
 
 TASKS = [inventory]

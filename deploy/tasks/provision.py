@@ -14,7 +14,10 @@ from invoke import Exit, task
             "undo": "restore each host's latest provision from its backup",
             "parallel": "hosts worked on at once (default: inventory settings.parallel)"})
 def provision(c, hosts, dry_run=False, json=False, yes=False, undo=False, parallel=0):
-    """Overlay the reference host's exact wheels onto HOSTS (plan, back up, install offline, verify)."""
+    """Overlay the reference host's exact wheels onto HOSTS (plan, back up, install offline, verify).
+
+    An incoherent reference (pins unmet as `pip check` says, or native extensions not resolving against its torch:
+    `fab inventory` flags it) blocks every target's plan, one blocker per reason, and nothing runs."""
     from rich.console import Console
 
     from ..inventory import InventoryError, load_inventory

@@ -67,7 +67,12 @@ def report(summary: dict, json: bool, what: str) -> None:
             "json": "print the summary as JSON"})
 def deploy(c, mode=None, hosts=None, yes=False, allow_hybrid_unsafe=False, max_fail=1, break_lock=False,
            plugin=None, overlays=None, json=False):
-    """Build a release and roll it out: one gated restart per changed GPU service, auto-rollback on failure."""
+    """Build a release and roll it out: one gated restart per changed GPU service, auto-rollback on failure.
+
+    A host is refused at the plan, before anything is locked, staged or restarted, when its SGLang is not one the
+    built plugin supports, when a pin among sglang / sglang-kernel / torch / flashinfer-python is unmet, or when
+    sgl_kernel's common_ops for its GPU arch does not resolve against its torch (RUNBOOK: the coherence
+    preflight); the other hosts go on. Exit 0 only if every host is ok."""
     from ..release import build, rollout
     if mode is not None and mode not in modes.MODES:
         raise Exit(f"--mode must be one of {', '.join(modes.MODES)}", code=2)

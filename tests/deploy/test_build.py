@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from coherence_fixtures import probe_raw
 from deploy.inventory import load_inventory
 from deploy.release import build, rollout
 
@@ -124,10 +125,15 @@ def test_same_inputs_same_service_digests_and_changes_are_per_gpu(tmp_path):
     assert rollout.batches(list("abcde"), 2) == [["a", "b"], ["c", "d"], ["e"]]
 
 
+# What a plan's probe reads of a coherent SGLang 0.5.17 host (real captured metadata), and a plugin for it.
+COHERENT = probe_raw()
+CAPS = {"sglang_versions": ["0.5.17"]}
+
+
 def _planned(tmp_path, state):
     inv = load_inventory(str(ROOT / "inventory" / "hosts.yaml"))
     host = inv.hosts["ct200"]
-    plugin = build.build_plugin("20261129T083000Z-abc123", _toy_project(tmp_path, {}), tmp_path / "w")
+    plugin = build.build_plugin("20261129T083000Z-abc123", _toy_project(tmp_path, CAPS), tmp_path / "w")
     opts = rollout.DeployOptions()
     state = dict(state, configs={s.model: {"config": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}}
                                  for s in host.services})
@@ -138,8 +144,9 @@ def test_deploy_plan_is_data_with_every_command_as_argv(tmp_path):
     """Kamal's habit: a deploy is a value -- every command that changes the host is an argv list the plan shows
     and this test reads, and the rollback is planned with it."""
     state = {"current": None, "manifest": None, "units": {}, "services": {}, "configs": {}, "overlays": [],
-             "venv_trust": "ok", "secrets": "absent"}
+             "venv_trust": "ok", "secrets": "absent", "facts": COHERENT}
     host, p = _planned(tmp_path, state)
+    assert p.refused == [] and p.coherence["refused"] == [] and p.coherence["gpu_archs"] == ["sm_90"]
     pay = p.payload
     py = host.vars["venv"] + "/bin/python"         # /opt/sglang/.venv in the seed inventory
     wheel = "/opt/ddtree/releases/20261129T083000Z-abc123/wheels/" + p.manifest["plugin"]["wheel"].split("/")[-1]
@@ -180,10 +187,10 @@ def test_plan_refuses_an_api_key_file_the_unit_would_refuse(tmp_path):
     """The probe judged the inventory's API-key file as the unit's ExecStartPre will: a bad one is refused at the
     plan, before anything is staged; one the probe did not report is refused too (never assumed fine)."""
     ok = {"current": None, "manifest": None, "units": {}, "services": {}, "configs": {}, "overlays": [],
-          "venv_trust": "ok", "secrets": "absent"}
+          "venv_trust": "ok", "secrets": "absent", "facts": COHERENT}
     inv = load_inventory(str(ROOT / "inventory" / "hosts.yaml"))
     keyed = dataclasses.replace(inv.hosts["ct200"], vars=dict(inv.hosts["ct200"].vars, api_key_file="/etc/k.yaml"))
-    plugin = build.build_plugin("20261129T083000Z-abc123", _toy_project(tmp_path, {}), tmp_path / "w")
+    plugin = build.build_plugin("20261129T083000Z-abc123", _toy_project(tmp_path, CAPS), tmp_path / "w")
     configs = {s.model: {"config": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}}
                for s in keyed.services}
 

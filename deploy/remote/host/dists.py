@@ -16,7 +16,6 @@ entry that its .pth adds).
 """
 from __future__ import annotations
 
-import email.parser
 import json
 import os
 import platform
@@ -24,7 +23,7 @@ import re
 import sys
 
 __all__ = ["normalize", "split_headers", "parse_metadata", "egg_info_requires", "parse_wheel_tags",
-           "info_dir_name", "find_distributions", "marker_environment", "collect"]
+           "info_dir_name", "find_distributions", "metadata_key", "marker_environment", "collect"]
 
 _NORMALIZE = re.compile(r"[-_.]+")
 _INFO_SUFFIXES = (".dist-info", ".egg-info")
@@ -49,6 +48,7 @@ def parse_metadata(text: str) -> dict:
     """METADATA / PKG-INFO text -> name, version, requires_dist (raw, in file order), requires_python,
     provides_extra. Folded header lines are unfolded by the email parser (as importlib.metadata does);
     each Requires-Dist value is stripped, as pip strips it."""
+    import email.parser  # 8 ms of imports: only when metadata is read, not when the probe's cache answers
     msg = email.parser.Parser().parsestr(split_headers(text), headersonly=True)
 
     def one(key):
@@ -177,6 +177,34 @@ def find_distributions(paths: list[str]) -> tuple[list[dict], list[dict]]:
     return list(found.values()), problems
 
 
+def metadata_key(paths: list[str]) -> str:
+    """What find_distributions(paths) depends on, as one string: each metadata entry's METADATA (PKG-INFO)
+    path, size and mtime in nanoseconds, in listing order. An install, upgrade or removal by pip changes it
+    (pip writes a fresh METADATA every time), so a cache of find_distributions keyed by it stays true; a
+    file edited in place that keeps its size and mtime is not seen."""
+    parts = []
+    for location in paths:
+        location = location or "."
+        try:
+            entries = os.listdir(location)
+        except OSError:
+            continue
+        for entry in entries:
+            if info_dir_name(entry) is None:
+                continue
+            path = os.path.join(location, entry)
+            for meta in (os.path.join(path, "METADATA"), os.path.join(path, "PKG-INFO"), path):
+                try:
+                    st = os.stat(meta)
+                except OSError:
+                    continue
+                parts.append("%s:%d:%d" % (meta, st.st_size, st.st_mtime_ns))
+                break
+            else:
+                parts.append(path + ":-")
+    return "\n".join(parts)
+
+
 def _full_version(info) -> str:
     version = f"{info.major}.{info.minor}.{info.micro}"
     if info.releaselevel != "final":
@@ -201,11 +229,12 @@ def marker_environment() -> dict:
     }
 
 
-def collect(paths: list[str] | None = None) -> dict:
+def collect(paths: list[str] | None = None, find=find_distributions) -> dict:
     """The distributions this interpreter sees (default: its sys.path, as `pip check` run by it sees
-    them), its marker environment, and any unreadable metadata."""
+    them), its marker environment, and any unreadable metadata. `find(paths)` gives (distributions,
+    problems): find_distributions, or a cache of it (the facts probe's, keyed by the metadata files)."""
     paths = list(sys.path if paths is None else paths)
-    dists, problems = find_distributions(paths)
+    dists, problems = find(paths)
     return {"python": platform.python_version(), "environment": marker_environment(), "paths": paths,
             "distributions": dists, "problems": problems}
 

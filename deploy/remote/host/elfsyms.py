@@ -47,7 +47,7 @@ from collections import deque
 
 __all__ = ["ElfError", "parse_elf", "read_elf", "torch_namespace", "is_torch_symbol", "qualified_name",
            "exports", "search_scope", "unresolved", "check_extension", "sgl_kernel_common_ops",
-           "torch_linked", "check_site", "TORCH_NAMESPACES", "TORCH_C_PREFIXES", "TORCH_LIB_PREFIXES"]
+           "torch_linked", "check_site", "sm_name", "startup_inputs", "TORCH_NAMESPACES", "TORCH_C_PREFIXES", "TORCH_LIB_PREFIXES"]
 
 # Torch's own top-level C++ namespaces, as the exports of real torch 2.11.0 and 2.14.1 libraries show them
 # (tests/captures/CAPTURES.md), and the prefixes of the unmangled names of its C ABI and Python bindings.
@@ -409,13 +409,17 @@ def unresolved(ext: dict, libs: dict[str, dict], roots: tuple[str, ...] = ()) ->
 
 # ---------------------------------------------------------------- host-side collection
 
+def _torch_lib_files(torch_lib: str) -> list[str]:
+    """torch/lib's own shared objects (not the bundled libgomp and the like), sorted."""
+    return [p for p in sorted(glob.glob(os.path.join(torch_lib, "*.so*")))
+            if os.path.basename(p).startswith(TORCH_LIB_PREFIXES) and os.path.isfile(p)]
+
+
 def _torch_libs(torch_lib: str) -> dict[str, dict]:
     """torch/lib's own shared objects, by file name and by soname (what DT_NEEDED matches)."""
     libs: dict[str, dict] = {}
-    for path in sorted(glob.glob(os.path.join(torch_lib, "*.so*"))):
+    for path in _torch_lib_files(torch_lib):
         base = os.path.basename(path)
-        if not base.startswith(TORCH_LIB_PREFIXES) or not os.path.isfile(path):
-            continue
         try:
             info = read_elf(path)
         except (OSError, ElfError):
@@ -443,11 +447,31 @@ def sgl_kernel_common_ops(pkg_dir: str, sm: str | None) -> tuple[str, str | None
     single-variant wheels). Returns (variant, path or None)."""
     variant = "sm90" if sm == "sm_90" else "sm100"
     for pattern in (os.path.join(pkg_dir, variant, "common_ops.*"), os.path.join(pkg_dir, "common_ops.*")):
-        files = sorted(glob.glob(pattern))
-        compiled = [f for f in files if ".so" in os.path.basename(f)]
+        compiled = _compiled(pattern)
         if compiled:
             return variant, compiled[0]
     return variant, None
+
+
+def _compiled(pattern: str) -> list[str]:
+    return [f for f in sorted(glob.glob(pattern)) if ".so" in os.path.basename(f)]
+
+
+def sm_name(compute_cap: str) -> str | None:
+    """nvidia-smi's compute capability -> the arch name torch and sgl_kernel use: '9.0' -> 'sm_90',
+    '12.0' -> 'sm_120'; None for anything else ('[N/A]', '')."""
+    cap = (compute_cap or "").strip()
+    major, dot, minor = cap.partition(".")
+    return "sm_" + major + minor if dot and major.isdigit() and minor.isdigit() else None
+
+
+def startup_inputs(site: str) -> list[str]:
+    """The files check_site's startup verdict reads, for any GPU arch: torch/lib's own libraries and every
+    common_ops of sgl_kernel. With the venv's metadata (what pip changes), what a cache of its report is
+    keyed by."""
+    sgk = os.path.join(site, "sgl_kernel")
+    return (_torch_lib_files(os.path.join(site, "torch", "lib")) + _compiled(os.path.join(sgk, "*", "common_ops.*"))
+            + _compiled(os.path.join(sgk, "common_ops.*")))
 
 
 def torch_linked(site: str, skip=("torch", "nvidia")) -> list[str]:

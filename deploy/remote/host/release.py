@@ -168,7 +168,9 @@ def probe(ctx, a):
     """What a plan needs, changing nothing and taking no lock: current release and manifest, unit states, each
     tree-verify model's config.json (hybrid gate), the file-overlay guards, whether root may run the venv and
     the secrets files: the secrets env file and every API-key file the plan may restart with (those asked for and
-    those of the manifests read), each "ok" or why the unit's start check would refuse it (never a key)."""
+    those of the manifests read), each "ok" or why the unit's start check would refuse it (never a key); with
+    `facts` (the facts probe's arguments), the venv's facts as facts.probe reads them (the deploy's coherence
+    preflight)."""
     out, _man, _insts = _state(ctx, a)
     out["configs"] = {}
     for m in a.get("models", []):
@@ -201,6 +203,11 @@ def probe(ctx, a):
             out["api_keys"][f] = "ok"
         except Unsafe as exc:
             out["api_keys"][f] = str(exc)
+    if a.get("facts") is not None:
+        # coherence before change: the facts probe's own reading of the venv (distributions with their
+        # requirements, native extensions against torch for the GPU archs), in this call, under its deadline
+        from . import probe as facts_probe
+        out["facts"] = facts_probe.probe(ctx, dict(a["facts"], venv=a["venv"]))
     return out
 
 
