@@ -19,10 +19,16 @@ def collect(inv, hosts, refresh: bool):
             facts[h.name] = cached
         else:
             stale.append(h)
+
+    def gather_and_cache(conn, host):
+        # cached in the host's own thread, while other hosts are still answering (not all at the end)
+        f = gather(conn, host)
+        save_facts(inv.path, f)
+        return f
+
     errors = {}
-    for r in run_per_host(inv, stale, gather, label="gathering facts"):
+    for r in run_per_host(inv, stale, gather_and_cache, label="gathering facts"):
         if r.ok:
-            save_facts(inv.path, r.value)
             facts[r.host] = r.value
         else:
             errors[r.host] = (r.kind, r.error)
