@@ -64,13 +64,42 @@ def nodelay(sock) -> None:
         pass
 
 
+_QUICKACK = getattr(socket, "TCP_QUICKACK", None)  # Linux only
+
+
+class QuickAckSocket(socket.socket):
+    """The SSH client socket, acknowledging what it reads at once (TCP_QUICKACK after every read; Linux clears
+    the flag by itself, so it is set again each time).
+
+    Why: sshd keeps Nagle on for sessions without a tty, and after authentication it writes small messages
+    (hostkeys-00, debug lines) then the first channel's open confirmation. That confirmation waits for our ACK
+    of the earlier ones, and our kernel delays that ACK by ~40 ms, since we have nothing to send. Measured on
+    the lab: opening the first session 52 -> 6 ms. Our own writes need TCP_NODELAY (nodelay above)."""
+
+    def recv(self, bufsize, flags=0):
+        data = super().recv(bufsize, flags)
+        if _QUICKACK is not None:
+            try:
+                self.setsockopt(socket.IPPROTO_TCP, _QUICKACK, 1)
+            except OSError:
+                pass
+        return data
+
+
+def tcp_connect(address: str, port: int, timeout: float) -> socket.socket:
+    """A connected TCP socket for SSH: no Nagle, quick ACKs, the connect bounded by `timeout`."""
+    plain = socket.create_connection((address, port), timeout=timeout)
+    sock = QuickAckSocket(fileno=plain.detach())
+    sock.settimeout(timeout)
+    nodelay(sock)
+    return sock
+
+
 def open_checked(inv: Inventory, host: Host) -> Connection:
     """connect() and open now, turning paramiko's exceptions into one HostError with a clear kind."""
     conn = connect(inv, host)
     try:
-        sock = socket.create_connection((host.address, host.port), timeout=inv.ssh.get("connect_timeout", 10))
-        nodelay(sock)
-        conn.connect_kwargs["sock"] = sock
+        conn.connect_kwargs["sock"] = tcp_connect(host.address, host.port, inv.ssh.get("connect_timeout", 10))
         conn.open()
     except BadHostKeyException as exc:
         raise HostError(host.name, "host-key-mismatch",

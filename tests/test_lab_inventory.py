@@ -79,6 +79,24 @@ def test_host_key_mismatch_and_unknown_key_refused(lab, fab, tmp_path):
     assert kh.read_text() == before  # nothing auto-accepted or written
 
 
+def test_lab_connections_use_the_quick_ack_socket_and_verify_keys(lab):
+    """open_checked's transport runs on QuickAckSocket (no Nagle, quick ACKs) with RejectPolicy still in place."""
+    import socket
+
+    import paramiko
+
+    from deploy.ssh import QuickAckSocket, open_checked
+    conn = open_checked(lab, lab.hosts["ct129"])
+    try:
+        sock = conn.client.get_transport().sock
+        assert isinstance(sock, QuickAckSocket)
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+        assert isinstance(conn.client._policy, paramiko.RejectPolicy)
+        assert conn.run("hostname", hide=True, in_stream=False).stdout.strip() == "ct129"
+    finally:
+        conn.close()
+
+
 def test_cached_facts_used_until_refresh(lab, fab):
     fab("inventory", "--json", "--refresh")
     first = json.loads(fab("inventory", "--json", "--hosts", "ct200").stdout)["hosts"]["ct200"]["gathered_at"]

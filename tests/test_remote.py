@@ -31,6 +31,37 @@ def test_zipapp_is_deterministic_and_holds_only_the_host_package():
     assert "ddtree_agent/main.py" in names and "ddtree_agent/loader.py" in names
 
 
+def test_zipapp_is_built_once_when_every_host_thread_asks_at_once(monkeypatch):
+    """The host pool's threads all ask for the zipapp on their first call; one builds, the others wait for it
+    (with a bare lru_cache each thread built its own copy, ~4 ms of CPU each under the GIL)."""
+    import threading
+    built = []
+    real = zipapp.build_from
+
+    def slow_build(files):
+        built.append(1)
+        time.sleep(0.2)  # widen the window in which a second thread could start its own build
+        return real(files)
+    monkeypatch.setattr(zipapp, "build_from", slow_build)
+    cached = getattr(zipapp, "_build", zipapp.build)  # the lru_cache'd builder
+    cached.cache_clear()
+    try:
+        start = threading.Barrier(8)
+        got = []
+
+        def ask():
+            start.wait()
+            got.append(zipapp.build())
+        threads = [threading.Thread(target=ask) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert len(built) == 1 and len(got) == 8 and all(a is got[0] for a in got)
+    finally:
+        cached.cache_clear()
+
+
 def test_every_op_area_has_its_module_and_host_code_is_stdlib_only():
     """One line in main.OP_MODULES adds an area; the host package imports nothing outside the standard library
     (it runs on the hosts' system python3)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import io
+import threading
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +42,16 @@ def build_from(files: dict[str, bytes]) -> Zipapp:
     return Zipapp(data, hashlib.sha256(data).hexdigest())
 
 
+_build_lock = threading.Lock()
+
+
 @functools.lru_cache(maxsize=1)
-def build() -> Zipapp:
-    """The zipapp of this checkout's host package (built once per process)."""
+def _build() -> Zipapp:
     return build_from(sources())
+
+
+def build() -> Zipapp:
+    """The zipapp of this checkout's host package, built once per process: the first host thread to ask builds
+    it, the others wait for that one (lru_cache alone let every thread of the pool build its own copy)."""
+    with _build_lock:
+        return _build()

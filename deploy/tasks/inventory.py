@@ -21,11 +21,16 @@ def collect(inv, hosts, refresh: bool):
                 facts[h.name] = cached
                 continue
         stale.append(h)
+
+    def gather_and_cache(conn, host):
+        # cached in the host's own thread, while other hosts are still answering (not all at the end)
+        f = gather(conn, host, previous=previous.get(host.name))
+        save_facts(inv.path, f)
+        return f
+
     errors = {}
-    for r in run_per_host(inv, stale, lambda c, h: gather(c, h, previous=previous.get(h.name)),
-                          label="gathering facts"):
+    for r in run_per_host(inv, stale, gather_and_cache, label="gathering facts"):
         if r.ok:
-            save_facts(inv.path, r.value)
             facts[r.host] = r.value
         else:
             errors[r.host] = (r.kind, r.error)
