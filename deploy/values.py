@@ -78,32 +78,23 @@ def deep_abs_path(v) -> str | None:
     return p
 
 
-def user_name(v) -> str | None:
-    if not isinstance(v, str) or not USER_RE.fullmatch(v):
-        return f"must be a user name ([a-z_][a-z0-9_-]*, at most 32 characters), got {_show(v)}"
-    return None
+def _whole(regex: re.Pattern, what: str):
+    """A check that `regex` matches the whole string value; the message says what was expected."""
+    def check(v) -> str | None:
+        if not isinstance(v, str) or not regex.fullmatch(v):
+            return f"must be {what}, got {_show(v)}"
+        return None
+    return check
+
+
+user_name = _whole(USER_RE, "a user name ([a-z_][a-z0-9_-]*, at most 32 characters)")
+ssh_user = _whole(SSH_USER_RE, "a user name (letters, digits, '_', '.', '-'; at most 32 characters)")
+served_model_name = _whole(SERVED_NAME_RE, "a model name (letters, digits and . _ : / @ + -)")
+dist_pattern = _whole(DIST_PATTERN_RE, "a distribution name pattern (letters, digits, . _ - and * ? [ ])")
 
 
 def service_user(v) -> str | None:
     return user_name(v) or ("must be a non-root user name, got 'root'" if v == "root" else None)
-
-
-def ssh_user(v) -> str | None:
-    if not isinstance(v, str) or not SSH_USER_RE.fullmatch(v):
-        return f"must be a user name (letters, digits, '_', '.', '-'; at most 32 characters), got {_show(v)}"
-    return None
-
-
-def served_model_name(v) -> str | None:
-    if not isinstance(v, str) or not SERVED_NAME_RE.fullmatch(v):
-        return f"must be a model name (letters, digits and . _ : / @ + -), got {_show(v)}"
-    return None
-
-
-def dist_pattern(v) -> str | None:
-    if not isinstance(v, str) or not DIST_PATTERN_RE.fullmatch(v):
-        return f"must be a distribution name pattern (letters, digits, . _ - and * ? [ ]), got {_show(v)}"
-    return None
 
 
 def address(v) -> str | None:
