@@ -49,6 +49,16 @@ def write_model(inv, host: str, path: str, config: dict) -> None:
                    f"{shlex.quote(path)}/config.json")
 
 
+KEY = "Kx9fTq2LmZ7wP4sR8vB1nY6h"  # an API key of the accepted form, for the secrets tests
+
+
+def public_dir(path: Path) -> Path:
+    """A directory made 0755 whatever the umask (a root-owned /etc/ddtree-like parent of secrets files)."""
+    path.mkdir(mode=0o755)
+    os.chmod(path, 0o755)
+    return path
+
+
 def secret_file(d: Path, name: str, text: str, mode: int = 0o600) -> str:
     """A secrets file as an operator writes it: `text` in d/name, mode `mode` (a test loosens it on purpose)."""
     p = Path(d) / name

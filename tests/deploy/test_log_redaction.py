@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-KEY = "Kx9fTq2LmZ7wP4sR8vB1nY6h"
+from .helpers import KEY  # noqa: E402
 
 
 @pytest.fixture

@@ -20,17 +20,13 @@ from deploy.release import rollout
 from deploy.remote.host import release as hostrel
 from deploy.remote.host.registry import Context
 
-from .helpers import secret_file
-
-KEY = "Kx9fTq2LmZ7wP4sR8vB1nY6h"
+from .helpers import KEY, public_dir, secret_file
 
 
 @pytest.fixture
 def host(tmp_path):
     """A host's release layout in tmp_path: release root, state dir, an empty venv, an /etc/ddtree-like dir."""
-    etc = tmp_path / "etc"
-    etc.mkdir(mode=0o755)
-    os.chmod(etc, 0o755)
+    etc = public_dir(tmp_path / "etc")
     (tmp_path / "venv").mkdir()
     return {"root": str(tmp_path / "ddtree" / "releases"), "state_dir": str(tmp_path / "ddtree"),
             "venv": str(tmp_path / "venv"), "etc": etc, "state": tmp_path / "agent"}

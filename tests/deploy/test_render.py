@@ -17,6 +17,8 @@ import pytest
 from deploy.inventory import load_inventory
 from deploy.release import render
 
+from .helpers import KEY
+
 ROOT = Path(__file__).resolve().parents[2]
 CAPS = json.loads((ROOT / "overlays/sglang-ddtree/src/sglang_ddtree/capabilities.json").read_text()) \
     if (ROOT / "overlays/sglang-ddtree/src/sglang_ddtree/capabilities.json").exists() else {}
@@ -272,7 +274,7 @@ def test_api_key_argv_through_sglangs_real_config_merger(seed, sglang_parser, tm
     assert "--api-key" not in " ".join(argv)
     ns = sglang_parser.parse_args(argv[3:])  # the plain parser knows --config too
     assert ns.config == render.credential_path("gpu1") and ns.api_key is None
-    key = "Kx9fTq2LmZ7wP4sR8vB1nY6h"
+    key = KEY
     for text in (f"api-key: {key}\n", f"# ours\napi-key: '{key}'\nadmin-api-key: \"Adm1n-{key}\"\n"):
         cred = tmp_path / render.CREDENTIAL
         cred.write_text(text)

@@ -12,17 +12,12 @@ import yaml
 
 from deploy.remote.host import server_secrets as ss
 
-from .helpers import secret_file
-
-KEY = "Kx9fTq2LmZ7wP4sR8vB1nY6h"
+from .helpers import KEY, public_dir, secret_file
 
 
 @pytest.fixture
 def secret_dir(tmp_path):
-    d = tmp_path / "ddtree"
-    d.mkdir(mode=0o755)
-    os.chmod(d, 0o755)
-    return d
+    return public_dir(tmp_path / "ddtree")
 
 
 def make(d, name="api-key.yaml", text=f"api-key: {KEY}\n", mode=0o600):
