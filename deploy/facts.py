@@ -22,16 +22,14 @@ from packaging.tags import parse_tag
 from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
+from .remote.host.dists import parse_wheel_tags
+
 # One deadline for every probe command together: a hung nvidia-smi costs this, once, not once per command.
 PROBE_BUDGET = float(os.environ.get("DDTREE_PROBE_BUDGET") or 10.0)
 CALL_MARGIN = 6.0  # the agent's start and reply around the budget; past it the host itself is hung
 TRACKED = ("torch", "triton", "sglang", "sglang-kernel", "flashinfer-python", "sglang-ddtree")
 # What a facts document holds: cached facts of another version are gathered again (3: coherence, requirements).
 FACTS_VERSION = 3
-
-
-class FactsError(RuntimeError):
-    pass
 
 
 # ---------------------------------------------------------------- nvidia-smi and driver
@@ -158,9 +156,7 @@ def parse_torch_version_py(text: str | None) -> dict:
     return out
 
 
-def parse_wheel_file(text: str | None) -> list[str]:
-    """A dist-info WHEEL file -> its tags ('cp311-cp311-manylinux_2_28_x86_64')."""
-    return [line.split(":", 1)[1].strip() for line in (text or "").splitlines() if line.startswith("Tag:")]
+parse_wheel_file = parse_wheel_tags  # a dist-info WHEEL file -> its tags (the host library's one copy)
 
 
 def cxx11_abi_from_tags(tags: list[str]) -> bool | None:

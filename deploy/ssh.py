@@ -147,7 +147,7 @@ class HostResult:
 
 
 def run_per_host(inv: Inventory, hosts: list[Host], fn: Callable[[Connection, Host], Any],
-                 parallel: int | None = None, label: str = "", connect_first: bool = True) -> list[HostResult]:
+                 parallel: int | None = None, label: str = "") -> list[HostResult]:
     """Run `fn(conn, host)` for every host on a bounded pool; one host's failure never stops others.
 
     Results come back in the order of `hosts`. Progress is drawn on stderr when it is a terminal.
@@ -158,11 +158,9 @@ def run_per_host(inv: Inventory, hosts: list[Host], fn: Callable[[Connection, Ho
         t0 = time.time()
         conn = None
         try:
-            conn = open_checked(inv, host) if connect_first else connect(inv, host)
+            conn = open_checked(inv, host)
             return HostResult(host.name, True, fn(conn, host), seconds=time.time() - t0)
-        except HostError as exc:
-            return HostResult(host.name, False, error=exc.message, kind=exc.kind, seconds=time.time() - t0)
-        except AgentError as exc:
+        except (HostError, AgentError) as exc:
             return HostResult(host.name, False, error=exc.message, kind=exc.kind, seconds=time.time() - t0)
         except Exception as exc:  # a bug or remote failure on one host must not stop the others
             return HostResult(host.name, False, error=f"{type(exc).__name__}: {exc}", kind="error",

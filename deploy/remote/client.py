@@ -60,8 +60,6 @@ def _loader_source() -> str:
 
 
 LOADER = _loader_source()
-_shipped: set = set()
-_shipped_lock = threading.Lock()
 
 
 def loader_argv(state: str, sha256: str, request: str | None = None) -> list[str]:
@@ -73,11 +71,6 @@ def command_line(argv: list[str], user: str, root: bool) -> str:
     wants a password fails at once instead of hanging)."""
     cmd = shlex.join(argv)
     return "sudo -n -- " + cmd if root and user != "root" else cmd
-
-
-def nodelay(sock) -> None:
-    from ..ssh import nodelay as _nodelay
-    _nodelay(sock)
 
 
 def _error_kind(rc: int | None, stderr: str) -> tuple[str, str]:
@@ -106,10 +99,7 @@ class Remote:
              data: bytes = b"", on_event: Callable[[dict], None] | None = None, silence: float | None = None) -> dict:
         """Run `op` on the host and return its result; raise AgentError (LinkLost when the link died)."""
         app = zipapp.build()
-        key = (self.conn.host, self.conn.port, self.conn.user, self.state(root), app.sha256)
-        ship = False
-        with _shipped_lock:
-            known = key in _shipped
+        ship = False  # the host's "ship" reply alone decides whether the zipapp travels
         for _attempt in (1, 2):
             req = envelope.request_line(op, args, max(1.0, deadline - REPLY_MARGIN), lock,
                                         ship=app.size if ship else None)
@@ -125,17 +115,13 @@ class Remote:
             raise AgentError(kind, msg)
         if fin["type"] == "ship":
             raise AgentError("agent-state", "the host did not keep the zipapp it was sent")
-        if not known:
-            with _shipped_lock:
-                _shipped.add(key)
         if fin["type"] == "error":
             raise AgentError(fin.get("kind") or "error", fin.get("error") or "agent failed", fin)
         return fin.get("result") or {}
 
     def _exec(self, command: str, stdin: bytes, deadline: float, on_event, silence) -> tuple[list, int | None, str]:
         self.conn.open()
-        transport = self.conn.client.get_transport()
-        nodelay(transport.sock)
+        transport = self.conn.client.get_transport()  # its socket: ssh.tcp_connect (TCP_NODELAY, QUICKACK)
         end = time.monotonic() + deadline
         try:
             chan = transport.open_session(timeout=min(20.0, deadline))

@@ -105,7 +105,7 @@ def test_apply_with_an_unsafe_key_file_restarts_nothing(host, tmp_path):
 
 class _Host(hostrel.Host):
     def __init__(self, unit_dir: Path):
-        super().__init__(Context({"deadline": 60}, None, None), {"root": "/nonexistent", "state_dir": "/nonexistent",
+        super().__init__(Context({"deadline": 60}, None), {"root": "/nonexistent", "state_dir": "/nonexistent",
                                                                  "venv": "/nonexistent", "unit_dir": str(unit_dir)})
 
 

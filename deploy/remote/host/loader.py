@@ -187,7 +187,7 @@ def main(argv):
     except Exception as exc:  # nothing ran: say why, in the one envelope
         return reply({"type": "error", "kind": "agent-state", "error": "%s: %s" % (type(exc).__name__, exc)},
                      req.get("raw"))
-    main_mod.serve(req, upath, state)
+    main_mod.serve(req, state)
 
 
 if __name__ == "__main__":

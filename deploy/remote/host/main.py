@@ -86,8 +86,8 @@ def handle(ctx):
     return reply
 
 
-def serve(req, agent_dir, state):
-    ctx = Context(req, state, agent_dir, stdout=sys.stderr if req.get("raw") else None)
+def serve(req, state):
+    ctx = Context(req, state, stdout=sys.stderr if req.get("raw") else None)
     try:
         handle(ctx)
     finally:

@@ -81,7 +81,7 @@ def scan(ctx, a):
         if d is None:
             out[name] = {"error": "not installed"}
             continue
-        di = venvmod.dist_info_path(d)
+        di = d.path
         info = {"version": d.version, "dist_info": di}
         if want.get("version") and d.version != want["version"]:
             info["error"] = "installed version %s, expected %s" % (d.version, want["version"])
@@ -118,7 +118,7 @@ def build(ctx, a):
             out[name] = {"error": "not installed"}
             continue
         ctx.step("build " + name)
-        di = venvmod.dist_info_path(d)
+        di = d.path
         key = sha256_file(os.path.join(di, "RECORD"))
         bdir = _prov(ctx, "built", key)
         r = repack(di, bdir, lay)
@@ -289,7 +289,7 @@ def _backup(ctx, pid, python, names, lay, commands):
         if before.get(n) is None:
             continue
         d = venvmod.find_dist(lay["purelib"], n)
-        di = venvmod.dist_info_path(d)
+        di = d.path
         r = repack(di, bdir, lay, compression=zipfile.ZIP_STORED)
         wheels[n] = {"filename": r["filename"], "sha256": r["sha256"], "size": r["size"], "drift": r["drift"],
                      "pth": installed_pth(di)}
@@ -313,7 +313,7 @@ def _restore(ctx, bdir, manifest, steps, lay, commands):
         if v is None or n in reinstall or now.get(n) != v:
             continue
         d = venvmod.find_dist(site, n)
-        drift, _size = verify_record(venvmod.dist_info_path(d), lay) if d is not None else ([1], 0)
+        drift, _size = verify_record(d.path, lay) if d is not None else ([1], 0)
         if drift and not manifest["wheels"][n].get("drift"):
             reinstall.append(n)
     if reinstall:
@@ -386,7 +386,7 @@ def apply(ctx, a):
             for w in install:
                 d = venvmod.find_dist(lay["purelib"], w["name"])
                 if d is not None:
-                    mods.update(top_level_modules(venvmod.dist_info_path(d)))
+                    mods.update(top_level_modules(d.path))
             result["smoke_modules"] = sorted(mods)
             if mods:
                 ctx.step("smoke")

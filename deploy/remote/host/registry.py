@@ -6,7 +6,6 @@ steps (ctx.step), survives its client going away (SIGHUP ignored, replies to a c
 heartbeats while it runs. A read-only op never takes the lock. A raw op writes bulk bytes to stdout itself
 (no envelope after the data). Adding an op: a function here-registered in a module listed in main.OP_MODULES.
 """
-import os
 import sys
 import threading
 
@@ -39,10 +38,9 @@ class Failure(Exception):
 
 
 class Context(object):
-    def __init__(self, req, state, agent_dir, stdin=None, stdout=None):
+    def __init__(self, req, state, stdin=None, stdout=None):
         self.req = req
         self.state = state
-        self.agent_dir = agent_dir    # the unpacked agent (a sibling op may run it again, e.g. under a venv python)
         self.deadline = Deadline(req.get("deadline"))
         self.stdin = stdin if stdin is not None else sys.stdin.buffer
         self.stdout = stdout if stdout is not None else sys.stdout
@@ -82,7 +80,3 @@ class Context(object):
     def close(self):
         if self._hb:
             self._hb[0].set()
-
-    @property
-    def euid(self):
-        return os.geteuid()

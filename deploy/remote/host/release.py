@@ -122,9 +122,8 @@ def check_secrets(secrets_file, key_files=()):
             server_secrets.check_owner_mode(secrets_file)
             check_path(os.path.dirname(secrets_file))
         for f in key_files:
-            server_secrets.check_owner_mode(f)
             check_path(os.path.dirname(f))
-            keys[f] = server_secrets.read_api_key(f)
+            keys[f] = server_secrets.read_api_key(f)  # checks the file's owner and mode first
     except (server_secrets.SecretsError, OSError) as exc:
         raise Unsafe(str(exc))
     return keys

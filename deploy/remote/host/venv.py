@@ -65,9 +65,6 @@ class Dist(object):
         except OSError:
             return None
 
-    def locate_file(self, rel):
-        return os.path.join(os.path.dirname(self.path), rel)
-
 
 def distributions(site):
     """(canonical name, Dist) for each distribution installed in `site`, first one per name (sorted by
@@ -89,10 +86,6 @@ def distributions(site):
             continue
         seen.add(normalize(name))
         yield normalize(name), Dist(path, name, version)
-
-
-def dist_info_path(d):
-    return d.path
 
 
 def find_dist(site, name):

@@ -11,6 +11,7 @@ import io
 import os
 import re
 
+from .dists import normalize, parse_wheel_tags as wheel_tags  # noqa: F401 (one copy: dists, self-contained)
 from .fsutil import sha256_file
 
 ZIP_EPOCH = (1980, 1, 1, 0, 0, 0)  # fixed entry times: the same installed files give the same wheel bytes
@@ -26,11 +27,6 @@ SHA256 = re.compile(r"[0-9a-f]{64}")
 
 class WheelError(ValueError):
     pass
-
-
-def normalize(name):
-    """PEP 503 canonical name ('Flash_Infer.python' -> 'flash-infer-python')."""
-    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def wheel_name_component(name):
@@ -88,11 +84,6 @@ def record_text(rows):
     for r in rows:
         w.writerow(r)
     return buf.getvalue()
-
-
-def wheel_tags(wheel_text):
-    """A WHEEL file's Tag lines ('cp311-cp311-manylinux_2_28_x86_64')."""
-    return [line.split(":", 1)[1].strip() for line in (wheel_text or "").splitlines() if line.startswith("Tag:")]
 
 
 def compressed_tag(tags):
@@ -358,16 +349,18 @@ def repack(dist_info, out_dir, layout, compression=8):  # 8: zipfile.ZIP_DEFLATE
             for arc, absp, h, path in entries:
                 with open(absp, "rb") as fh:
                     data = fh.read()
-                if "/scripts/" in arc and arc.split("/", 1)[0].endswith(".data"):
+                script = "/scripts/" in arc and arc.split("/", 1)[0].endswith(".data")
+                if script:
                     data = _script_bytes(data)
-                elif h and record_hash(data) != h:
+                rh = record_hash(data)  # once per file: these are torch's and CUDA's GBs
+                if h and not script and rh != h:
                     drift.append({"path": path, "problem": "modified"})
                 mode = os.stat(absp).st_mode & 0o777
                 zi = zipfile.ZipInfo(arc, ZIP_EPOCH)
                 zi.external_attr = (0o100000 | (mode | 0o644)) << 16
                 zi.compress_type = compression
                 zf.writestr(zi, data)
-                record_rows.append((arc, record_hash(data), str(len(data))))
+                record_rows.append((arc, rh, str(len(data))))
             rec_arc = di_name + "/RECORD"
             zi = zipfile.ZipInfo(rec_arc, ZIP_EPOCH)
             zi.external_attr = 0o100644 << 16
