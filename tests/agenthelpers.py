@@ -20,10 +20,8 @@ def call(op: str, args: dict | None, state: Path | str, lock: dict | None = None
     argv = client.loader_argv(str(state), app.sha256)
     argv[0] = SYSTEM_PYTHON
     held = (Path(state) / f"agent-{app.sha256}.pyz").exists()
-    req = json.loads(envelope.request_line(op, args, deadline, lock, ship=None if held else app.size))
-    if raw:
-        req["raw"] = True
-    stdin = json.dumps(req).encode() + b"\n" + (b"" if held else app.data) + data
+    req = envelope.request_line(op, args, deadline, lock, ship=None if held else app.size, raw=raw)
+    stdin = req.encode() + b"\n" + (b"" if held else app.data) + data
     p = subprocess.run(argv, input=stdin, capture_output=True, timeout=deadline + 30, env=env)
     out = (p.stderr if raw else p.stdout).decode("utf-8", "replace")
     replies = envelope.parse_output(out)

@@ -14,13 +14,10 @@ and shown before the question.
 """
 from __future__ import annotations
 
-import getpass
 import os
-import socket
 import sys
 import threading
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -31,6 +28,7 @@ from .. import facts as factsmod
 from ..inventory import Host, Inventory
 from ..remote import commands
 from ..remote.client import ROOT_STATE, AgentError, Remote
+from ..remote.client import lock_holder as holder
 from ..ssh import open_checked, run_per_host
 from . import transfer
 from .cache import CacheError, WheelCache
@@ -78,12 +76,6 @@ def planned_commands(host: Host, plan: Plan, state: str = ROOT_STATE) -> list[li
     if plan.installs:
         out.append(commands.smoke(py) + ["<modules of the installed distributions>", "cuda|nocuda"])
     return out
-
-
-def holder(command: str) -> dict:
-    """Who holds a host lock: user@machine, the command, our pid, and a fresh token."""
-    return {"holder": f"{getpass.getuser()}@{socket.gethostname()}", "command": command, "pid": os.getpid(),
-            "token": uuid.uuid4().hex}
 
 
 # ---------------------------------------------------------------- report

@@ -7,6 +7,7 @@ pyproject.toml to `<base>+<release-local-label>`, builds with pip (offline, no b
 """
 from __future__ import annotations
 
+import functools
 import getpass
 import hashlib
 import io
@@ -174,11 +175,17 @@ def load_overlay_spec(path: Path | None = DEFAULT_OVERLAY_SPEC) -> list[dict]:
 
 # ---------------------------------------------------------------- the per-host bundle
 
-def git_commit() -> dict:
+@functools.lru_cache(maxsize=1)  # one checkout per run: asked once, not once per host's manifest
+def _git_commit() -> tuple[str, bool]:
     def git(*a):
-        r = subprocess.run(["git", "-C", str(REPO), *a], capture_output=True, text=True)
+        r = subprocess.run(["git", "-C", str(REPO), *a], capture_output=True, text=True, timeout=60)
         return r.stdout.strip() if r.returncode == 0 else ""
-    return {"commit": git("rev-parse", "HEAD") or "none", "dirty": bool(git("status", "--porcelain"))}
+    return git("rev-parse", "HEAD") or "none", bool(git("status", "--porcelain"))
+
+
+def git_commit() -> dict:
+    commit, dirty = _git_commit()
+    return {"commit": commit, "dirty": dirty}
 
 
 def host_files(host: Host, plugin: Plugin, overlays: list[dict]) -> tuple[dict[str, bytes], dict]:

@@ -12,15 +12,11 @@ deploy, rollback and restart share that one skeleton (run_host) and one batch bu
 """
 from __future__ import annotations
 
-import getpass
 import hashlib
 import json
-import os
 import shutil
-import socket
 import threading
 import time
-import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -28,6 +24,7 @@ from .. import facts as factsmod
 from ..inventory import Host, Inventory
 from ..remote import commands
 from ..remote.client import AgentError, LinkLost, Remote
+from ..remote.client import lock_holder as holder  # noqa: F401 (rollout.holder: tests use it)
 from ..ssh import open_checked, run_per_host
 from . import build, hybrid, render
 
@@ -41,15 +38,6 @@ SYSTEMCTL_STOP = commands.systemctl("stop")
 def host_args(host: Host) -> dict:
     return {"root": host.vars["release_root"], "state_dir": render.state_dir(host), "venv": host.vars["venv"],
             "secrets_file": render.SECRETS_FILE}
-
-
-def expect_for(svc) -> dict:
-    return {"model": svc.served_model_name or svc.model, "algorithm": render.ALGORITHM[svc.mode]}
-
-
-def holder(command: str) -> dict:
-    return {"holder": f"{getpass.getuser()}@{socket.gethostname()}", "command": command, "pid": os.getpid(),
-            "token": uuid.uuid4().hex}
 
 
 def batches(items: list, size: int) -> list[list]:
@@ -203,7 +191,7 @@ def event_printer(host: str, out: Printer, kind: str):
 # ---------------------------------------------------------------- one skeleton for every change
 
 class HostLocked(RuntimeError):
-    def __init__(self, host: str, h: dict):
+    def __init__(self, h: dict):
         age = time.time() - float(h.get("started_ts") or time.time())
         super().__init__(f"locked by {h.get('holder')} running {h.get('command')!r} since {h.get('started')} "
                          f"({age / 60:.1f} min ago, pid {h.get('pid')}); wait, or `--break-lock` if that run is dead")
@@ -236,7 +224,7 @@ def check_lock(host: Host, state: dict, break_lock: bool) -> None:
     """A plan refuses a host another live run holds (the apply would refuse it anyway)."""
     lk = state.get("lock")
     if lk and not break_lock and not lk.get("stale"):
-        raise HostLocked(host.name, lk)
+        raise HostLocked(lk)
 
 
 def run_host(inv: Inventory, remote: Remote, host: Host, payload: dict, lock: dict, out: Printer, kind: str,
@@ -248,7 +236,7 @@ def run_host(inv: Inventory, remote: Remote, host: Host, payload: dict, lock: di
                            on_event=event_printer(host.name, out, kind), silence=SILENCE)
     except AgentError as exc:
         if exc.kind == "locked":
-            raise HostLocked(host.name, exc.reply.get("holder") or {}) from None
+            raise HostLocked(exc.reply.get("holder") or {}) from None
         if not isinstance(exc, LinkLost):
             raise
         out(host.name, f"LINK LOST during {kind}: {exc.message}; the host's agent finishes or rolls back on its own")
@@ -327,16 +315,16 @@ def with_mode(host: Host, mode: str | None) -> Host:
 
 
 def plan_host(conn, host: Host, plugin: build.Plugin, overlays: list[dict], release: str, opts: DeployOptions,
-              remote: Remote | None = None) -> HostPlan:
-    """Read the host (no lock) and plan it."""
-    remote = remote or Remote(conn, host.name)
+              rendered: tuple | None = None) -> HostPlan:
+    """Read the host (no lock) and plan it (`rendered`: its build.host_files, when already made)."""
+    remote = Remote(conn, host.name)
     models = sorted({s.model for s in host.services if s.mode == "tree-verify" and s.enabled and s.model})
     state = probe(remote, host, instances=[s.instance for s in host.services], models=models,
                   overlays=[{k: o[k] for k in ("package", "version", "path", "sha256", "new_sha256")}
                             for o in overlays],
                   facts={"budget": factsmod.PROBE_BUDGET, "import_torch": False})
     check_lock(host, state, opts.break_lock)
-    return make_plan(host, plugin, overlays, release, opts, state)
+    return make_plan(host, plugin, overlays, release, opts, state, rendered)
 
 
 def coherence_preflight(host: Host, state: dict, caps: dict) -> tuple[list[str], list[str], dict]:
@@ -357,9 +345,9 @@ def coherence_preflight(host: Host, state: dict, caps: dict) -> tuple[list[str],
     return refused, warnings, summary
 
 
-def make_plan(host, plugin, overlays, release, opts, state) -> HostPlan:
+def make_plan(host, plugin, overlays, release, opts, state, rendered: tuple | None = None) -> HostPlan:
     """The pure plan of one host from what its probe saw."""
-    files, svc = build.host_files(host, plugin, overlays)
+    files, svc = rendered or build.host_files(host, plugin, overlays)
     params = {"mode_override": opts.mode, "services": {s.instance: s.mode for s in host.services}}
     manifest = build.make_manifest(release, host, plugin, overlays, files, svc, opts.command, params)
     p = HostPlan(host, release, state.get("current"), manifest, files, {}, [], probe=state)
@@ -449,16 +437,17 @@ def deploy(inv: Inventory, hosts: list[Host], opts: DeployOptions, confirm=None,
 
 
 def _deploy(inv, hosts, opts, confirm, out, t0, release, plugin, overlays, build_s) -> dict:
-    problems = []
-    for h in hosts:  # every unit and env file renders before any host is touched
+    problems, rendered = [], {}
+    for h in hosts:  # every unit and env file renders before any host is touched (and once: the plans use them)
         try:
-            build.host_files(h, plugin, overlays)
+            rendered[h.name] = build.host_files(h, plugin, overlays)
         except render.RenderError as exc:
             problems.append(str(exc))
     if problems:
         raise build.BuildError("cannot render:\n  " + "\n  ".join(problems))
     plans: dict[str, HostPlan] = {}
-    planned = run_per_host(inv, hosts, lambda c, h: plan_host(c, h, plugin, overlays, release, opts), label="plan")
+    planned = run_per_host(inv, hosts, lambda c, h: plan_host(c, h, plugin, overlays, release, opts,
+                                                              rendered[h.name]), label="plan")
     summary = {"release": release, "wheel": plugin.wheel.name, "hosts": {}, "build_seconds": round(build_s, 2)}
     for r in planned:
         if r.ok:

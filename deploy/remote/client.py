@@ -11,12 +11,14 @@ the same loader and envelope, the request as the last argument, the data on stdi
 """
 from __future__ import annotations
 
+import getpass
 import os
 import shlex
 import socket
 import subprocess
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Callable
 
@@ -71,6 +73,12 @@ def command_line(argv: list[str], user: str, root: bool) -> str:
     wants a password fails at once instead of hanging)."""
     cmd = shlex.join(argv)
     return "sudo -n -- " + cmd if root and user != "root" else cmd
+
+
+def lock_holder(command: str) -> dict:
+    """Who holds a host lock (provision and deploy share it): user@machine, the command, our pid, a fresh token."""
+    return {"holder": f"{getpass.getuser()}@{socket.gethostname()}", "command": command, "pid": os.getpid(),
+            "token": uuid.uuid4().hex}
 
 
 def _error_kind(rc: int | None, stderr: str) -> tuple[str, str]:
@@ -186,9 +194,7 @@ class Remote:
                     raw: bool = False) -> list[str]:
         """argv of an OpenSSH `ssh` running `op` with the request as the loader's last argument (stdin and
         stdout stay free for the bytes). The zipapp must be on the host already (a call made it so)."""
-        req = envelope.request_line(op, dict(args), max(1.0, deadline - REPLY_MARGIN), lock)
-        if raw:
-            req = req[:-1] + ', "raw": true}'
+        req = envelope.request_line(op, dict(args), max(1.0, deadline - REPLY_MARGIN), lock, raw=raw)
         return ssh_argv + [self.command(True, req)]
 
 

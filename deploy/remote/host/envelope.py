@@ -25,12 +25,15 @@ def encode(obj):
     return "\n" + MARK + json.dumps(obj, sort_keys=True, default=str) + "\n"
 
 
-def request_line(op, args, deadline, lock=None, ship=None):
+def request_line(op, args, deadline, lock=None, ship=None, raw=False):
+    """The request: `ship` (the zipapp's size) when its bytes follow; `raw` when the op's stdout carries data."""
     req = {"op": op, "args": args or {}, "deadline": deadline}
     if lock:
         req["lock"] = lock
     if ship:
         req["ship"] = ship
+    if raw:
+        req["raw"] = True
     return json.dumps(req, sort_keys=True)
 
 
