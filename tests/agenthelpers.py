@@ -2,7 +2,6 @@
 the zipapp shipped into a private state directory, the request on stdin, the reply parsed from the envelope."""
 from __future__ import annotations
 
-import json
 import subprocess
 import uuid
 from pathlib import Path
