@@ -24,7 +24,7 @@ from packaging.tags import compatible_tags, cpython_tags, parse_tag
 from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
-from ..remote.host.wheels import WHEEL_NAME
+from ..remote.host.wheels import SHA256, parse_wheel_filename
 from . import drivers
 
 STATUSES = ("sync", "missing", "other-version", "local-tag-mismatch", "extra")
@@ -343,9 +343,8 @@ def make_plan(ref_facts: dict, tgt_facts: dict, patterns: list[str], scan: dict 
             s = scan.get(i.name) or {}
             src = dict(s.get("source") or {"kind": "rebuild"})
             src.pop("path", None)
-            if src.get("filename") is not None and (not isinstance(src["filename"], str)
-                                                    or not WHEEL_NAME.fullmatch(src["filename"])
-                                                    or not re.fullmatch(r"[0-9a-f]{64}", str(src.get("sha256")))):
+            if src.get("filename") is not None and (parse_wheel_filename(src["filename"]) is None
+                                                    or not SHA256.fullmatch(str(src.get("sha256")))):
                 plan.blockers.append(Finding("wheel-name", f"the reference offered {i.name} as "
                                                            f"{src['filename']!r} (sha256 {src.get('sha256')!r}), "
                                                            f"which is not a wheel file name and sha256: refused"))

@@ -14,15 +14,12 @@ from invoke import Exit, task
             "timeout": "seconds for the whole run on the host (default 900)", "json": "print the report as JSON"})
 def smoke(c, host, gpu=None, mode=None, budget=None, prompts=8, tokens=32, timeout=900, json=False):
     """Serve a tiny model of the configured family on one GPU with the active release; check it is lossless."""
-    from ..inventory import InventoryError, load_inventory
     from ..smoke import run
+    from .release import _inv
 
-    try:
-        inv = load_inventory()
-    except InventoryError as exc:
-        raise Exit(str(exc), code=2)
-    if host not in inv.hosts:
-        raise Exit(f"smoke: unknown host {host!r} (hosts: {', '.join(inv.hosts)})", code=2)
+    inv, picked = _inv(host)  # an unknown name: exit 2 with the inventory's own message
+    if [h.name for h in picked] != [host]:
+        raise Exit(f"smoke: {host!r} is a group; smoke runs on one host", code=2)
     try:
         g = None if gpu in (None, "") else int(gpu)
         b = None if budget in (None, "") else int(budget)
