@@ -74,10 +74,11 @@ def scan(ctx, a):
     lay = venvmod.layout(venv)
     site = lay["purelib"]
     candidates = _candidate_wheels(list(a.get("wheelhouse") or []) + ["~/.cache/pip/wheels"])
+    installed = venvmod.index(site)
     out = {}
     for want in a["dists"]:
         name = normalize(want["name"])
-        d = venvmod.find_dist(site, name)
+        d = installed.get(name)
         if d is None:
             out[name] = {"error": "not installed"}
             continue
@@ -110,10 +111,11 @@ def scan(ctx, a):
 def build(ctx, a):
     """On the reference: rebuild wheels from installed distributions into the private built directory."""
     lay = venvmod.layout(a["venv"])
+    installed = venvmod.index(lay["purelib"])
     out = {}
     for want in a["dists"]:
         name = normalize(want["name"])
-        d = venvmod.find_dist(lay["purelib"], name)
+        d = installed.get(name)
         if d is None:
             out[name] = {"error": "not installed"}
             continue
@@ -283,13 +285,13 @@ def _run_step(ctx, steps, step, argv, timeout=None):
 def _backup(ctx, pid, python, names, lay, commands):
     """Keep the current versions of `names` as wheels rebuilt from their RECORD (stored uncompressed)."""
     bdir = _prov(ctx, "backups", pid)
-    before = venvmod.installed_versions(lay["purelib"], names)
+    installed = venvmod.index(lay["purelib"])
+    before = venvmod.installed_versions(None, names, installed)
     wheels = {}
     for n in sorted(names):
         if before.get(n) is None:
             continue
-        d = venvmod.find_dist(lay["purelib"], n)
-        di = d.path
+        di = installed[normalize(n)].path
         r = repack(di, bdir, lay, compression=zipfile.ZIP_STORED)
         wheels[n] = {"filename": r["filename"], "sha256": r["sha256"], "size": r["size"], "drift": r["drift"],
                      "pth": installed_pth(di)}
@@ -303,7 +305,8 @@ def _restore(ctx, bdir, manifest, steps, lay, commands):
     """Bring every distribution in the manifest back to its `before` version."""
     site = lay["purelib"]
     before = manifest["before"]
-    now = venvmod.installed_versions(site, before)
+    installed = venvmod.index(site)
+    now = venvmod.installed_versions(None, before, installed)
     remove = sorted(n for n, v in before.items() if v is None and now.get(n) is not None)
     if remove:
         _run_step(ctx, steps, "restore-uninstall", commands["pip_uninstall"] + remove)
@@ -312,7 +315,7 @@ def _restore(ctx, bdir, manifest, steps, lay, commands):
     for n, v in sorted(before.items()):
         if v is None or n in reinstall or now.get(n) != v:
             continue
-        d = venvmod.find_dist(site, n)
+        d = installed.get(n)
         drift, _size = verify_record(d.path, lay) if d is not None else ([1], 0)
         if drift and not manifest["wheels"][n].get("drift"):
             reinstall.append(n)
@@ -375,7 +378,8 @@ def apply(ctx, a):
             if r["rc"] != 0:
                 failure = "pip uninstall failed (exit %s)" % r["rc"]
         if failure is None:
-            now = venvmod.installed_versions(lay["purelib"], names)
+            installed = venvmod.index(lay["purelib"])
+            now = venvmod.installed_versions(None, names, installed)
             want = dict((normalize(w["name"]), w["version"]) for w in install)
             want.update((n, None) for n in remove)
             off = dict((n, (v, now.get(n))) for n, v in want.items() if now.get(n) != v)
@@ -384,7 +388,7 @@ def apply(ctx, a):
         if failure is None and a.get("smoke", True):
             mods = set()
             for w in install:
-                d = venvmod.find_dist(lay["purelib"], w["name"])
+                d = installed.get(normalize(w["name"]))
                 if d is not None:
                     mods.update(top_level_modules(d.path))
             result["smoke_modules"] = sorted(mods)
@@ -399,7 +403,7 @@ def apply(ctx, a):
     except Exception as exc:  # restore below, whatever went wrong (a lost lock included)
         failure = "%s: %s" % (type(exc).__name__, exc)
     if failure is None:
-        manifest.update(status="applied", after=venvmod.installed_versions(lay["purelib"], names))
+        manifest.update(status="applied", after=now)  # nothing installs between the version check and here
         write_json(os.path.join(bdir, "manifest.json"), manifest, mode=0o600)
         result.update(ok=True, after=manifest["after"])
         return result

@@ -10,7 +10,8 @@ import glob
 import os
 
 from .fsutil import Unsafe, trusted_tree  # noqa: F401 (Unsafe: what check_runnable raises)
-from .wheels import name_version, normalize
+from . import dists
+from .dists import normalize
 
 
 class VenvError(RuntimeError):
@@ -66,43 +67,23 @@ class Dist(object):
             return None
 
 
-def distributions(site):
-    """(canonical name, Dist) for each distribution installed in `site`, first one per name (sorted by
-    directory name, as importlib.metadata finds them)."""
-    seen = set()
-    try:
-        entries = sorted(os.listdir(site))
-    except OSError:
-        return
-    for e in entries:
-        if not e.endswith((".dist-info", ".egg-info")):
-            continue
-        path = os.path.join(site, e)
-        try:
-            name, version = name_version(path)
-        except OSError:
-            continue
-        if not name or normalize(name) in seen:
-            continue
-        seen.add(normalize(name))
-        yield normalize(name), Dist(path, name, version)
+def index(site):
+    """{canonical name: Dist} of what is installed in `site`, by the facts probe's own reader
+    (dists.find_distributions: pip's rules, the directory's name and version first), so a provision step
+    sees the versions its plan was made from. One directory scan: build it once per step, not per name."""
+    found, _problems = dists.find_distributions([site])
+    return dict((normalize(r["dir_name"] or r["name"]),
+                 Dist(r["path"], r["name"] or r["dir_name"], r["dir_version"] or r["version"])) for r in found)
 
 
 def find_dist(site, name):
-    want = normalize(name)
-    for n, d in distributions(site):
-        if n == want:
-            return d
-    return None
+    return index(site).get(normalize(name))
 
 
-def installed_versions(site, names):
-    want = {normalize(n) for n in names}
-    out = dict((n, None) for n in want)
-    for n, d in distributions(site):
-        if n in want:
-            out[n] = d.version
-    return out
+def installed_versions(site, names, installed=None):
+    """{canonical name: installed version or None} for `names` (`installed`: an index() already made)."""
+    installed = index(site) if installed is None else installed
+    return dict((normalize(n), getattr(installed.get(normalize(n)), "version", None)) for n in names)
 
 
 def check_runnable(venv):
