@@ -44,11 +44,8 @@ class CoherenceError(ValueError):
 class Installed:
     """One distribution as pip check sees it."""
     name: str                      # canonical
-    raw_name: str
     version: Version
     requires: tuple[Requirement, ...]
-    path: str | None = None
-    wheel_tags: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -128,8 +125,7 @@ def package_set(dists: list[dict], environment: dict, modern: bool | None = None
         except (InvalidVersion, InvalidRequirement, UndefinedComparison, UndefinedEnvironmentName, ValueError) as exc:
             problems.append(f"Error parsing dependencies of {name}: {exc}")
             continue
-        out[name] = Installed(name, d.get("name") or raw, version, tuple(reqs), d.get("path"),
-                              tuple(d.get("wheel_tags") or ()))
+        out[name] = Installed(name, version, tuple(reqs))
     return out, problems
 
 
@@ -137,6 +133,11 @@ def pip_check(dists: list[dict], environment: dict, modern: bool | None = None) 
     """`pip check`'s missing and conflicting requirements, in its order (all missing first, then all
     conflicts; per package sorted as pip sorts them), and the metadata problems."""
     pkgs, problems = package_set(dists, environment, modern)
+    return _unmet(pkgs, environment), problems
+
+
+def _unmet(pkgs: dict[str, Installed], environment: dict) -> list[Unmet]:
+    """pip check's verdict over a package set made by package_set."""
     missing: list[Unmet] = []
     conflicting: list[Unmet] = []
     for name, det in pkgs.items():
@@ -154,7 +155,7 @@ def pip_check(dists: list[dict], environment: dict, modern: bool | None = None) 
             missing.append(Unmet(name, str(det.version), str(req), dep, None))
         for dep, have, req in sorted(conf, key=str):
             conflicting.append(Unmet(name, str(det.version), str(req), dep, str(have)))
-    return missing + conflicting, problems
+    return missing + conflicting
 
 
 def supported_tags(python_version: str, machine: str = "x86_64", glibc: str | None = None) -> list[Tag]:
@@ -289,7 +290,7 @@ def deploy_verdict(dists: list[dict], environment: dict, caps: dict) -> Verdict:
         have = meta_version.get("sglang") or str(sglang.version)
         if have not in supported:
             reasons.append(f"SGLang {have} is not supported by the plugin (supported: {', '.join(supported)})")
-    unmet, _ = pip_check(dists, environment)
+    unmet = _unmet(pkgs, environment)  # the package set made above, not a second one
     core = [u for u in unmet if u.package in CORE and u.dependency in CORE]
     for u in core:
         if u.missing:
