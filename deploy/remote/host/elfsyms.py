@@ -46,7 +46,7 @@ import sys
 from collections import deque
 
 __all__ = ["ElfError", "parse_elf", "read_elf", "torch_namespace", "is_torch_symbol", "qualified_name",
-           "exports", "search_scope", "unresolved", "check_extension", "sgl_kernel_common_ops",
+           "search_scope", "unresolved", "check_extension", "sgl_kernel_common_ops",
            "torch_linked", "check_site", "sm_name", "startup_inputs", "TORCH_NAMESPACES", "TORCH_C_PREFIXES", "TORCH_LIB_PREFIXES"]
 
 # Torch's own top-level C++ namespaces, as the exports of real torch 2.11.0 and 2.14.1 libraries show them
@@ -356,11 +356,6 @@ def qualified_name(symbol: str) -> str:
 
 # ---------------------------------------------------------------- resolution
 
-def exports(info: dict) -> set[tuple[str, str | None]]:
-    """An object's exported (name, version) pairs."""
-    return {(n, v) for n, v in info["defined"]}
-
-
 def search_scope(ext_needed: list[str], libs: dict[str, dict], roots: tuple[str, ...] = ()) -> tuple[list[str], list[str]]:
     """Breadth-first DT_NEEDED closure (the dynamic linker's search order) of an extension's needs plus
     `roots` (libraries torch has already loaded globally), over `libs` (file or soname -> parse_elf
@@ -415,7 +410,7 @@ def _torch_lib_files(torch_lib: str) -> list[str]:
             if os.path.basename(p).startswith(TORCH_LIB_PREFIXES) and os.path.isfile(p)]
 
 
-def _torch_libs(torch_lib: str) -> dict[str, dict]:
+def torch_libs(torch_lib: str) -> dict[str, dict]:
     """torch/lib's own shared objects, by file name and by soname (what DT_NEEDED matches)."""
     libs: dict[str, dict] = {}
     for path in _torch_lib_files(torch_lib):
@@ -432,7 +427,7 @@ def _torch_libs(torch_lib: str) -> dict[str, dict]:
 
 def check_extension(path: str, torch_lib: str, libs: dict[str, dict] | None = None) -> dict:
     """Does the extension at `path` resolve its torch symbols against torch/lib at `torch_lib`?"""
-    libs = _torch_libs(torch_lib) if libs is None else libs
+    libs = torch_libs(torch_lib) if libs is None else libs
     ext = read_elf(path)
     roots = ("libtorch_global_deps.so",) if "libtorch_global_deps.so" in libs else ()
     res = unresolved(ext, libs, roots)
@@ -509,18 +504,18 @@ def _torch_version(site: str) -> tuple[int, int] | None:
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 
-def check_site(site: str, sm: str | None = None, all_linked: bool = True) -> dict:
+def check_site(site: str, sm: str | None = None, all_linked: bool = True, libs: dict | None = None) -> dict:
     """Host-side collector: the native-extension report of one site-packages for a GPU arch.
 
     `startup` lists what SGLang loads when it starts (sgl_kernel's common_ops for `sm`); `other` every
     other torch-linked extension found (FA3's flash_ops, torchvision, deep_gemm, torchao, ... loaded
     lazily or by some models only), but per-torch add-ons built for another torch release. Paths are
-    relative to `site`."""
+    relative to `site`. `libs`: torch/lib's objects already read (torch_libs), for a caller checking several archs."""
     torch_lib = os.path.join(site, "torch", "lib")
     out = {"site": site, "sm": sm, "torch_lib": os.path.isdir(torch_lib), "startup": [], "other": [], "errors": []}
     if not out["torch_lib"]:
         return out
-    libs = _torch_libs(torch_lib)
+    libs = torch_libs(torch_lib) if libs is None else libs
     out["torch_libraries"] = sorted({k for k, v in libs.items() if k == os.path.basename(k)})
     startup = []
     sgk = os.path.join(site, "sgl_kernel")

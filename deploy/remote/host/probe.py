@@ -194,7 +194,9 @@ def native_report(site, state, sms, dists_key):
         ((p, os.stat(p)) for p in elfsyms.startup_inputs(site))))
     reports = cache_read(state, "cache-native.json", key)
     if reports is None:
-        reports = [elfsyms.check_site(site, sm, all_linked=(i == 0)) for i, sm in enumerate(sms)]
+        tl = os.path.join(site, "torch", "lib")
+        libs = elfsyms.torch_libs(tl) if os.path.isdir(tl) else None  # ~1 GB of symbol tables: read once, not per arch
+        reports = [elfsyms.check_site(site, sm, all_linked=(i == 0), libs=libs) for i, sm in enumerate(sms)]
         cache_write(state, "cache-native.json", key, reports)
     return reports
 
