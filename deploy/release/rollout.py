@@ -534,15 +534,18 @@ def rollback_target(current: str | None, releases: list[str], failed: list[str],
 
 
 def _runbook(inv: Inventory, hosts: list[Host], kind: str, plan_one, command: str, break_lock: bool,
-             out: Printer) -> dict:
-    """rollback and restart: probe (read-only) -> pure payload -> one release.apply per host."""
+             out: Printer, manifests: bool = False) -> dict:
+    """rollback and restart: probe (read-only) -> pure payload -> one release.apply per host. `manifests`: the
+    probe reads every kept release's manifest (a rollback chooses among them; a restart needs the current one)."""
     lock = dict(holder(command), mode="once", **({"break": True} if break_lock else {}))
     t0 = time.monotonic()
 
     def one(conn, host):
         t = time.monotonic()
         remote = Remote(conn, host.name)
-        state = probe(remote, host, instances=[s.instance for s in host.services], manifests=True)
+        # no venv trust walk: the activation walks it itself before root runs anything of the venv
+        state = probe(remote, host, instances=[s.instance for s in host.services], manifests=manifests,
+                      venv_trust=False)
         check_lock(host, state, break_lock)
         res = {"host": host.name, "ok": False, "restarted": [], "release": state.get("current")}
         try:
@@ -599,7 +602,7 @@ def rollback(inv: Inventory, hosts: list[Host], to: str | None = None, break_loc
              command: str = "fab rollback", out: Printer | None = None) -> dict:
     """Re-activate the previous (or named) release on each host through the same gated restart."""
     return _runbook(inv, hosts, "rollback", lambda h, st, o: rollback_payload(h, st, to, o), command, break_lock,
-                    out or Printer())
+                    out or Printer(), manifests=True)
 
 
 def restart_payload(host: Host, state: dict, gpus: list[int] | None) -> dict:

@@ -116,14 +116,17 @@ def venv_raw(path, state, deadline, import_torch, incomplete, trust=False, known
     v["collected"] = collected(site, state)
     torch = [d for d in v["collected"]["distributions"] if dists.normalize(d.get("name") or "") == "torch"]
     if torch:
-        v["torch"] = torch_raw(path, site, torch[0]["path"], state, deadline, import_torch, incomplete)
+        v["torch"] = torch_raw(path, site, torch[0]["path"], state, deadline, import_torch, incomplete,
+                               v.get("trust"))
     if known and v["collected"]["key"] == known:
         del v["collected"]["distributions"], v["collected"]["problems"]
         v["collected"]["unchanged"] = True
     return v
 
 
-def torch_raw(venv, site, di, state, deadline, import_torch, incomplete):
+def torch_raw(venv, site, di, state, deadline, import_torch, incomplete, trust=None):
+    """torch's version.py, and what importing it says (cached per torch install). `trust`: the venv's trust
+    verdict when the probe already walked it ("ok" or why not), so root does not walk it twice."""
     base = os.path.join(site, "torch")
     t = {"dir": base}
     vp = read(os.path.join(base, "version.py"))
@@ -143,10 +146,14 @@ def torch_raw(venv, site, di, state, deadline, import_torch, incomplete):
     if not import_torch:
         return t
     if os.geteuid() == 0:
-        try:
-            venvmod.check_runnable(venv)
-        except (Unsafe, venvmod.VenvError) as exc:
-            t["import_error"] = "not imported as root: %s" % exc
+        if trust is None:
+            try:
+                venvmod.check_runnable(venv)
+                trust = "ok"
+            except (Unsafe, venvmod.VenvError) as exc:
+                trust = str(exc)
+        if trust != "ok":
+            t["import_error"] = "not imported as root: %s" % trust
             incomplete.append({"what": "torch import", "error": t["import_error"]})
             return t
     r = run([venvmod.python(venv), "-I", "-c", TORCH_IMPORT], max(0.1, deadline.left(floor=0.1)),

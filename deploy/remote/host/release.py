@@ -183,7 +183,8 @@ def probe(ctx, a):
         out["overlays"] = overlay_check(a["venv"], a.get("overlays", []))
     except venvmod.VenvError as exc:
         out["overlays"] = [{"path": o["path"], "ok": False, "why": str(exc), "state": "?"} for o in a["overlays"]]
-    out["venv_trust"] = venv_trust(a["venv"]) if out["venv_python"] else "no venv python"
+    if a.get("venv_trust", True):  # a rollback or restart does not ask: its activation checks the venv itself
+        out["venv_trust"] = venv_trust(a["venv"]) if out["venv_python"] else "no venv python"
     secrets = a.get("secrets_file")
     out["secrets"] = "unchecked" if not secrets else "ok" if os.path.lexists(secrets) else "absent"
     if out["secrets"] == "ok":
