@@ -73,13 +73,24 @@ def restart_batch(manifest: dict, insts: list[str]) -> dict:
     """One batch: the systemctl commands that restart `insts` together and what each one's gate expects: where
     the service listens and the host's API-key file (the agent reads the key there; the key never travels)."""
     units = [render.unit_name(i) for i in insts]
-    svc = manifest["services"]
     return {"instances": list(insts), "reset_failed": SYSTEMCTL_RESET + units, "restart": SYSTEMCTL_RESTART + units,
-            "gates": {i: {"port": svc[i]["port"], "digest": svc[i]["digest"],
-                          "expect": {"model": svc[i]["served_model_name"] or svc[i]["model"],
-                                     "algorithm": svc[i]["algorithm"]},
-                          "address": svc[i].get("address"), "api_key_file": svc[i].get("api_key_file")}
-                      for i in insts}}
+            "gates": {i: gate(manifest["services"][i]) for i in insts}}
+
+
+def gate(svc: dict) -> dict:
+    """What a service's health gate checks, from its manifest entry."""
+    return {"port": svc["port"], "digest": svc["digest"],
+            "expect": {"model": svc.get("served_model_name") or svc["model"], "algorithm": svc["algorithm"]},
+            "address": svc.get("address"), "api_key_file": svc.get("api_key_file")}
+
+
+def restart_batches(host: Host, manifest: dict, insts: list[str]) -> list[dict]:
+    """`insts` in batches of the host's max_unavailable (what deploy, rollback and restart send)."""
+    return [restart_batch(manifest, b) for b in batches(insts, host.vars["max_unavailable"])]
+
+
+def stop_spec(insts: list[str]) -> dict:
+    return {"instances": insts, "argv": SYSTEMCTL_STOP + [render.unit_name(i) for i in insts]}
 
 
 def activation(host: Host, manifest: dict, previous: dict | None) -> dict:
@@ -105,7 +116,8 @@ def rollback_spec(host: Host, previous: dict | None, current: dict) -> dict:
     them."""
     return {"activate": activation(host, previous, current) if previous else None, "stop": SYSTEMCTL_STOP,
             "reset_failed": SYSTEMCTL_RESET, "restart": SYSTEMCTL_RESTART,
-            "max_unavailable": host.vars["max_unavailable"]}
+            "max_unavailable": host.vars["max_unavailable"],
+            "gates": {i: gate(s) for i, s in (previous or {}).get("services", {}).items()}}
 
 
 def apply_commands(payload: dict) -> list[list[str]]:
@@ -399,13 +411,13 @@ def deploy_payload(p: HostPlan, opts: DeployOptions) -> dict:
     payload = host_args(host) | _timeouts(host) | {
         "expect_current": p.current, "keep": host.vars["releases_keep"],
         "protect": [x for x in (p.current,) if x],
-        "batches": [restart_batch(p.manifest, b) for b in batches(todo, host.vars["max_unavailable"])],
+        "batches": restart_batches(host, p.manifest, todo),
         "journal": {"event": "deploy-noop" if p.unchanged and not p.restart else "deploy", "release": p.release,
                     "previous": p.current, "by": p.manifest.get("created_by"), "command": p.manifest.get("command"),
                     "unsafe": p.manifest.get("unsafe", {}), "unchanged": p.unchanged},
         "fail_event": "deploy-failed"}
     if p.stop:
-        payload["stop"] = {"instances": p.stop, "argv": SYSTEMCTL_STOP + [render.unit_name(i) for i in p.stop]}
+        payload["stop"] = stop_spec(p.stop)
     if not p.unchanged:
         payload["stage"] = {"release": p.release, "user": {"name": host.vars["service_user"],
                                                            "useradd": commands.useradd(host.vars["service_user"])}}
@@ -582,19 +594,16 @@ def rollback_payload(host: Host, state: dict, to: str | None, out: Printer) -> d
     man, old = mans.get(target), state.get("manifest") or {}
     if not man:
         raise RuntimeError(f"release {target} on {host.name} has no readable manifest")
-    units = state.get("units") or {}
-    todo = by_gpu(i for i, s in man["services"].items() if s.get("enabled", True) and (
-        (old.get("services", {}).get(i) or {}).get("digest") != s["digest"]
-        or (units.get(i) or {}).get("ActiveState") not in ("active", "activating")))
+    todo = by_gpu(changed_services(man, old or None, state.get("units") or {}, {}))
     stop = [i for i in old.get("services", {}) if i not in man["services"]]
     payload = host_args(host) | _timeouts(host) | {
         "expect_current": cur, "keep": host.vars["releases_keep"], "protect": [x for x in (cur,) if x],
         "activate": activation(host, man, old or None),
-        "batches": [restart_batch(man, b) for b in batches(todo, host.vars["max_unavailable"])],
+        "batches": restart_batches(host, man, todo),
         "journal": {"event": "rollback", "previous": cur, "release": target}, "fail_event": "rollback",
         "mark_failed": False}
     if stop:
-        payload["stop"] = {"instances": stop, "argv": SYSTEMCTL_STOP + [render.unit_name(i) for i in stop]}
+        payload["stop"] = stop_spec(stop)
     return payload
 
 
@@ -612,7 +621,7 @@ def restart_payload(host: Host, state: dict, gpus: list[int] | None) -> dict:
     insts = by_gpu(i for i, s in man["services"].items() if s.get("enabled", True) and (gpus is None or s["gpu"] in gpus))
     return host_args(host) | _timeouts(host) | {
         "expect_current": state.get("current"), "keep": host.vars["releases_keep"],
-        "batches": [restart_batch(man, b) for b in batches(insts, host.vars["max_unavailable"])],
+        "batches": restart_batches(host, man, insts),
         "journal": {"event": "restart", "release": state.get("current")}, "fail_event": "restart",
         "mark_failed": False}
 

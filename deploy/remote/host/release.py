@@ -563,7 +563,7 @@ class Host(object):
                 self.stop(spec["stop"] + [unit(i) for i in gone], gone)
             restart = [i for i in touched if i in pman.get("services", {})]
             size = max(1, int(spec.get("max_unavailable") or 1))
-            batches = [self.batch(spec, restart[i:i + size], pman) for i in range(0, len(restart), size)]
+            batches = [self.batch(spec, restart[i:i + size]) for i in range(0, len(restart), size)]
             self.roll(batches, prev["release"], [])
         except GateFailed as exc:
             ok, detail = False, str(exc)
@@ -574,16 +574,12 @@ class Host(object):
         return res
 
     @staticmethod
-    def batch(spec, insts, man):
-        """A restart batch of the previous release's services, from the command prefixes in the plan."""
+    def batch(spec, insts):
+        """A restart batch of the previous release's services, from the command prefixes and the gates the plan
+        made (rollout.rollback_spec: the control side builds every gate)."""
         units = [unit(i) for i in insts]
         return {"instances": insts, "reset_failed": spec["reset_failed"] + units, "restart": spec["restart"] + units,
-                "gates": dict((i, {"port": man["services"][i]["port"], "digest": man["services"][i]["digest"],
-                                   "expect": {"model": man["services"][i].get("served_model_name")
-                                              or man["services"][i]["model"],
-                                              "algorithm": man["services"][i]["algorithm"]},
-                                   "address": man["services"][i].get("address"),
-                                   "api_key_file": man["services"][i].get("api_key_file")}) for i in insts)}
+                "gates": dict((i, spec["gates"][i]) for i in insts)}
 
     def finish(self, journal, failed_release, failed_why):
         append_jsonl(os.path.join(self.sdir, "journal.jsonl"), dict(journal, time=journal.get("time") or now_iso()))
