@@ -353,6 +353,15 @@ def load_cached_facts(inventory_path: str, host: str, max_age: float | None = No
     return facts if max_age is None or is_fresh(facts, max_age) else None
 
 
+def previous_facts(inventory_path: str, host) -> dict | None:
+    """The host's cached facts when they may serve a new gather as `previous` (same address, same facts
+    version): an unchanged distribution list need not travel again, and unchanged verdicts are not made again."""
+    cached = load_cached_facts(inventory_path, host.name)
+    if cached and cached.get("address") == host.address and cached.get("facts_version") == FACTS_VERSION:
+        return cached
+    return None
+
+
 def is_fresh(facts: dict, max_age: float) -> bool:
     """Gathered at most `max_age` seconds ago."""
     return time.time() - datetime.fromisoformat(facts["gathered_at"]).timestamp() <= max_age

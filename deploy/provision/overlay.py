@@ -191,7 +191,8 @@ def provision(inv: Inventory, names: str | list[str] | None, opts: Options | Non
 
     # 1. facts of the reference and every target (targets with their staging listing), in parallel, read-only
     def gather_any(conn, host):
-        return factsmod.gather(conn, host, root=True, staged=host.name != ref.name, state_dir=opts.state_dir)
+        return factsmod.gather(conn, host, root=True, staged=host.name != ref.name, state_dir=opts.state_dir,
+                               previous=factsmod.previous_facts(inv.path, host))
 
     phases: dict[str, float] = {}
     t = time.time()
@@ -458,7 +459,8 @@ def _apply_locked(remote, host, plan, ref_facts, cache, prog, opts, inv, rep, he
     rep.details["smoke_modules"] = out.get("smoke_modules")
     # verify convergence from fresh facts
     t = time.time()
-    after = factsmod.gather(remote.conn, host, root=True, state_dir=opts.state_dir)
+    after = factsmod.gather(remote.conn, host, root=True, state_dir=opts.state_dir,
+                            previous=factsmod.previous_facts(inv.path, host))
     factsmod.save_facts(inv.path, after)
     rep.details["verify_seconds"] = round(time.time() - t, 2)
     again = make_plan(ref_facts, after, host.vars["managed"])
@@ -485,7 +487,8 @@ def undo(inv: Inventory, names: str | list[str] | None, opts: Options | None = N
                                "commands": {"pip_install": commands.pip_install(py),
                                             "pip_uninstall": commands.pip_uninstall(py), "smoke": commands.smoke(py)}},
             deadline=3600, lock=dict(holder(opts.command + " --undo"), mode="once"), silence=45)
-        f = factsmod.gather(conn, host, root=True, state_dir=opts.state_dir)
+        f = factsmod.gather(conn, host, root=True, state_dir=opts.state_dir,
+                            previous=factsmod.previous_facts(inv.path, host))
         factsmod.save_facts(inv.path, f)
         rep = HostReport(host.name, "undone" if out.get("ok") else "failed", bool(out.get("ok")),
                          error=out.get("error"))

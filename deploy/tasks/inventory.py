@@ -9,13 +9,13 @@ from invoke import Exit, task
 def collect(inv, hosts, refresh: bool):
     """Facts of `hosts`: cached ones younger than settings.facts_ttl (and complete) unless refresh, the rest
     gathered. Returns (facts by host, errors by host as (kind, message))."""
-    from ..facts import FACTS_VERSION, gather, is_fresh, load_cached_facts, save_facts
+    from ..facts import gather, is_fresh, previous_facts, save_facts
     from ..ssh import run_per_host
     ttl = inv.settings["facts_ttl"]
     facts, stale, previous = {}, [], {}
     for h in hosts:
-        cached = load_cached_facts(inv.path, h.name)
-        if cached and cached.get("address") == h.address and cached.get("facts_version") == FACTS_VERSION:
+        cached = previous_facts(inv.path, h)
+        if cached:
             previous[h.name] = cached  # its coherence verdicts serve again if the venv did not change
             if not refresh and not cached.get("incomplete") and is_fresh(cached, ttl):
                 facts[h.name] = cached
