@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from .config import SHADOW_LINEAR, TREE_VERIFY
+from .config import TREE_VERIFY
 
 __all__ = ["tree_verify_rejection", "rejection"]
 
@@ -66,8 +66,4 @@ def tree_verify_rejection(req: Any) -> Optional[str]:
 
 def rejection(mode: Optional[str], req: Any) -> Optional[str]:
     """Admission decision for the active DDTREE mode (``None``: not a DDTREE server)."""
-    if mode == TREE_VERIFY:
-        return tree_verify_rejection(req)
-    if mode == SHADOW_LINEAR:
-        return None
-    return None
+    return tree_verify_rejection(req) if mode == TREE_VERIFY else None

@@ -109,6 +109,26 @@ def _check_backends(backends: Mapping[str, Optional[str]]) -> None:
         )
 
 
+# Server flags DDTREE refuses, each with why (checked in this order: the first two before the accept
+# thresholds, the rest after, as the messages were always reported).
+_REFUSED_FLAGS = (
+    ("speculative_use_rejection_sampling",
+     "rejection sampling needs the draft probability of one sampled chain, while a DDTree is built "
+     "deterministically from the top prefixes; DDTREE samples losslessly with target-only tree sampling instead."),
+    ("speculative_use_block_verification",
+     "block verification is defined for a sampled linear draft block, not for a tree."),
+    ("enable_linear_replayssm_spec",
+     "ReplaySSM spec-verify folds a linear chain of drafts into one ring buffer (topk <= 1 only); tree nodes "
+     "need per-node intermediate states so each node can read its parent's state."),
+    ("speculative_adaptive",
+     "adaptive speculation changes the chain width at run time (topk = 1 only); the tree budget is fixed by "
+     "D = B + 1."),
+    ("enable_unified_memory",
+     "the unified pool's speculative audits cover the builtin chain/EAGLE verify paths, not a tree verify that "
+     "keeps a non-contiguous accepted path of KV slots and per-node recurrent states."),
+)
+
+
 def resolve_ddtree_config(
     args: Any,
     environ: Optional[Mapping[str, str]] = None,
@@ -134,17 +154,9 @@ def resolve_ddtree_config(
         raise DDTreeConfigError("DDTREE needs a DFlash drafter: set --speculative-draft-model-path.")
     if int(getattr(args, "pp_size", 1) or 1) != 1:
         raise DDTreeConfigError("DDTREE supports pp_size == 1 only, like the DFlash worker it extends.")
-    if getattr(args, "speculative_use_rejection_sampling", False):
-        raise DDTreeConfigError(
-            "DDTREE refuses --speculative-use-rejection-sampling: rejection sampling needs the draft "
-            "probability of one sampled chain, while a DDTree is built deterministically from the top "
-            "prefixes; DDTREE samples losslessly with target-only tree sampling instead."
-        )
-    if getattr(args, "speculative_use_block_verification", False):
-        raise DDTreeConfigError(
-            "DDTREE refuses --speculative-use-block-verification: block verification is defined for a "
-            "sampled linear draft block, not for a tree."
-        )
+    for flag, why in _REFUSED_FLAGS[:2]:
+        if getattr(args, flag, False):
+            raise DDTreeConfigError(f"DDTREE refuses --{flag.replace('_', '-')}: {why}")
     if (
         float(getattr(args, "speculative_accept_threshold_single", 1.0)) != 1.0
         or float(getattr(args, "speculative_accept_threshold_acc", 1.0)) != 1.0
@@ -153,23 +165,9 @@ def resolve_ddtree_config(
             "DDTREE refuses speculative accept thresholds other than 1.0: relaxed acceptance would make "
             "tree sampling lossy (each emitted token must be a sample of the target's distribution)."
         )
-    if getattr(args, "enable_linear_replayssm_spec", False):
-        raise DDTreeConfigError(
-            "DDTREE refuses --enable-linear-replayssm-spec: ReplaySSM spec-verify folds a linear chain of "
-            "drafts into one ring buffer (topk <= 1 only); tree nodes need per-node intermediate states "
-            "so each node can read its parent's state."
-        )
-    if getattr(args, "speculative_adaptive", False):
-        raise DDTreeConfigError(
-            "DDTREE refuses --speculative-adaptive: adaptive speculation changes the chain width at run "
-            "time (topk = 1 only); the tree budget is fixed by D = B + 1."
-        )
-    if getattr(args, "enable_unified_memory", False):
-        raise DDTreeConfigError(
-            "DDTREE refuses --enable-unified-memory: the unified pool's speculative audits cover the "
-            "builtin chain/EAGLE verify paths, not a tree verify that keeps a non-contiguous accepted "
-            "path of KV slots and per-node recurrent states."
-        )
+    for flag, why in _REFUSED_FLAGS[2:]:
+        if getattr(args, flag, False):
+            raise DDTreeConfigError(f"DDTREE refuses --{flag.replace('_', '-')}: {why}")
     page = _int_or_none(getattr(args, "page_size", None))
     if page is not None and page != 1:
         raise DDTreeConfigError(

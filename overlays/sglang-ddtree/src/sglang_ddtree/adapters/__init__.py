@@ -21,12 +21,12 @@ from importlib.metadata import PackageNotFoundError, version
 from types import ModuleType
 from typing import Optional
 
-from ..capabilities import SUPPORTED_SGLANG_VERSIONS
+from ..capabilities import SUPPORTED_SGLANG_VERSIONS, load_capabilities
 
 __all__ = ["UnsupportedSGLangVersion", "ADAPTER_MODULES", "check_sglang_version", "load_adapter"]
 
-# version -> adapter module (one file per SGLang release the plugin supports)
-ADAPTER_MODULES = {"0.5.17": "v0_5_17", "0.5.23": "v0_5_23"}
+# version -> adapter module (one file per SGLang release the plugin supports), as capabilities.json declares them
+ADAPTER_MODULES = {v: d["adapter"] for v, d in load_capabilities()["per_version"].items()}
 
 
 class UnsupportedSGLangVersion(RuntimeError):
@@ -40,7 +40,7 @@ def check_sglang_version(installed: Optional[str] = None) -> str:
             installed = version("sglang")
         except PackageNotFoundError as e:  # pragma: no cover - the plugin is loaded by SGLang
             raise UnsupportedSGLangVersion("sglang-ddtree needs SGLang, which is not installed") from e
-    if installed not in SUPPORTED_SGLANG_VERSIONS or installed not in ADAPTER_MODULES:
+    if installed not in ADAPTER_MODULES:
         raise UnsupportedSGLangVersion(
             f"sglang-ddtree supports SGLang {', '.join(SUPPORTED_SGLANG_VERSIONS)} only (one adapter per "
             f"release: the worker subclasses that release's DFlash v2 worker and calls its kernels); found "
@@ -52,4 +52,4 @@ def check_sglang_version(installed: Optional[str] = None) -> str:
 def load_adapter(installed: Optional[str] = None) -> ModuleType:
     """The adapter module for the installed (or given) SGLang version."""
     v = check_sglang_version(installed)
-    return importlib.import_module(f"{__name__}.{ADAPTER_MODULES[v]}")
+    return importlib.import_module(ADAPTER_MODULES[v])

@@ -40,10 +40,6 @@ def set_active_mode(mode: Optional[str]) -> None:
     _ACTIVE_MODE = mode
 
 
-def active_mode() -> Optional[str]:
-    return _ACTIVE_MODE
-
-
 def admission_after_hook(result, req, *args, **kwargs):
     """HookType.AFTER on ``validate_dflash_request(req, enable_overlap)``: keep
     SGLang's own verdict, else DDTREE's (None on non-DDTREE servers)."""
@@ -84,9 +80,7 @@ def make_validator(adapter: ModuleType) -> Callable:
     reason), then write what the builtin DFLASH handler would write."""
 
     def validate_server_args(server_args) -> None:
-        from . import check_sglang_version
-
-        check_sglang_version()
+        # the SGLang version was checked when the plugin registered (load_adapter), in this process
         cfg = resolve_ddtree_config(server_args, os.environ, backends=adapter.attention_backends(server_args))
         steps = getattr(server_args, "speculative_num_steps", None)
         if steps is not None and int(steps) != 1:
