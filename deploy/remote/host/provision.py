@@ -65,6 +65,18 @@ def _rebuilt(ctx, key, di, pth):
     return _source("rebuilt", whl)
 
 
+def _installed(wanted, installed, out):
+    """(canonical name, request, Dist) for each requested distribution installed; the others are reported in
+    `out` as not installed."""
+    for want in wanted:
+        name = normalize(want["name"])
+        d = installed.get(name)
+        if d is None:
+            out[name] = {"error": "not installed"}
+        else:
+            yield name, want, d
+
+
 @op("provision.scan")
 def scan(ctx, a):
     """On the reference: per distribution, drift against RECORD, size, tags, the .pth files it installs, and a
@@ -74,14 +86,8 @@ def scan(ctx, a):
     lay = venvmod.layout(venv)
     site = lay["purelib"]
     candidates = _candidate_wheels(list(a.get("wheelhouse") or []) + ["~/.cache/pip/wheels"])
-    installed = venvmod.index(site)
     out = {}
-    for want in a["dists"]:
-        name = normalize(want["name"])
-        d = installed.get(name)
-        if d is None:
-            out[name] = {"error": "not installed"}
-            continue
+    for name, want, d in _installed(a["dists"], venvmod.index(site), out):
         di = d.path
         info = {"version": d.version, "dist_info": di}
         if want.get("version") and d.version != want["version"]:
@@ -111,14 +117,8 @@ def scan(ctx, a):
 def build(ctx, a):
     """On the reference: rebuild wheels from installed distributions into the private built directory."""
     lay = venvmod.layout(a["venv"])
-    installed = venvmod.index(lay["purelib"])
     out = {}
-    for want in a["dists"]:
-        name = normalize(want["name"])
-        d = installed.get(name)
-        if d is None:
-            out[name] = {"error": "not installed"}
-            continue
+    for name, _want, d in _installed(a["dists"], venvmod.index(lay["purelib"]), out):
         ctx.step("build " + name)
         di = d.path
         key = sha256_file(os.path.join(di, "RECORD"))
