@@ -69,11 +69,12 @@ class Dist(object):
 
 def index(site):
     """{canonical name: Dist} of what is installed in `site`, by the facts probe's own reader
-    (dists.find_distributions: pip's rules, the directory's name and version first), so a provision step
-    sees the versions its plan was made from. One directory scan: build it once per step, not per name."""
+    (dists.find_distributions) and named and versioned as the control side's facts name them (METADATA
+    first: facts.raw_distributions), so a provision step sees the versions its plan was made from. One
+    directory scan: build it once per step, not per name."""
     found, _problems = dists.find_distributions([site])
-    return dict((normalize(r["dir_name"] or r["name"]),
-                 Dist(r["path"], r["name"] or r["dir_name"], r["dir_version"] or r["version"])) for r in found)
+    return dict((normalize(r["name"] or r["dir_name"]),
+                 Dist(r["path"], r["name"] or r["dir_name"], r["version"] or r["dir_version"])) for r in found)
 
 
 def find_dist(site, name):
