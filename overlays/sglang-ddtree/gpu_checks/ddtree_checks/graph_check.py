@@ -61,7 +61,7 @@ def run_family(family, a, log=print):
     ref.start()
     ref_base = f"http://127.0.0.1:{port}"
     try:
-        smoke.wait_healthy(ref_base, ref, 400)
+        log(f"{family}: plain reference healthy after {smoke.wait_healthy(ref_base, ref, 400):.0f}s")
         plain_out = [g["output_ids"] for g in smoke.generate(ref_base, ps, a.tokens)]
         runs = [("tree-verify B=%d graphs on" % a.budget, smoke.ServerSpec("tree-verify", paths["target"], paths["drafter"],
                                                                           budget=a.budget, extra_args=GRAPHS_ON, **caps)),
@@ -69,6 +69,7 @@ def run_family(family, a, log=print):
                                                                            budget=a.budget, **caps)),
                 ("dflash graphs on", smoke.ServerSpec("dflash", paths["target"], paths["drafter"], block=a.block,
                                                       extra_args=GRAPHS_ON, **caps))]
+        runs = [r for r in runs if not a.only or any(o in r[0] for o in a.only)]
         for name, spec in runs:
             port = smoke.free_port()
             logp = os.path.join(a.work, f"{family}-{name.replace(' ', '_').replace('=', '')}.log")
@@ -127,6 +128,7 @@ def main(argv=None):
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--profile-steps", type=int, default=30)
+    ap.add_argument("--only", nargs="*", help="run only the servers whose name contains one of these")
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     os.makedirs(a.work, exist_ok=True)

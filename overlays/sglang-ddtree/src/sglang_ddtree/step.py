@@ -44,6 +44,7 @@ the allocator with the request's reservation, never leaked, never shared).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Dict, Optional, Sequence
 
@@ -114,6 +115,10 @@ def merge_vocab_shards(values: torch.Tensor, ids: torch.Tensor, lse: torch.Tenso
     contains the global top-k; rank-major concatenation keeps equal values in
     ascending id order, and the sort is stable)."""
     tp, r, kk = values.shape
+    if tp == 1 and kk == k:
+        # One shard: its candidates are already sorted by (-value, id) (draft_topk_candidates' stable sort),
+        # so the merge is the identity and the global lse is the shard's (launch-bound step: skip the sort).
+        return values[0].double() - lse[0].double().unsqueeze(1), ids[0]
     glse = torch.logsumexp(lse.float(), dim=0)  # [R]
     cat_v = values.permute(1, 0, 2).reshape(r, tp * kk)
     cat_i = ids.permute(1, 0, 2).reshape(r, tp * kk)
@@ -307,12 +312,24 @@ class StepCommit:
     bonus: torch.Tensor  # int64 [N] next root
     new_seq_lens: torch.Tensor  # int64 [N] prefix + commit_lens
     window_locs: torch.Tensor  # [N, D] to write to req_to_token[prefix : prefix + D]
-    state_step: torch.Tensor  # int64 [N] verify slot whose recurrent state is committed
-    kept_kv_locs: torch.Tensor  # [N, M] accepted path's KV locations (sequence order), -1 pad
-    recycled_kv_mask: torch.Tensor  # bool [N*D] window entries not on the path (stay reserved)
     append_rows: torch.Tensor  # int64 [N*M]
     append_cache_loc_2d: torch.Tensor  # [N, M]
     append_positions: torch.Tensor  # int64 [N*M]
+    verify_window_locs: torch.Tensor  # [N, D] the verify window's KV locations in slot order (input)
+    d: int
+
+    # Derived on first use only: a decode step is launch-bound and the workers read none of these.
+    @functools.cached_property
+    def state_step(self) -> torch.Tensor:  # int64 [N] verify slot whose recurrent state is committed
+        return recurrent_state_step(self.accept_slots, self.accept_length)
+
+    @functools.cached_property
+    def kept_kv_locs(self) -> torch.Tensor:  # [N, M] accepted path's KV locations (sequence order), -1 pad
+        return accepted_kv_locs(self.verify_window_locs, self.accept_slots, self.accept_length)
+
+    @functools.cached_property
+    def recycled_kv_mask(self) -> torch.Tensor:  # bool [N*D] window entries not on the path (stay reserved)
+        return (~kv_keep_mask(self.accept_slots, self.accept_length, self.d)).reshape(-1)
 
 
 def commit_from_accept(
@@ -333,7 +350,6 @@ def commit_from_accept(
     slots, length = accept_slots_from_flat(accept_index, accept_token_num, d)
     out, commit_lens, bonus = committed_tokens(predicts, accept_index, length, out_width)
     rows, loc2d, pos, _ = draft_append_inputs(draft_window_ids, slots, length, prefix)
-    kept = accepted_kv_locs(window_locs, slots, length)
     return StepCommit(
         accept_slots=slots,
         accept_length=length,
@@ -342,12 +358,11 @@ def commit_from_accept(
         bonus=bonus,
         new_seq_lens=prefix.to(torch.int64) + commit_lens.to(torch.int64),
         window_locs=committed_window_locs(window_locs, slots, length),
-        state_step=recurrent_state_step(slots, length),
-        kept_kv_locs=kept,
-        recycled_kv_mask=(~kv_keep_mask(slots, length, d)).reshape(-1),
         append_rows=rows,
         append_cache_loc_2d=loc2d,
         append_positions=pos,
+        verify_window_locs=window_locs,
+        d=int(d),
     )
 
 
