@@ -22,7 +22,7 @@ tables, all lookups:
 Given the last two tokens ``(a, b)`` and the regime, the next token is
 ``cand[b][(s + i) % 3]`` with probability ``probs[i]`` (``i = 0, 1, 2``), where
 ``s = (r + cls[a]) % 3``, else one of ``tail[b]`` uniformly (the remaining
-``1 - sum(probs)``; default ``probs = (0.55, 0.27, 0.12)``, tail 0.06).  The
+``1 - sum(probs)``; default ``probs = (0.6, 0.25, 0.1)``, tail 0.05).  The
 source's greedy continuation is therefore ``x[t+1] = cand[x[t]][(r + cls[x[t-1]]) % 3]``.
 
 Why a hidden regime (the design point)
@@ -81,7 +81,7 @@ __all__ = [
 
 FIRST_TEXT_TOKEN = 4  # 0 pad, 1 bos, 2 eos, 3 spare: never in text
 NUM_REGIMES = 3
-DEFAULT_PROBS = (0.55, 0.27, 0.12)
+DEFAULT_PROBS = (0.6, 0.25, 0.1)
 
 
 @dataclass(frozen=True)

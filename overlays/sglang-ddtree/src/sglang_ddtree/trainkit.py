@@ -142,6 +142,8 @@ class Preset:
     eval_prompts: int
     eval_new: int
     loss_gamma: float = 7.0
+    target_seconds: Optional[float] = None  # per-family wall-clock caps of the two training phases
+    drafter_seconds: Optional[float] = None
 
 
 PRESETS: Dict[str, Preset] = {
@@ -150,7 +152,13 @@ PRESETS: Dict[str, Preset] = {
                    linear_head_dim=64, linear_k_heads=4, linear_v_heads=8, drafter_inter=1024, block=16,
                    seq_len=256, target_steps=700, target_batch=128, target_lr=3e-3,
                    drafter_seqs=8192, drafter_steps=800, drafter_batch=64, anchors=16, drafter_lr=2e-3,
-                   prompt_len=64, eval_prompts=64, eval_new=128),
+                   prompt_len=64, eval_prompts=64, eval_new=128, target_seconds=70.0, drafter_seconds=30.0),
+    # a CPU-sized run whose figures mean something (minutes on 2 cores), to check the design without a GPU
+    "small": Preset(vocab=512, hidden=128, heads=4, kv_heads=2, head_dim=32, dense_inter=384, moe_inter=128,
+                    linear_head_dim=32, linear_k_heads=2, linear_v_heads=4, drafter_inter=512, block=16,
+                    seq_len=160, target_steps=400, target_batch=32, target_lr=3e-3,
+                    drafter_seqs=1024, drafter_steps=400, drafter_batch=16, anchors=16, drafter_lr=2e-3,
+                    prompt_len=48, eval_prompts=16, eval_new=96),
     # the whole pipeline on a CPU in seconds (tests); figures mean nothing at this size
     "toy": Preset(vocab=128, hidden=64, heads=4, kv_heads=2, head_dim=16, dense_inter=128, moe_inter=64,
                   linear_head_dim=16, linear_k_heads=2, linear_v_heads=4, drafter_inter=128, block=8,
@@ -393,41 +401,77 @@ def _autocast(device):
     return contextlib.nullcontext()
 
 
-def _lr_lambda(steps: int, warmup: int):
-    def f(step):
-        if step < warmup:
-            return (step + 1) / warmup
-        t = (step - warmup) / max(1, steps - warmup)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
+class _Schedule:
+    """Warmup + cosine learning rate over *progress* = max(step / steps, elapsed / seconds).
 
-    return f
+    ``seconds`` (the preset's per-phase wall-clock cap) ends a phase early on a slower
+    GPU with the schedule completed rather than cut at a high learning rate; the
+    manifest records the steps actually run and why the phase ended."""
+
+    def __init__(self, opt, base_lr: float, steps: int, seconds: Optional[float]):
+        self.opt, self.base, self.steps, self.seconds = opt, base_lr, steps, seconds
+        self.step, self.t0, self.lr, self.reason = -1, time.time(), 0.0, "steps"
+
+    def elapsed(self) -> float:
+        return time.time() - self.t0
+
+    def progress(self) -> float:
+        p = (self.step + 1) / self.steps
+        if self.seconds:
+            p = max(p, self.elapsed() / self.seconds)
+        return p
+
+    def next(self) -> bool:
+        if self.step >= 0 and self.progress() >= 1.0:
+            if (self.step + 1) < self.steps:
+                self.reason = "seconds"
+            return False
+        self.step += 1
+        prog = min(1.0, self.step / self.steps if not self.seconds else max(self.step / self.steps,
+                                                                               self.elapsed() / self.seconds))
+        warm = 0.05
+        f = (prog + 1.0 / self.steps) / warm if prog < warm else \
+            0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (prog - warm) / (1 - warm)))
+        self.lr = self.base * min(1.0, f)
+        for g in self.opt.param_groups:
+            g["lr"] = self.lr
+        return True
+
+    def last(self) -> bool:
+        return self.progress() >= 1.0
+
+    def summary(self, losses) -> dict:
+        return {"steps": self.step + 1, "steps_planned": self.steps, "ended_by": self.reason,
+                "losses": losses, "seconds": round(self.elapsed(), 2)}
 
 
-def train_target(model, source, p: Preset, steps: int, gen, device, log_every: int) -> dict:
+def train_target(model, source, p: Preset, steps: int, gen, device, log_every: int,
+                 seconds: Optional[float] = None) -> dict:
     torch = _torch()
     F = torch.nn.functional
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=p.target_lr, betas=(0.9, 0.98), weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(steps, max(1, steps // 20)))
+    sched = _Schedule(opt, p.target_lr, steps, seconds)
     # all training text drawn at once (a few vectorised steps, not one per batch)
     pool, _ = source.sample(steps * p.target_batch, p.seq_len, gen, device=device)
-    losses, t0 = [], time.time()
-    for step in range(steps):
+    losses = []
+    while sched.next():
+        step = sched.step
         x = pool[step * p.target_batch:(step + 1) * p.target_batch]
         with _autocast(device):
             logits = model(input_ids=x).logits
+        # positions 0-1 are uniform random tokens: predict from the third token on
         loss = F.cross_entropy(logits[:, 1:-1].float().reshape(-1, logits.shape[-1]), x[:, 2:].reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        sched.step()
-        if step % log_every == 0 or step == steps - 1:
-            v = float(loss)
+        if step % log_every == 0 or sched.last():
+            v = float(loss.detach())
             losses.append([step, round(v, 5)])
-            _log(f"  target step {step + 1}/{steps} loss {v:.4f} ({time.time() - t0:.1f}s)")
+            _log(f"  target step {step + 1}/{steps} loss {v:.4f} lr {sched.lr:.2e} ({sched.elapsed():.1f}s)")
     model.eval()
-    return {"steps": steps, "losses": losses, "seconds": round(time.time() - t0, 2)}
+    return sched.summary(losses)
 
 
 def greedy_generate(model, prompts, new: int):
@@ -460,8 +504,13 @@ def eval_target(model, source, prompts, regimes, new: int, device) -> dict:
 # ------------------------------------------------------------------------------------------------
 # drafter training and evaluation
 # ------------------------------------------------------------------------------------------------
-def drafter_dataset(target, source, p: Preset, gen, device, chunk: int = 256):
-    """Sequences ``prompt + source greedy continuation`` and the target's captured features."""
+def drafter_dataset(target, source, p: Preset, gen, device, chunk: int = 1024):
+    """Sequences ``prompt + the target's own greedy continuation`` and its captured features.
+
+    The text a greedy request makes the drafter see when serving (prompts from the
+    source, then whatever the target emits), so the drafter learns the target as it
+    is, not the source.  Also returns the fraction of continuation tokens equal to the
+    source's greedy continuation of the same prompt."""
     torch = _torch()
     seqs, feats, starts = [], [], []
     agree = total = 0
@@ -472,15 +521,16 @@ def drafter_dataset(target, source, p: Preset, gen, device, chunk: int = 256):
             c = min(chunk, n - i)
             plen = int(torch.randint(lo, hi + 1, (1,), generator=gen, device=gen.device))
             prompts, r = source.sample(c, plen, gen, device=device)
-            seq = torch.cat([prompts, source.greedy_continuation(prompts, r, p.seq_len - plen)], 1)
-            with _autocast(device):
-                out = target(input_ids=seq, output_hidden_states=True)
-            f = capture_features(out, TARGET_LAYER_IDS)
-            pred = out.logits[:, plen - 1:-1].argmax(-1)
-            agree += int((pred == seq[:, plen:]).sum())
-            total += pred.numel()
+            cont = greedy_generate(target, prompts, p.seq_len - plen)
+            agree += int((cont == source.greedy_continuation(prompts, r, cont.shape[1])).sum())
+            total += cont.numel()
+            seq = torch.cat([prompts, cont], 1)
+            for j in range(0, c, 256):
+                with _autocast(device):
+                    out = target.model(input_ids=seq[j:j + 256], output_hidden_states=True)
+                f = capture_features(out, TARGET_LAYER_IDS)
+                feats.append(f.to(torch.bfloat16) if torch.device(device).type == "cuda" else f.float())
             seqs.append(seq)
-            feats.append(f.to(torch.bfloat16) if torch.device(device).type == "cuda" else f.float())
             starts.append(torch.full((c,), plen, dtype=torch.int64, device=device))
     return torch.cat(seqs), torch.cat(feats), torch.cat(starts), agree / max(1, total)
 
@@ -505,7 +555,8 @@ def drafter_loss(drafter, embed, lm_head, seq, feats, anchors, block: int, mask_
     return loss, float(acc1)
 
 
-def train_drafter(drafter, target, data, p: Preset, steps: int, gen, device, log_every: int) -> dict:
+def train_drafter(drafter, target, data, p: Preset, steps: int, gen, device, log_every: int,
+                  seconds: Optional[float] = None) -> dict:
     torch = _torch()
     seqs, feats, starts = data
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
@@ -513,10 +564,11 @@ def train_drafter(drafter, target, data, p: Preset, steps: int, gen, device, log
         prm.requires_grad_(False)
     drafter.train()
     opt = torch.optim.AdamW(drafter.parameters(), lr=p.drafter_lr, betas=(0.9, 0.98), weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(steps, max(1, steps // 20)))
+    sched = _Schedule(opt, p.drafter_lr, steps, seconds)
     n, s = seqs.shape
-    losses, t0 = [], time.time()
-    for step in range(steps):
+    losses = []
+    while sched.next():
+        step = sched.step
         idx = torch.randint(0, n, (p.drafter_batch,), generator=gen, device=gen.device).to(device)
         st = starts[idx]
         u = torch.rand(p.drafter_batch, p.anchors, generator=gen, device=gen.device).to(device)
@@ -528,13 +580,13 @@ def train_drafter(drafter, target, data, p: Preset, steps: int, gen, device, log
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
         opt.step()
-        sched.step()
-        if step % log_every == 0 or step == steps - 1:
-            v = float(loss)
+        if step % log_every == 0 or sched.last():
+            v = float(loss.detach())
             losses.append([step, round(v, 5)])
-            _log(f"  drafter step {step + 1}/{steps} loss {v:.4f} depth-1 acc {acc1:.3f} ({time.time() - t0:.1f}s)")
+            _log(f"  drafter step {step + 1}/{steps} loss {v:.4f} depth-1 acc {acc1:.3f} lr {sched.lr:.2e} "
+                 f"({sched.elapsed():.1f}s)")
     drafter.eval()
-    return {"steps": steps, "losses": losses, "seconds": round(time.time() - t0, 2)}
+    return sched.summary(losses)
 
 
 def _tree_accept(tree, truth):
@@ -705,7 +757,7 @@ def run(out_dir: str, seed: int, families, device: str, preset: Preset, preset_n
         nparams = sum(x.numel() for x in target.parameters())
         _log(f"{family}: target {tcfg['architectures'][0]}, {nparams / 1e6:.2f}M params; training {p.target_steps} steps "
              f"x {p.target_batch} x {p.seq_len} tokens")
-        tinfo = train_target(target, source, p, p.target_steps, gen, dev, log_every)
+        tinfo = train_target(target, source, p, p.target_steps, gen, dev, log_every, p.target_seconds)
         tinfo["excess_loss_nats"] = round(tinfo["losses"][-1][1] - entropy, 4)
         t_eval = time.time()
         agree, gen_tokens = eval_target(target, source, prompts, regimes, p.eval_new, dev)
@@ -713,12 +765,12 @@ def run(out_dir: str, seed: int, families, device: str, preset: Preset, preset_n
              f"({time.time() - t_eval:.1f}s)")
         t_d = time.time()
         data = drafter_dataset(target, source, p, gen, dev)
-        _log(f"{family}: drafter data {data[0].shape[0]} sequences, target teacher-forced agreement with the "
-             f"source's greedy text {data[3]:.4f} ({time.time() - t_d:.1f}s)")
+        _log(f"{family}: drafter data {data[0].shape[0]} sequences of prompt + target greedy text "
+             f"(token agreement with the source's greedy {data[3]:.4f}) ({time.time() - t_d:.1f}s)")
         dcfg = drafter_config(family, p)
         torch.manual_seed(seed + 100 + fi)
         drafter = DFlashDrafter(dcfg).to(dev)
-        dinfo = train_drafter(drafter, target, data[:3], p, p.drafter_steps, gen, dev, log_every)
+        dinfo = train_drafter(drafter, target, data[:3], p, p.drafter_steps, gen, dev, log_every, p.drafter_seconds)
         data_agree = round(data[3], 4)
         del data
         t_o = time.time()
@@ -729,7 +781,7 @@ def run(out_dir: str, seed: int, families, device: str, preset: Preset, preset_n
         write_target(target, tcfg, part / f"{family}-target")
         write_drafter(drafter, dcfg, part / f"{family}-drafter")
         manifest["families"][family] = {"target": tinfo, "greedy": agree, "drafter": dinfo,
-                                        "drafter_data_teacher_forced_agreement": data_agree,
+                                        "drafter_data_source_greedy_agreement": data_agree,
                                         "offline": est, "seconds": round(time.time() - t_fam, 1)}
         _log(f"{family}: done in {time.time() - t_fam:.1f}s")
         del target, drafter
@@ -763,6 +815,10 @@ def main(argv=None) -> int:
                     help="full (default on cuda) or toy (default on cpu)")
     ap.add_argument("--target-steps", type=int, default=None)
     ap.add_argument("--drafter-steps", type=int, default=None)
+    ap.add_argument("--target-seconds", type=float, default=None,
+                    help="wall-clock cap of each target's training (0: none; default: the preset's)")
+    ap.add_argument("--drafter-seconds", type=float, default=None,
+                    help="wall-clock cap of each drafter's training (0: none; default: the preset's)")
     ap.add_argument("--log-every", type=int, default=None)
     a = ap.parse_args(argv)
     name = a.preset or ("full" if a.device.startswith("cuda") else "toy")
@@ -771,7 +827,13 @@ def main(argv=None) -> int:
         if v is not None and v < 1:
             ap.error(f"{flag} must be >= 1")
     log_every = a.log_every or (100 if name == "full" else 4)
-    run(a.out_dir, a.seed, fams, a.device, PRESETS[name], name, a.target_steps, a.drafter_steps, log_every)
+    preset = PRESETS[name]
+    caps = {k: (v or None) for k, v in (("target_seconds", a.target_seconds), ("drafter_seconds", a.drafter_seconds))
+            if v is not None}
+    if any(v is not None and v < 0 for v in caps.values()):
+        ap.error("--target-seconds / --drafter-seconds must be >= 0")
+    preset = dataclasses.replace(preset, **caps)
+    run(a.out_dir, a.seed, fams, a.device, preset, name, a.target_steps, a.drafter_steps, log_every)
     return 0
 
 
