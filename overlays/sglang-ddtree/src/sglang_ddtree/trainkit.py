@@ -112,7 +112,8 @@ NUM_LAYERS = 4
 BUDGETS = (15, 31, 63)
 MAX_BYTES = 64 * 1024 * 1024
 
-__all__ = ["Preset", "PRESETS", "target_config", "drafter_config", "DFlashDrafter", "main"]
+__all__ = ["Preset", "PRESETS", "target_config", "drafter_config", "DFlashDrafter", "block_layout", "draft_rows",
+           "offline_accept", "run", "main"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -477,7 +478,7 @@ def train_target(model, source, p: Preset, steps: int, gen, device, log_every: i
 def greedy_generate(model, prompts, new: int):
     """The target's own greedy continuation (transformers generate, KV cache; no EOS stop)."""
     torch = _torch()
-    with torch.no_grad():
+    with torch.no_grad(), _autocast(prompts.device):
         out = model.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new,
                              min_new_tokens=new, do_sample=False, pad_token_id=0)
     return out[:, prompts.shape[1]:]
@@ -504,7 +505,7 @@ def eval_target(model, source, prompts, regimes, new: int, device) -> dict:
 # ------------------------------------------------------------------------------------------------
 # drafter training and evaluation
 # ------------------------------------------------------------------------------------------------
-def drafter_dataset(target, source, p: Preset, gen, device, chunk: int = 1024):
+def drafter_dataset(target, source, p: Preset, gen, device, chunk: int = 4096):
     """Sequences ``prompt + the target's own greedy continuation`` and its captured features.
 
     The text a greedy request makes the drafter see when serving (prompts from the
@@ -605,67 +606,89 @@ def _tree_accept(tree, truth):
     return acc + 1
 
 
-def offline_accept(drafter, target, prompts, gen_tokens, p: Preset, device, budgets=BUDGETS, chunk: int = 8) -> dict:
-    """Chain (blocks 8 and 16) and tree (budgets) accept lengths over every anchor of the greedy text."""
+def draft_rows(drafter, embed, lm_head, seq, feats, anchors, block: int, mask_id: int):
+    """The drafter's logits at depths ``1..blk-1`` for one block per row, as one SGLang draft step each.
+
+    ``seq`` [R, S], ``feats`` [R, S, F], ``anchors`` [R]: row ``r`` drafts the block whose bonus is
+    ``seq[r, anchors[r]]`` from the context ``[0, anchors[r])``.  Returns ``(logits [R, blk-1, V]
+    float32, truth [R, blk-1])``; ``truth`` is the sequence's own continuation (clamped at its end)."""
+    torch = _torch()
+    r, s = seq.shape
+    ids, pos, mask, labels, _ = block_layout(anchors.view(r, 1), s, block, mask_id, seq)
+    hidden = drafter(embed(ids), pos, feats, torch.arange(s, device=seq.device).expand(r, -1), mask)
+    logits = lm_head(hidden).float()
+    return logits[:, 1:], labels[:, 0, 1:]
+
+
+def offline_accept(drafter, target, prompts, gen_tokens, p: Preset, device, budgets=BUDGETS, rows: int = 512) -> dict:
+    """Chain (blocks 8 and 16) and DDTree (``budgets``) accept lengths at every anchor of the greedy text.
+
+    Anchors: every position ``p`` of the target's greedy continuation with a full block inside it
+    (``prompt_len <= p <= S - blk``).  Trees: the plugin's candidate path (top-K per depth with the
+    tie rule, K = B) and ``build_tree_from_candidates`` on CPU tensors (its torch builder, identical
+    to the Triton one), walked with the true continuation."""
     torch = _torch()
     from .markov import expected_accept
     from .step import build_tree_from_candidates, draft_topk_candidates, merge_vocab_shards
 
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
     seq_all = torch.cat([prompts, gen_tokens], 1)
-    plen, s = prompts.shape[1], seq_all.shape[1]
+    n, s = seq_all.shape
+    plen = prompts.shape[1]
+    with torch.no_grad(), _autocast(device):
+        feats_all = torch.cat([capture_features(target.model(input_ids=seq_all[i:i + 64], output_hidden_states=True),
+                                                TARGET_LAYER_IDS) for i in range(0, n, 64)])
     blocks = sorted({b for b in (8, 16) if b <= p.block} | {p.block})
+    kmax = min(max(budgets), p.vocab)
     res: Dict[str, object] = {}
-    kmax = max(budgets)
-    with torch.no_grad():
-        for blk in blocks:
-            anchors_1d = torch.arange(plen, s - blk + 1, device=device)  # full blocks inside the truth
-            chain, trees = [], {b: [] for b in budgets}
-            ranks, profile = [], []
-            for i in range(0, seq_all.shape[0], chunk):
-                seq = seq_all[i:i + chunk]
-                with _autocast(device):
-                    out = target(input_ids=seq, output_hidden_states=True)
-                    feats = capture_features(out, TARGET_LAYER_IDS)
-                    anchors = anchors_1d.expand(seq.shape[0], -1)
-                    ids, pos, mask, labels, _ = block_layout(anchors, s, blk, p.vocab - 1, seq)
-                    hidden = drafter(embed(ids), pos, feats, torch.arange(s, device=device).expand(seq.shape[0], -1), mask)
-                    logits = lm_head(hidden).float()
-                nb, na = seq.shape[0], anchors.shape[1]
-                logits = logits.view(nb * na, blk, -1)[:, 1:]  # depths 1..blk-1
-                truth = labels.view(nb * na, blk)[:, 1:]
-                pred = logits.argmax(-1)
-                chain.append(1 + (pred == truth).long().cumprod(1).sum(1))
-                lt = logits.gather(2, truth.unsqueeze(-1))
-                ranks.append((logits > lt).sum(-1))  # rank of the truth per depth
-                lp = torch.log_softmax(logits, -1)
-                profile.append(torch.topk(lp.exp(), min(kmax, lp.shape[-1]), -1).values.mean(0, keepdim=True) * lp.shape[0])
-                if blk == p.block:
-                    rows = logits.reshape(-1, logits.shape[-1])
-                    for b in budgets:
-                        k = min(b, rows.shape[-1])
-                        vals, cids, lse = draft_topk_candidates(rows, k)
-                        clp, cid = merge_vocab_shards(vals.unsqueeze(0), cids.unsqueeze(0), lse.unsqueeze(0), k)
-                        tree = build_tree_from_candidates(clp.view(nb * na, blk - 1, k), cid.view(nb * na, blk - 1, k), b)
-                        trees[b].append(_tree_accept(tree, truth))
-            chain_t = torch.cat(chain).float()
-            res[f"chain_block{blk}"] = round(float(chain_t.mean()), 3)
-            if blk == p.block:
-                rk = torch.cat(ranks)
-                hist = [[round(float((rk[:, d] == j).float().mean()), 4) for j in range(3)] +
-                        [round(float((rk[:, d] >= 3).float().mean()), 4)] for d in range(rk.shape[1])]
-                res["truth_rank_hist_per_depth"] = hist  # [P(rank 0), P(1), P(2), P(>=3)] per depth 1..
-                for b in budgets:
-                    t = torch.cat(trees[b]).float()
-                    res[f"tree_B{b}"] = round(float(t.mean()), 3)
-                    res[f"tree_B{b}_over_chain"] = round(float(t.mean()) / float(chain_t.mean()), 3)
-                prof = (torch.cat(profile).sum(0) / rk.shape[0]).double()  # mean sorted probs [L, K]
-                kk = prof.shape[-1]
-                rp = torch.stack([torch.bincount(rk[:, d].clamp_max(kk), minlength=kk + 1)[:kk] for d in range(rk.shape[1])])
-                rp = rp.double() / rk.shape[0]
-                res["estimator"] = {f"B{b}": {k: round(v, 3) for k, v in expected_accept(prof, b, rank_probs=rp).items()}
-                                    for b in budgets}
-                res["anchors"] = int(rk.shape[0])
+    for blk in blocks:
+        anc = torch.arange(plen, s - blk + 1, device=device)
+        row_seq = torch.arange(n, device=device).repeat_interleave(anc.numel())
+        row_anc = anc.repeat(n)
+        chain, ranks, prof_sum = [], [], None
+        trees = {b: [] for b in budgets}
+        for i in range(0, row_seq.numel(), rows):
+            sq, an = row_seq[i:i + rows], row_anc[i:i + rows]
+            with torch.no_grad(), _autocast(device):
+                logits, truth = draft_rows(drafter, embed, lm_head, seq_all[sq], feats_all[sq], an, blk, p.vocab - 1)
+            logits = logits.float()
+            pred = logits.argmax(-1)
+            chain.append((1 + (pred == truth).long().cumprod(1).sum(1)).cpu())
+            if blk != p.block:
+                continue
+            ranks.append((logits > logits.gather(2, truth.unsqueeze(-1))).sum(-1).cpu())
+            lp = torch.log_softmax(logits, -1)
+            top = torch.topk(lp, kmax, -1).values.exp().sum(0).double().cpu()
+            prof_sum = top if prof_sum is None else prof_sum + top
+            flat = logits.reshape(-1, logits.shape[-1])
+            for b in budgets:
+                k = min(b, p.vocab)
+                vals, cids, lse = draft_topk_candidates(flat, k)
+                clp, cid = merge_vocab_shards(vals.unsqueeze(0), cids.unsqueeze(0), lse.unsqueeze(0), k)
+                rr = logits.shape[0]
+                tree = build_tree_from_candidates(clp.view(rr, blk - 1, k).cpu(), cid.view(rr, blk - 1, k).cpu(), b)
+                trees[b].append(_tree_accept(tree, truth.cpu()))
+        chain_t = torch.cat(chain).float()
+        res[f"chain_block{blk}"] = round(float(chain_t.mean()), 3)
+        if blk != p.block:
+            continue
+        rk = torch.cat(ranks)
+        res["truth_rank_hist_per_depth"] = [
+            [round(float((rk[:, d] == j).float().mean()), 4) for j in range(3)] + [round(float((rk[:, d] >= 3).float().mean()), 4)]
+            for d in range(rk.shape[1])]  # [P(rank 0), P(1), P(2), P(>=3)] at depths 1..blk-1
+        for b in budgets:
+            t = torch.cat(trees[b]).float()
+            res[f"tree_B{b}"] = round(float(t.mean()), 3)
+            res[f"tree_B{b}_over_chain"] = round(float(t.mean()) / float(chain_t.mean()), 3)
+        # the estimator on the measured profile (mean sorted probabilities, the truth's rank frequencies):
+        # how far the independence model is from the direct measurement above
+        prof = prof_sum / rk.shape[0]
+        rp = torch.stack([torch.bincount(rk[:, d].clamp_max(kmax), minlength=kmax + 1)[:kmax]
+                          for d in range(rk.shape[1])]).double() / rk.shape[0]
+        prof = torch.sort(prof, -1, descending=True).values
+        res["estimator"] = {f"B{b}": {k: round(v, 3) for k, v in expected_accept(prof, b, rank_probs=rp).items()}
+                            for b in budgets}
+        res["anchors"] = int(rk.shape[0])
     return res
 
 
@@ -733,6 +756,8 @@ def run(out_dir: str, seed: int, families, device: str, preset: Preset, preset_n
     validate_layer_ids(TARGET_LAYER_IDS, NUM_LAYERS)
     torch.manual_seed(seed)
     dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True  # the fp32 master weights' matmuls outside autocast
     source = markov.make_source(seed, vocab=p.vocab, device=dev)
     eval_gen = torch.Generator(device=dev).manual_seed(seed + 7919)
     prompts, regimes = source.sample(p.eval_prompts, p.prompt_len, eval_gen, device=dev)
