@@ -142,6 +142,13 @@ def test_checkpoints_reload(kit, family):
     assert type(model).__name__ == tk.target_config(family, TOY)["architectures"][0]
     x = torch.randint(4, TOY.vocab - 1, (1, 12))
     assert model(input_ids=x).logits.shape == (1, 12, TOY.vocab)
+    keys = set(load_file(str(out / f"{family}-target" / "model.safetensors")))
+    assert {"lm_head.weight", "model.embed_tokens.weight", "model.norm.weight"} <= keys  # untied head
+    if family == "hybrid":  # per-expert names (SGLang 0.5.17's FusedMoE expert mapping), GDN and attention layers
+        assert {"model.layers.0.mlp.experts.1.gate_proj.weight", "model.layers.0.linear_attn.in_proj_qkvz.weight",
+                "model.layers.1.self_attn.q_proj.weight", "model.layers.3.mlp.shared_expert_gate.weight"} <= keys
+    else:
+        assert {"model.layers.3.self_attn.q_norm.weight", "model.layers.3.mlp.gate_proj.weight"} <= keys
     sd = load_file(str(out / f"{family}-drafter" / "model.safetensors"))
     want = {"fc.weight", "hidden_norm.weight", "norm.weight"} | {
         f"layers.0.{k}.weight" for k in (

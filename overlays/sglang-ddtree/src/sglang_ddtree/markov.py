@@ -7,11 +7,13 @@ computed here before any GPU time is spent.
 
 The source
 ----------
-An order-2 Markov source over ``vocab`` token ids with a hidden per-sequence
-*regime* ``r`` in ``{0, 1, 2}`` drawn uniformly at the start of each sequence.
-Ids ``0..3`` (pad/bos/eos/spare) and ``vocab - 1`` (the drafter's mask token)
-never occur in text; the ``vocab - 5`` others are *text tokens*.  Three seeded
-tables, all lookups:
+An order-2 Markov source over ``vocab`` token ids with a per-sequence *regime*
+``r`` in ``{0, 1, 2}`` drawn uniformly at the start of each sequence.  A sequence
+is ``[marker(r), x1, x2, ...]``: its first token is the regime's marker id
+(``4 + r``), then two uniform text tokens, then the chain.  Ids ``0..7``
+(pad/bos/eos/spare, the three markers, spare) and ``vocab - 1`` (the drafter's
+mask token) never occur in text; the ``vocab - 9`` others are *text tokens*.
+Three seeded tables, all lookups:
 
 * ``group[c] in {0,1,2}``: a balanced random 3-way partition of the text tokens;
 * ``cls[a] in {0,1,2}``: an independent random class per token;
@@ -33,10 +35,13 @@ and its greedy output is the argmax of ``p(. | a, b)``: a fixed lookup that a
 drafter reading the target's hidden states learns almost perfectly, so a chain
 is nearly always right and a tree buys nothing.  Here the order of the three
 near-tie candidates of every context is decided by ``r + cls[a]``: the target
-must *infer* ``r`` from the whole prefix (each observed transition
-``a, b -> c`` votes for ``r = (group[c] - cls[a]) % 3``; a 48-64 token prompt
-settles it) and combine it with the class of the token before last.  Every
-piece is a lookup a 4-layer model learns quickly, so its greedy continuation
+must carry ``r`` from the start of the sequence (the marker, however far back;
+the text says it too: each transition ``a, b -> c`` votes for
+``r = (group[c] - cls[a]) % 3``, and a 48-64 token prompt settles it, see
+:meth:`MarkovSource.regime_posterior`) and combine it with the class of the token
+before last.  Every piece is a lookup or one attention hop a 4-layer model learns
+quickly (the marker is there so that a few minutes of training suffice; inferring
+``r`` from text alone is learnable too, but slowly), so its greedy continuation
 becomes the source's.
 
 The drafter predicts a whole block in one non-causal pass: the token at depth
@@ -87,6 +92,7 @@ import torch
 
 __all__ = [
     "FIRST_TEXT_TOKEN",
+    "MARKER_BASE",
     "NUM_REGIMES",
     "MarkovSource",
     "make_source",
@@ -94,7 +100,8 @@ __all__ = [
     "tree_rank_tuples",
 ]
 
-FIRST_TEXT_TOKEN = 4  # 0 pad, 1 bos, 2 eos, 3 spare: never in text
+FIRST_TEXT_TOKEN = 8  # 0 pad, 1 bos, 2 eos, 3 spare, 4-6 regime markers, 7 spare: never in text
+MARKER_BASE = 4  # a sequence of regime r starts with token MARKER_BASE + r
 NUM_REGIMES = 3
 DEFAULT_PROBS = (0.6, 0.25, 0.1)
 
@@ -169,15 +176,18 @@ class MarkovSource:
     # -- sequences ------------------------------------------------------------------------------
     def sample(self, n: int, length: int, generator: Optional[torch.Generator] = None,
                regimes: Optional[torch.Tensor] = None, device=None):
-        """``n`` sequences of ``length`` tokens: ``(tokens int64 [n, length], regimes int64 [n])``."""
-        if length < 2:
-            raise ValueError(f"length must be >= 2, got {length}")
+        """``n`` sequences of ``length`` tokens: ``(tokens int64 [n, length], regimes int64 [n])``.
+
+        Token 0 is the regime's marker, tokens 1-2 uniform text tokens, then the chain."""
+        if length < 3:
+            raise ValueError(f"length must be >= 3, got {length}")
         dev = device if device is not None else self.cand.device
         if regimes is None:
             regimes = torch.randint(0, NUM_REGIMES, (n,), device=dev, generator=generator)
         out = torch.empty(n, length, dtype=torch.int64, device=dev)
-        out[:, :2] = torch.randint(FIRST_TEXT_TOKEN, self.vocab - 1, (n, 2), device=dev, generator=generator)
-        for t in range(2, length):
+        out[:, 0] = MARKER_BASE + regimes
+        out[:, 1:3] = torch.randint(FIRST_TEXT_TOKEN, self.vocab - 1, (n, 2), device=dev, generator=generator)
+        for t in range(3, length):
             out[:, t] = self.sample_next(out[:, t - 2], out[:, t - 1], regimes, generator)
         return out, regimes
 
@@ -192,11 +202,12 @@ class MarkovSource:
         return out
 
     def regime_posterior(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Exact ``p(r | tokens)`` under the uniform prior: ``[n, 3]`` (what a target must infer)."""
+        """Exact ``p(r | text)`` under the uniform prior, from the transitions alone (the marker at
+        position 0, if any, is ignored): ``[n, 3]``."""
         logp = torch.zeros(tokens.shape[0], NUM_REGIMES, dtype=torch.float64, device=tokens.device)
         for r in range(NUM_REGIMES):
             rr = torch.full((tokens.shape[0],), r, dtype=torch.int64, device=tokens.device)
-            for t in range(2, tokens.shape[1]):
+            for t in range(3 if bool((tokens[:, 0] < FIRST_TEXT_TOKEN).all()) else 2, tokens.shape[1]):
                 p = self.next_probs(tokens[:, t - 2], tokens[:, t - 1], rr).gather(1, tokens[:, t:t + 1]).squeeze(1)
                 logp[:, r] += torch.log(p.clamp_min(1e-300))
         return torch.softmax(logp, dim=1)

@@ -465,8 +465,8 @@ def train_target(model, source, p: Preset, steps: int, gen, device, log_every: i
         x = pool[j * p.target_batch:(j + 1) * p.target_batch]
         with _autocast(device):
             logits = model(input_ids=x).logits
-        # positions 0-1 are uniform random tokens: predict from the third token on
-        loss = F.cross_entropy(logits[:, 1:-1].float().reshape(-1, logits.shape[-1]), x[:, 2:].reshape(-1))
+        # token 0 is the regime marker, 1-2 uniform: predict the chain, from token 3 on
+        loss = F.cross_entropy(logits[:, 2:-1].float().reshape(-1, logits.shape[-1]), x[:, 3:].reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
