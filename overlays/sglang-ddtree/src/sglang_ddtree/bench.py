@@ -606,8 +606,9 @@ def _on_sigterm(signum, frame):
 
 
 def run_bench(a, runs: List[RunSpec], prompts: List[List[int]], target: str, drafter: Optional[str], workdir: str,
-              logdir: str, doc: dict, log=print) -> None:
-    """Start each run's server alone, measure every level, stop it; fills ``doc["runs"]`` as it goes."""
+              logdir: str, doc: dict, log=print, save=lambda doc: None) -> None:
+    """Start each run's server alone, measure every level, stop it; fills ``doc["runs"]`` as it goes and
+    ``save``s it after each run (a run killed later still leaves what it measured)."""
     tcfg, dcfg = read_config(target), read_config(drafter)
     sizing = plan_sizing(prompts, a.max_new_tokens, a.concurrency, runs, tcfg, dcfg)
     weights = _weights_mib(target) + _weights_mib(drafter)
@@ -663,6 +664,7 @@ def run_bench(a, runs: List[RunSpec], prompts: List[List[int]], target: str, dra
                 raise
         finally:
             srv.stop()
+        save(doc)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -801,7 +803,8 @@ def main(argv=None) -> int:
         a.requests = a.requests or len(prompts)
         log(f"bench: {len(runs)} server(s) one after another on GPU {a.gpu} ({doc['gpu']['name']}), "
             f"concurrency {a.concurrency}, {a.max_new_tokens} new tokens, {len(prompts)} prompts ({psrc})")
-        run_bench(a, runs, prompts, target, drafter, workdir, logdir, doc, log=log)
+        run_bench(a, runs, prompts, target, drafter, workdir, logdir, doc, log=log,
+                  save=lambda d: _write_json(d, a.json) if a.json and a.json != "-" else None)
         doc["ok"] = all(r["status"] == "ok" for r in doc["runs"])
         code = EXIT_OK if doc["ok"] else EXIT_FAILED
     except (KeyboardInterrupt, _Interrupted):
