@@ -139,6 +139,14 @@ def test_resolve_tiny_reads_both_layouts(tmp_path):
     d = bench.resolve_tiny(str(tmp_path), "dense")
     assert (d["kind"], d["drafter"], d["prompts"]) == ("random", str(tmp_path / "dense-drafter"), None)
     assert bench.drafter_block(bench.read_config(d["drafter"])) == 8
+    # the training kit: the flat layout with its manifest.json and held-out prompts.jsonl at the top
+    (tmp_path / "manifest.json").write_text("{}")
+    (tmp_path / "prompts.jsonl").write_text('{"id": 0, "input_ids": [3, 4], "regime": 1}\n')
+    d = bench.resolve_tiny(str(tmp_path), "dense")
+    assert (d["kind"], d["prompts"]) == ("trained", str(tmp_path / "prompts.jsonl"))
+    assert bench.load_prompts(d["prompts"]) == [[3, 4]]
+    assert bench.trainkit_argv("/py", "/w/tiny", "dense", 7) == [
+        "/py", "-m", "sglang_ddtree.trainkit", "/w/tiny", "--seed", "7", "--family", "dense", "--device", "cuda"]
     with pytest.raises(ValueError, match="no tiny hybrid pair"):
         bench.resolve_tiny(str(tmp_path / "nowhere"), "hybrid")
     with pytest.raises(ValueError, match="choose hybrid or dense"):
@@ -332,7 +340,8 @@ def test_plot_writes_a_png_with_one_line_per_run(tmp_path):
 
 # ----------------------------------------------------------------------------- the command line
 def test_arguments_are_checked_before_anything_runs(capsys):
-    for argv, msg in ((["--modes", "plain"], "exactly one of --model, --tiny DIR, --tiny-random"),
+    for argv, msg in ((["--modes", "plain"], "exactly one of --model, --tiny DIR, --tiny-random, --tiny-train"),
+                      (["--tiny-random", "--tiny-train"], "exactly one of"),
                       (["--model", "/m"], "--draft-model is needed by dflash, tree-verify"),
                       (["--tiny-random", "--concurrency", "1,0"], "outside"),
                       (["--tiny-random", "--modes", "beam"], "choose from"),
@@ -374,7 +383,7 @@ def test_a_whole_run_on_stand_in_servers_one_at_a_time(tmp_path, monkeypatch, ca
         (tmp_path / "tiny" / "dense" / n).mkdir(parents=True)
     (tmp_path / "tiny" / "dense" / "target" / "config.json").write_text(json.dumps({"vocab_size": 512}))
     (tmp_path / "tiny" / "dense" / "drafter" / "config.json").write_text(json.dumps({"block_size": 4}))
-    (tmp_path / "tiny" / "dense" / "prompts.jsonl").write_text("[1, 2, 3]\n[4, 5]\n[6]\n")
+    (tmp_path / "tiny" / "dense" / "prompts.jsonl").write_text("[1, 2, 3]\n[4, 5]\n[6]\n")  # nested layout
     out = tmp_path / "out"
     code = bench.main(["--tiny", str(tmp_path / "tiny"), "--family", "dense", "--modes", "plain,dflash,tree-verify",
                        "--budgets", "7", "--graphs", "both", "--concurrency", "1,4", "--max-new-tokens", "12",

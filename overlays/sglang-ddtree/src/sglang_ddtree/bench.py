@@ -30,13 +30,14 @@ are appended to every server's command line (last, so they win).
 Each level is preceded by ``c`` unmeasured warm-up requests of ``--warmup-tokens`` tokens at that concurrency
 (Triton compiles per batch shape); a level sends ``max(--requests, c)`` requests (prompts reused in order).
 
-Models: ``--model PATH [--draft-model PATH]``; or ``--tiny DIR [--family hybrid|dense]``: a trained tiny pair
-(``DIR/FAMILY/target`` and ``DIR/FAMILY/drafter``, what ``python -m sglang_ddtree.trainkit`` writes) or the
-random pair of ``python -m sglang_ddtree.tiny`` (``DIR/FAMILY-target``, ``DIR/FAMILY-drafter``); or
-``--tiny-random`` (that random pair written into the private work directory).  Prompts: ``--prompts FILE`` (JSON
-or JSONL of token-id lists or ``{"input_ids": [...]}`` objects; with ``--tiny`` a ``prompts.jsonl`` next to the
-pair is used when none is given), or ``--num-prompts`` random prompts of ``--prompt-len`` tokens within the
-target's vocabulary.
+Models: ``--model PATH [--draft-model PATH]``; or ``--tiny DIR [--family hybrid|dense]``: a tiny pair as
+``python -m sglang_ddtree.trainkit DIR`` (trained; with its held-out ``prompts.jsonl``) or
+``python -m sglang_ddtree.tiny DIR`` (random weights) write it (``DIR/FAMILY-target``, ``DIR/FAMILY-drafter``;
+``DIR/FAMILY/{target,drafter}`` too); or ``--tiny-train`` (the training kit run here first, seeded by ``--seed``,
+into the private work directory: what ``fab bench --tiny`` does) or ``--tiny-random`` (tiny.py's random pair
+written there).  Prompts: ``--prompts FILE`` (JSON or JSONL of token-id lists or ``{"input_ids": [...]}``
+objects; with a tiny pair its ``prompts.jsonl`` is used when none is given), or ``--num-prompts`` random prompts
+of ``--prompt-len`` tokens within the target's vocabulary.
 
 Output: the table on stdout; ``--json FILE`` (``-`` for stdout) the report, schema ``ddtree-bench/1``
 (:func:`validate_report` says what it holds); ``--plot FILE`` a PNG (matplotlib, Agg; skipped with a note when
@@ -210,20 +211,28 @@ def random_prompts(n: int, length: int, vocab: int, seed: int = 1) -> List[List[
 
 
 def resolve_tiny(root: str, family: str) -> dict:
-    """The tiny pair of ``family`` under ``root``: the training kit's ``FAMILY/{target,drafter}`` first, then
-    ``sglang_ddtree.tiny``'s ``FAMILY-target`` / ``FAMILY-drafter``.  Also a ``prompts.jsonl`` beside it."""
+    """The tiny pair of ``family`` under ``root``: ``FAMILY/{target,drafter}`` or ``FAMILY-target`` /
+    ``FAMILY-drafter`` (what ``sglang_ddtree.trainkit`` and ``sglang_ddtree.tiny`` write), with the held-out
+    ``prompts.jsonl`` beside it when there is one (``FAMILY/prompts.jsonl`` or ``prompts.jsonl``).  ``kind`` is
+    ``trained`` when the training kit's ``manifest.json`` is there (or the nested layout), else ``random``."""
     if family not in FAMILIES:
         raise ValueError(f"family {family!r}: choose {' or '.join(FAMILIES)}")
     base = Path(root)
-    layouts = [("trained", base / family / "target", base / family / "drafter"),
-               ("random", base / f"{family}-target", base / f"{family}-drafter")]
-    for kind, t, d in layouts:
+    layouts = [(base / family / "target", base / family / "drafter"),
+               (base / f"{family}-target", base / f"{family}-drafter")]
+    for n, (t, d) in enumerate(layouts):
         if (t / "config.json").is_file() and (d / "config.json").is_file():
-            prompts = next((str(p) for p in (t.parent / "prompts.jsonl", base / "prompts.jsonl")
-                            if kind == "trained" and p.is_file()), None)
-            return {"target": str(t), "drafter": str(d), "kind": kind, "prompts": prompts}
+            prompts = next((str(p) for p in (base / family / "prompts.jsonl", base / "prompts.jsonl") if p.is_file()),
+                           None)
+            trained = n == 0 or (base / "manifest.json").is_file()
+            return {"target": str(t), "drafter": str(d), "kind": "trained" if trained else "random", "prompts": prompts}
     raise ValueError(f"{root}: no tiny {family} pair: looked for "
-                     + " and ".join(f"{t}/config.json + {d}/config.json" for _, t, d in layouts))
+                     + " and ".join(f"{t}/config.json + {d}/config.json" for t, d in layouts))
+
+
+def trainkit_argv(python: str, out: str, family: str, seed: int) -> List[str]:
+    """The training kit's command line (``--tiny-train``): one family, on the GPU, seeded."""
+    return [python, "-m", "sglang_ddtree.trainkit", out, "--seed", str(seed), "--family", family, "--device", "cuda"]
 
 
 def read_config(path: Optional[str]) -> dict:
@@ -675,6 +684,8 @@ def _parser() -> argparse.ArgumentParser:
     src.add_argument("--draft-model", help="DFlash drafter directory (needed by every mode but plain)")
     src.add_argument("--tiny", metavar="DIR", help="a tiny pair: DIR/FAMILY/{target,drafter} or DIR/FAMILY-{target,drafter}")
     src.add_argument("--tiny-random", action="store_true", help="write sglang_ddtree.tiny's random pair and use it")
+    src.add_argument("--tiny-train", action="store_true",
+                     help="train the pair here first (python -m sglang_ddtree.trainkit, seed --seed) and use it")
     src.add_argument("--family", choices=FAMILIES, default="hybrid", help="with --tiny/--tiny-random (default hybrid)")
     ap.add_argument("--modes", default="plain,dflash,tree-verify", help="comma list of " + ", ".join(BENCH_MODES))
     ap.add_argument("--budgets", default="15", help="DDTREE budgets B, comma list (tree-verify: D = B + 1)")
@@ -715,9 +726,9 @@ def parse_args(argv=None):
         shlex.split(a.server_args or "")
     except ValueError as e:
         ap.error(str(e))
-    given = sum(bool(x) for x in (a.model, a.tiny, a.tiny_random))
+    given = sum(bool(x) for x in (a.model, a.tiny, a.tiny_random, a.tiny_train))
     if given != 1:
-        ap.error("give exactly one of --model, --tiny DIR, --tiny-random")
+        ap.error("give exactly one of --model, --tiny DIR, --tiny-random, --tiny-train")
     if a.model and a.draft_model is None and a.modes != ["plain"]:
         ap.error("--draft-model is needed by " + ", ".join(m for m in a.modes if m != "plain"))
     for k in ("num_prompts", "prompt_len", "max_new_tokens"):
@@ -774,8 +785,24 @@ def main(argv=None) -> int:
 
             paths = tiny.write_family(workdir, a.family, seed=a.seed)
             target, drafter, source, tiny_prompts = paths["target"], paths["drafter"], "tiny-random", None
-        elif a.tiny:
-            got = resolve_tiny(a.tiny, a.family)
+        elif a.tiny or a.tiny_train:
+            if a.tiny_train:
+                import subprocess
+
+                out = os.path.join(workdir, "tiny")
+                log(f"bench: training the tiny {a.family} pair (seed {a.seed}): {' '.join(trainkit_argv(a.python, out, a.family, a.seed))}")
+                t0 = time.time()
+                r = subprocess.run(trainkit_argv(a.python, out, a.family, a.seed), stdout=sys.stderr,
+                                   timeout=max(60, a.runtime_max))
+                if r.returncode:
+                    raise RuntimeError(f"the training kit exited {r.returncode}")
+                doc["settings"]["tiny_train_s"] = round(time.time() - t0, 1)
+                if a.user:
+                    for dirpath, _, files in os.walk(out):
+                        shutil.chown(dirpath, user=a.user)
+                        for f in files:
+                            shutil.chown(os.path.join(dirpath, f), user=a.user)
+            got = resolve_tiny(a.tiny or os.path.join(workdir, "tiny"), a.family)
             target, drafter, source, tiny_prompts = got["target"], got["drafter"], f"tiny-{got['kind']}", got["prompts"]
         else:
             target, drafter, source, tiny_prompts = a.model, a.draft_model, "model", None
