@@ -452,3 +452,44 @@ def test_sigterm_mid_run_stops_the_server_and_writes_the_partial_report(tmp_path
     doc = json.loads((tmp_path / "r.json").read_text())
     assert doc["interrupted"] is True and doc["runs"][0]["error"] == "interrupted"
     assert bench.validate_report(doc) == []
+
+
+def test_tiny_train_runs_the_kit_on_the_bench_gpu_first(tmp_path, monkeypatch, capsys):
+    """--tiny-train: the training kit runs first (here the stand-in interpreter answers for it: it writes a pair
+    as the kit lays it out, and records the GPU it was given), then the servers serve what it wrote."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    fake_py = tmp_path / "python"
+    fake_py.write_text(
+        "#!/bin/sh\n"
+        "if [ \"$1\" = -c ]; then [ -e \"$STANDIN_DIR/no-kit\" ] && exit 1; exit 0; fi\n"  # is the kit there?
+        "if [ \"$2\" = sglang_ddtree.trainkit ]; then\n"  # the kit's stand-in: its flat layout and prompts
+        "  mkdir -p \"$3/dense-target\" \"$3/dense-drafter\"; echo '{\"vocab_size\": 512}' > \"$3/dense-target/config.json\"\n"
+        "  echo '{\"block_size\": 4}' > \"$3/dense-drafter/config.json\"; echo '{}' > \"$3/manifest.json\"\n"
+        "  echo '{\"input_ids\": [5, 6]}' > \"$3/prompts.jsonl\"; echo \"$CUDA_VISIBLE_DEVICES $*\" > \"$STANDIN_DIR/kit\"; exit 0\n"
+        "fi\n"
+        f"exec {sys.executable} {here}/standin_sglang_server.py \"$@\"\n")
+    fake_py.chmod(0o755)
+    state = tmp_path / "state"
+    state.mkdir()
+    monkeypatch.setenv("STANDIN_DIR", str(state))
+    monkeypatch.setattr(bench, "gpu_device_problem", lambda gpu: None)
+    monkeypatch.setattr(bench, "gpu_memory_mib", lambda gpu: (0.0, 81559.0))
+    monkeypatch.setattr(bench, "gpu_name", lambda gpu: "stand-in GPU")
+    code = bench.main(["--tiny-train", "--family", "dense", "--seed", "5", "--gpu", "3", "--modes", "dflash",
+                       "--concurrency", "2", "--max-new-tokens", "4", "--launcher", "process", "--python",
+                       str(fake_py), "--json", str(tmp_path / "r.json"), "--start-timeout", "30"])
+    assert code == bench.EXIT_OK, capsys.readouterr().err
+    kit = (state / "kit").read_text().split()
+    assert kit[0] == "3" and kit[1:4] == ["-m", "sglang_ddtree.trainkit", kit[3]] and kit[4:] == [
+        "--seed", "5", "--family", "dense", "--device", "cuda"]
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc["model"]["source"] == "tiny-trained" and doc["model"]["target"].endswith("/tiny/dense-target")
+    assert doc["settings"]["prompts"]["source"].endswith("/tiny/prompts.jsonl")
+    assert doc["runs"][0]["levels"][0]["requests"] == 2 and doc["runs"][0]["block"] == 4
+    assert not os.path.exists(os.path.dirname(doc["model"]["target"]))  # the private work dir is gone
+    (state / "no-kit").touch()  # a plugin without the training kit: said plainly, nothing started
+    (state / "argv.jsonl").unlink()
+    code = bench.main(["--tiny-train", "--modes", "plain", "--launcher", "process", "--python", str(fake_py),
+                       "--json", str(tmp_path / "r2.json")])
+    assert code == bench.EXIT_FAILED and not (state / "argv.jsonl").exists()
+    assert "this plugin has no sglang_ddtree.trainkit" in json.loads((tmp_path / "r2.json").read_text())["error"]

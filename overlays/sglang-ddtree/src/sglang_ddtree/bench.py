@@ -789,11 +789,21 @@ def main(argv=None) -> int:
             if a.tiny_train:
                 import subprocess
 
+                probe = [a.python, "-c", "import importlib.util as u, sys; "
+                         "sys.exit(u.find_spec('sglang_ddtree.trainkit') is None)"]
+                if subprocess.run(probe, timeout=120).returncode != 0:  # the interpreter the kit would run under
+                    raise RuntimeError("this plugin has no sglang_ddtree.trainkit (the training kit): --tiny-train "
+                                       "needs a plugin that ships it; use --tiny DIR or --tiny-random")
                 out = os.path.join(workdir, "tiny")
-                log(f"bench: training the tiny {a.family} pair (seed {a.seed}): {' '.join(trainkit_argv(a.python, out, a.family, a.seed))}")
+                argv = trainkit_argv(a.python, out, a.family, a.seed)
+                log(f"bench: training the tiny {a.family} pair on GPU {a.gpu} (seed {a.seed}): {' '.join(argv)}")
                 t0 = time.time()
-                r = subprocess.run(trainkit_argv(a.python, out, a.family, a.seed), stdout=sys.stderr,
-                                   timeout=max(60, a.runtime_max))
+                env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(a.gpu), PYTHONUNBUFFERED="1")
+                try:  # the kit's progress goes where ours goes (stderr), never into the table on stdout
+                    kit_out = sys.stderr.fileno()
+                except (AttributeError, ValueError, OSError):
+                    kit_out = subprocess.DEVNULL
+                r = subprocess.run(argv, stdout=kit_out, env=env, timeout=max(60, a.runtime_max))
                 if r.returncode:
                     raise RuntimeError(f"the training kit exited {r.returncode}")
                 doc["settings"]["tiny_train_s"] = round(time.time() - t0, 1)
