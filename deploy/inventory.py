@@ -76,7 +76,10 @@ VARS: dict[str, tuple] = {
     "model": (values.abs_path, "an absolute path"),
     "draft_model": (values.abs_path, "an absolute path"),
     "served_model_name": (values.served_model_name, "a model name"),
-    "mode": (lambda v: v in modes.MODES, "one of " + ", ".join(modes.MODES)),
+    "mode": (lambda v: v in modes.INVENTORY_MODES, "one of " + ", ".join(modes.INVENTORY_MODES)),
+    # the concurrent requests a service is sized for: what `mode: auto` picks the mode and budget for
+    "concurrency": (_in_range(modes.CONCURRENCY_MIN, modes.CONCURRENCY_MAX),
+                    f"an integer in [{modes.CONCURRENCY_MIN}, {modes.CONCURRENCY_MAX}]"),
     "budget": (_in_range(modes.BUDGET_MIN, modes.BUDGET_MAX), f"an integer in [{modes.BUDGET_MIN}, {modes.BUDGET_MAX}]"),
     "block_size": (_in_range(modes.BLOCK_SIZE_MIN, modes.BLOCK_SIZE_MAX),
                    f"an integer in [{modes.BLOCK_SIZE_MIN}, {modes.BLOCK_SIZE_MAX}]"),
@@ -100,7 +103,8 @@ VARS: dict[str, tuple] = {
     "api_key_file": (_api_key_file, "an absolute path or null"),
 }
 SERVICE_KEYS = {"port": (_is_port, "a TCP port (1-65535)"), "enabled": (lambda v: isinstance(v, bool), "true or false")}
-SERVICE_VARS = ("model", "draft_model", "served_model_name", "mode", "budget", "block_size", "extra_args", "env")
+SERVICE_VARS = ("model", "draft_model", "served_model_name", "mode", "budget", "block_size", "extra_args", "env",
+                "concurrency")
 DEFAULT_VARS = {
     "venv": "/opt/sglang/venv",
     "mode": modes.DEFAULTS["mode"],
@@ -153,6 +157,8 @@ class Service:
     env: tuple = ()  # sorted (name, value) pairs: hashable and printable
     enabled: bool = True
     listen: str = "127.0.0.1"  # --host: the host's listen_address
+    concurrency: int | None = None  # the concurrent requests it is sized for (mode auto picks for it)
+    auto: str | None = None  # set by `fab deploy` when the mode and budget came from `mode: auto`: why (bench)
 
     @property
     def instance(self) -> str:
@@ -373,7 +379,7 @@ def parse_inventory(doc, path: str) -> Inventory:
                         + [(groups_node[g].get("vars"), f"groups.{g}.vars") for g in reversed(list(groups_node))
                            if g in member_of and isinstance(groups_node[g], dict)] + [(doc.get("vars"), "vars")],
                         hline, hname)
-        services = _services(c, h, where, hname, gpus, resolved)
+        services = _services(c, h, where, hname, gpus, resolved, hline)
         hosts[hname] = Host(hname, address, user, port, gpus, resolved, services, member_of)
 
     ref = doc.get("reference")
@@ -429,7 +435,8 @@ def _gpus(c: _Checker, h: PosDict, where: str) -> tuple[int, ...]:
     return ()
 
 
-def _services(c: _Checker, h: PosDict, where: str, hname: str, gpus, resolved: dict) -> tuple[Service, ...]:
+def _services(c: _Checker, h: PosDict, where: str, hname: str, gpus, resolved: dict,
+              hline: int = 1) -> tuple[Service, ...]:
     snode = c.mapping(h.get("services"), f"{where}.services", h.line_of("services")) or PosDict()
     allowed = set(SERVICE_KEYS) | set(SERVICE_VARS)
     overrides: dict[int, dict] = {}
@@ -448,7 +455,7 @@ def _services(c: _Checker, h: PosDict, where: str, hname: str, gpus, resolved: d
         c.known(o, allowed, swhere)
         overrides[gpu] = c.typed(o, SERVICE_KEYS | {k: VARS[k] for k in SERVICE_VARS}, swhere)
         overrides[gpu]["_line"] = sline
-    out, ports = [], {}
+    out, ports, auto_told = [], {}, False
     for gpu in gpus:
         o = overrides.get(gpu, {})
         v = resolved | {k: o[k] for k in SERVICE_VARS if k in o}
@@ -457,8 +464,14 @@ def _services(c: _Checker, h: PosDict, where: str, hname: str, gpus, resolved: d
             c.err(o.get("_line", h.line_of("gpus")), f"{where}.services.{gpu}.port",
                   f"port {port} is also used by GPU {ports[port]} on {hname}")
         ports[port] = gpu
+        if v["mode"] == modes.AUTO and v.get("concurrency") is None and ("mode" in o or not auto_told):
+            # once per host when the host (or a group, or the fleet) set it; at the service when the service did
+            line, key = (o["_line"], f"{where}.services.{gpu}") if "mode" in o else (hline, where)
+            c.err(line, key, "mode auto needs concurrency: N (the concurrent requests this service is sized "
+                  "for: fab deploy gives it the mode and budget fab bench measured fastest at N)")
+            auto_told = auto_told or "mode" not in o
         out.append(Service(hname, gpu, port, v.get("model"), v.get("draft_model"), v.get("served_model_name"),
                            v["mode"], v["budget"], v["block_size"], tuple(v["extra_args"]),
                            tuple(sorted((k, str(x)) for k, x in v["env"].items())), o.get("enabled", True),
-                           resolved["listen_address"]))
+                           resolved["listen_address"], v.get("concurrency")))
     return tuple(out)

@@ -9,6 +9,11 @@ from __future__ import annotations
 #                through the chain verifier (safe to run on any model).
 # tree-verify: DDTree verifies the whole tree in one target pass.
 MODES = ("linear", "shadow-linear", "tree-verify")
+# auto (inventory only): `fab deploy` gives the service the mode and budget that `fab bench` measured fastest on
+# its host, for the plugin being deployed and the service's model, at the service's `concurrency` (deploy/bench.py).
+AUTO = "auto"
+INVENTORY_MODES = MODES + (AUTO,)
+CONCURRENCY_MIN, CONCURRENCY_MAX = 1, 4096
 
 # DDTree node budget B (the tree has B nodes plus the bonus token: D = B + 1 draft tokens).
 BUDGET_MIN, BUDGET_MAX = 1, 512

@@ -64,7 +64,11 @@ def plan_smoke(host: Host, probe: dict, gpu: int | None = None, mode: str | None
         if svc is None:
             raise SmokeRefused(f"{host.name} has no enabled service: pass --gpu and --mode")
         gpu = svc.gpu
-    mode = mode or (svc.mode if svc else None)
+    configured = svc.mode if svc else None
+    if configured == "auto":  # what the last deploy chose for it (mode auto is resolved at deploy from bench)
+        man = probe.get("manifest") if isinstance(probe.get("manifest"), dict) else {}
+        configured = ((man.get("services") or {}).get(svc.instance) or {}).get("mode")
+    mode = mode or configured
     if mode not in SMOKE_MODES:
         raise SmokeRefused(f"mode {mode!r}: choose one of {', '.join(SMOKE_MODES)}")
     if not probe.get("current"):

@@ -216,6 +216,7 @@ def host_files(host: Host, plugin: Plugin, overlays: list[dict]) -> tuple[dict[s
             # how the gate and status reach it from the host itself; the key file's path (never the key)
             "listen": s.listen, "address": values.connect_address(s.listen),
             "api_key_file": host.vars.get("api_key_file"), "dropin": render.dropin_path(s.instance),
+            "auto": s.auto,  # mode auto: what bench measured (None: the inventory's own mode)
             "digest": render.service_digest(unit, env, payload, dropin)}
     return files, {"services": services, "payload_digest": payload}
 

@@ -111,6 +111,21 @@ def server_args(svc: Service) -> list[str]:
     return args
 
 
+def decode_cuda_graphs(svc: Service) -> bool:
+    """Whether the rendered server runs SGLang's decode CUDA graphs (what `mode: auto` matches bench runs by):
+    off when its argv disables them (tree-verify today, or the service's own extra_args), else on."""
+    args = server_args(svc)
+    off = False
+    for i, a in enumerate(args):  # argparse keeps the last value given
+        if a == "--disable-cuda-graph":
+            off = True
+        elif a == "--cuda-graph-backend-decode" and i + 1 < len(args):
+            off = args[i + 1] == "disabled"
+        elif a.startswith("--cuda-graph-backend-decode="):
+            off = a.split("=", 1)[1] == "disabled"
+    return not off
+
+
 def plugin_contract(caps: dict | None) -> dict:
     """Names the plugin declares in its capabilities.json, with the defaults above where it declares none."""
     caps = caps or {}

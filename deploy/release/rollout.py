@@ -360,7 +360,8 @@ def coherence_preflight(host: Host, state: dict, caps: dict) -> tuple[list[str],
 def make_plan(host, plugin, overlays, release, opts, state, rendered: tuple | None = None) -> HostPlan:
     """The pure plan of one host from what its probe saw."""
     files, svc = rendered or build.host_files(host, plugin, overlays)
-    params = {"mode_override": opts.mode, "services": {s.instance: s.mode for s in host.services}}
+    params = {"mode_override": opts.mode, "services": {s.instance: s.mode for s in host.services},
+              "auto": {s.instance: s.auto for s in host.services if s.auto}}
     manifest = build.make_manifest(release, host, plugin, overlays, files, svc, opts.command, params)
     p = HostPlan(host, release, state.get("current"), manifest, files, {}, [], probe=state)
     p.refused, p.warnings, p.coherence = coherence_preflight(host, state, plugin.capabilities)
@@ -448,7 +449,23 @@ def deploy(inv: Inventory, hosts: list[Host], opts: DeployOptions, confirm=None,
         shutil.rmtree(plugin.wheel.parent, ignore_errors=True)
 
 
+def auto_modes(inv: Inventory, hosts: list[Host], plugin: build.Plugin, out: Printer):
+    """`mode: auto` services get the mode and budget `fab bench` measured best (deploy/bench.py says the rule);
+    returns the resolved hosts and {host: refusals} for those that could not be."""
+    from .. import bench
+
+    def graphs_for(svc, mode):
+        return render.decode_cuda_graphs(replace(svc, mode=mode))
+
+    hosts, refused, notes = bench.resolve_auto(inv.path, hosts, plugin.source_digest, graphs_for)
+    for n, lines in notes.items():
+        for line in lines:
+            out(n, line)
+    return hosts, refused
+
+
 def _deploy(inv, hosts, opts, confirm, out, t0, release, plugin, overlays, build_s) -> dict:
+    hosts, auto_refused = auto_modes(inv, hosts, plugin, out)
     problems, rendered = [], {}
     for h in hosts:  # every unit and env file renders before any host is touched (and once: the plans use them)
         try:
@@ -461,6 +478,10 @@ def _deploy(inv, hosts, opts, confirm, out, t0, release, plugin, overlays, build
     planned = run_per_host(inv, hosts, lambda c, h: plan_host(c, h, plugin, overlays, release, opts,
                                                               rendered[h.name]), label="plan")
     summary = {"release": release, "wheel": plugin.wheel.name, "hosts": {}, "build_seconds": round(build_s, 2)}
+    for n, msgs in auto_refused.items():  # refused before its probe: nothing was read, locked or staged
+        summary["hosts"][n] = {"ok": False, "error": "; ".join(msgs), "kind": "refused", "phase": "plan"}
+        for msg in msgs:
+            out(n, f"REFUSED {msg}")
     for r in planned:
         if r.ok:
             plans[r.host] = r.value

@@ -8,7 +8,7 @@ from invoke import Collection
 
 # (module, as a namespace?) -- namespaced modules give `fab lab.up`; the others are top-level tasks.
 TASK_MODULES = [("inventory", False), ("lab", True), ("provision", False), ("release", False), ("runbook", False),
-                ("smoke", False)]
+                ("smoke", False), ("bench", False)]
 
 ns = Collection()
 for _name, _namespaced in TASK_MODULES:

@@ -17,7 +17,8 @@ from .registry import OPS, Context, Failure
 # Which module registers the ops of each area ("facts.probe" -> probe.py). Only the module of the op asked
 # for is imported: a facts probe never loads tarfile or urllib. A new op: a function decorated with @op in one
 # of these modules, or a new area here (one line); helper modules (dists.py, elfsyms.py) are imported by ops.
-OP_MODULES = {"facts": "probe", "lock": "lockops", "provision": "provision", "release": "release", "smoke": "smoke"}
+OP_MODULES = {"facts": "probe", "lock": "lockops", "provision": "provision", "release": "release", "smoke": "smoke",
+              "bench": "bench"}
 
 
 class PastDeadline(Exception):

@@ -23,6 +23,7 @@ MODES = ("tree-verify", "shadow-linear", "linear", "plain")
 FAMILIES = ("hybrid", "dense")
 USER_RE = re.compile(r"[a-z_][a-z0-9_-]{0,31}\Z")
 PREFIX_RE = re.compile(r"ddtree-smoke-[0-9a-f]{8,32}\Z")
+REPORT_MAX = 8 << 20  # a report larger than this is not read (the control side would refuse it anyway)
 
 
 def smoke_argv(python, a, report, prefix, runtime_max):
@@ -57,30 +58,44 @@ def stop_units(prefix):
     proc.run(["systemctl", "reset-failed", pattern], timeout=20)
 
 
-@op("smoke.run")
-def run(ctx, a):
-    _check(a)
-    venv = a["venv"]
+def run_transient(ctx, venv, prefix, build_argv, inputs=None, cap=4000):
+    """Run one of the plugin's host modules (smoke, bench) from `venv` under the op's deadline: its report file
+    (`build_argv(python, report, runtime_max, work)` names it) is read back, every transient unit named
+    `prefix-*` is stopped afterwards whatever happened, and the private work directory is removed. `inputs`:
+    {file name: text} written into that directory first (0600, root's) for the module to read."""
     try:
         venvmod.check_runnable(venv)
     except (Unsafe, venvmod.VenvError) as exc:
         raise Failure("venv-trust", "%s: root will not run it: %s" % (venv, exc))
     python = venvmod.python(venv)
-    work = tempfile.mkdtemp(prefix="ddtree-smoke-op-")  # 0700, root's: the report file lives here
+    work = tempfile.mkdtemp(prefix=prefix + "-op-")  # 0700, root's: the report file lives here
     report = os.path.join(work, "report.json")
     left = ctx.deadline.left(floor=30.0)
     runtime_max = max(60, int(left) - 15)
     try:
-        res = proc.run(smoke_argv(python, a, report, a["prefix"], runtime_max), timeout=max(30, left - 20),
-                       merge=False, cap=4000)
+        for name, text in (inputs or {}).items():
+            fd = os.open(os.path.join(work, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as fh:
+                fh.write(text)
+        res = proc.run(build_argv(python, report, runtime_max, work), timeout=max(30, left - 20), merge=False,
+                       cap=cap)
         doc = None
         try:
-            with open(report) as fh:
-                doc = json.load(fh)
+            if os.path.getsize(report) <= REPORT_MAX:
+                with open(report) as fh:
+                    doc = json.load(fh)
         except (OSError, ValueError):
             pass
         return {"rc": res["rc"], "timed_out": res["timed_out"], "report": doc, "stderr": res["err"][-3000:],
                 "argv": res["argv"], "seconds": res.get("seconds")}
     finally:
-        stop_units(a["prefix"])
+        stop_units(prefix)
         shutil.rmtree(work, ignore_errors=True)
+
+
+@op("smoke.run")
+def run(ctx, a):
+    _check(a)
+    return run_transient(ctx, a["venv"], a["prefix"],
+                         lambda python, report, runtime_max, work: smoke_argv(python, a, report, a["prefix"],
+                                                                                 runtime_max))

@@ -35,21 +35,20 @@ import json
 import os
 import random
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
-from .config import BUDGET_ENV, MODE_ENV, SHADOW_LINEAR, TREE_VERIFY
-
-MODES = ("tree-verify", "shadow-linear", "linear", "dflash", "plain")  # linear = dflash: SGLang's own DFLASH chain
+# the transient servers (argv, environment, launch, health, teardown, GPU sizing) live in .servers, shared with
+# the benchmark; re-exported here because gpu_checks and older callers use them through this module
+from .servers import (MODES, Server, ServerSpec, free_port, gpu_device_problem, gpu_memory_mib,  # noqa: F401
+                      server_argv, server_env, shared_gpu_fraction, wait_healthy)
+from .servers import get as _get
+from .servers import post as _post
 DEFAULT_MARGIN = 0.05
 EXIT_OK, EXIT_FAILED, EXIT_CANNOT_RUN = 0, 1, 2
 
@@ -60,64 +59,6 @@ __all__ = [
 
 
 # ----------------------------------------------------------------------------- pure parts
-@dataclass(frozen=True)
-class ServerSpec:
-    """One transient server: what to serve and how."""
-
-    mode: str  # one of MODES
-    target: str
-    drafter: Optional[str] = None
-    budget: int = 15  # B (tree-verify: D = B + 1; shadow-linear: the would-be tree's budget)
-    block: int = 8  # DFlash chain width (dflash, shadow-linear)
-    mem_fraction: float = 0.12
-    max_running: int = 8
-    # Pool caps: a smoke server sizes its KV / recurrent-state pools by these, not by the memory it finds free,
-    # so it can share a GPU with other servers (SGLang derives its pools from the memory free at start-up).
-    max_total_tokens: Optional[int] = None
-    max_mamba_cache: Optional[int] = None
-    context_length: int = 2048
-    extra_args: tuple = ()
-
-
-def server_argv(python: str, spec: ServerSpec, port: int, host: str = "127.0.0.1") -> List[str]:
-    """``python -m sglang.launch_server ...`` for ``spec`` on ``host:port``."""
-    if spec.mode not in MODES:
-        raise ValueError(f"unknown mode {spec.mode!r}; choose one of {MODES}")
-    argv = [
-        python, "-m", "sglang.launch_server", "--model-path", spec.target, "--host", host, "--port", str(port),
-        "--skip-tokenizer-init", "--attention-backend", "triton", "--grammar-backend", "none",
-        "--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled",
-        "--page-size", "1", "--context-length", str(spec.context_length),
-        "--max-running-requests", str(spec.max_running), "--mem-fraction-static", str(spec.mem_fraction),
-    ]
-    if spec.max_total_tokens:
-        argv += ["--max-total-tokens", str(spec.max_total_tokens)]
-    if spec.max_mamba_cache:
-        argv += ["--max-mamba-cache-size", str(spec.max_mamba_cache)]
-    if spec.mode != "plain":
-        if not spec.drafter:
-            raise ValueError(f"mode {spec.mode} needs a drafter")
-        algo = "DFLASH" if spec.mode in ("dflash", "linear") else "DDTREE"
-        width = spec.budget + 1 if spec.mode == TREE_VERIFY else spec.block
-        argv += ["--speculative-algorithm", algo, "--speculative-draft-model-path", spec.drafter,
-                 "--speculative-num-draft-tokens", str(width)]
-    return argv + list(spec.extra_args)
-
-
-def server_env(spec: ServerSpec, gpu: int, base: Optional[Dict[str, str]] = None) -> Dict[str, str]:
-    """The server's environment: its one GPU, the plugin allow-list, DDTREE's mode and budget."""
-    env = dict(os.environ if base is None else base)
-    env["CUDA_VISIBLE_DEVICES"] = str(gpu)
-    env["PYTHONUNBUFFERED"] = "1"
-    for k in (MODE_ENV, BUDGET_ENV):
-        env.pop(k, None)
-    if spec.mode in (TREE_VERIFY, SHADOW_LINEAR):
-        env["SGLANG_PLUGINS"] = "ddtree"
-        env[MODE_ENV] = spec.mode
-        env[BUDGET_ENV] = str(spec.budget)
-    return env
-
-
 def make_prompts(n: int, length: int = 12, seed: int = 1, lo: int = 100, hi: int = 31000) -> List[List[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(lo, hi) for _ in range(length)] for _ in range(n)]
@@ -157,125 +98,6 @@ def exact_match(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]]) -> dict:
               for x, y in zip(a, b) if list(x) != list(y)]
     return {"identical": same, "prompts": min(len(a), len(b)),
             "mean_first_divergence": round(sum(firsts) / len(firsts), 1) if firsts else None}
-
-
-def gpu_device_problem(gpu: int, dev: str = "/dev") -> Optional[str]:
-    """Why this host cannot run a GPU smoke test on ``gpu`` (None when it can)."""
-    missing = [p for p in (f"{dev}/nvidiactl", f"{dev}/nvidia{gpu}") if not os.path.exists(p)]
-    if missing:
-        return (f"no GPU device {' or '.join(missing)} on this host: the smoke test serves a real model on a "
-                "real GPU and cannot run here (a CPU lab host has an nvidia-smi stand-in, not a GPU)")
-    return None
-
-
-def shared_gpu_fraction(used_mib: float, total_mib: float, headroom_mib: float = 4096) -> float:
-    """``--mem-fraction-static`` for a pool-capped server on a GPU where ``used_mib`` is already taken: SGLang
-    budgets ``free - total * (1 - fraction)``, so the fraction must cover what others use plus headroom."""
-    return round(min(0.97, max(0.1, (used_mib + headroom_mib) / total_mib)), 3)
-
-
-def gpu_memory_mib(gpu: int) -> tuple:
-    """(used, total) MiB of one GPU from nvidia-smi."""
-    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used,memory.total", "--format=csv,noheader,nounits",
-                          "-i", str(gpu)], capture_output=True, text=True, timeout=30, check=True).stdout
-    used, total = (float(x) for x in out.strip().splitlines()[0].split(","))
-    return used, total
-
-
-# ----------------------------------------------------------------------------- servers
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """A transient server: a ``systemd-run`` unit (runtime-capped, stopped on exit)
-    where systemd runs, else a process session killed as a group."""
-
-    def __init__(self, argv, env, log_path, launcher="auto", runtime_max_s=1800, user=None, unit=None):
-        self.argv, self.env, self.log_path = argv, env, log_path
-        self.unit_name = unit
-        self.launcher = launcher if launcher != "auto" else (
-            "systemd-run" if shutil.which("systemd-run") and os.path.isdir("/run/systemd/system") else "process")
-        self.runtime_max_s, self.user = runtime_max_s, user
-        self.proc = None
-        self.unit = None
-
-    def start(self) -> None:
-        if self.launcher == "systemd-run":
-            self.unit = self.unit_name or f"ddtree-smoke-{os.getpid()}-{int(time.time() * 1000) % 10**8}"
-            keep = {k: v for k, v in self.env.items()
-                    if k in ("CUDA_VISIBLE_DEVICES", "PYTHONUNBUFFERED", "SGLANG_PLUGINS", MODE_ENV, BUDGET_ENV,
-                             "PATH", "HOME", "SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK", "PYTHONPATH")}
-            argv = ["systemd-run", f"--unit={self.unit}", "--collect", "--quiet",
-                    f"--property=RuntimeMaxSec={self.runtime_max_s}", f"--property=StandardOutput=file:{self.log_path}",
-                    f"--property=StandardError=file:{self.log_path}", "--property=KillMode=control-group"]
-            if self.user:
-                argv.append(f"--uid={self.user}")
-            argv += [f"--setenv={k}={v}" for k, v in sorted(keep.items())] + ["--"] + list(self.argv)
-            subprocess.run(argv, check=True, timeout=30, capture_output=True, text=True)
-        else:
-            log = open(self.log_path, "ab")
-            self.proc = subprocess.Popen(self.argv, env=self.env, stdout=log, stderr=log,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
-
-    def alive(self) -> bool:
-        if self.unit:
-            r = subprocess.run(["systemctl", "is-active", "--quiet", self.unit], timeout=10)
-            return r.returncode == 0
-        return self.proc is not None and self.proc.poll() is None
-
-    def stop(self) -> None:
-        if self.unit:
-            subprocess.run(["systemctl", "stop", self.unit], timeout=60, capture_output=True)
-            return
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 10)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                return
-            try:
-                self.proc.wait(timeout=wait)
-                return
-            except subprocess.TimeoutExpired:
-                continue
-
-    def log_tail(self, n: int = 30) -> str:
-        try:
-            with open(self.log_path, errors="replace") as fh:
-                lines = [ln for ln in fh.read().splitlines() if ln.strip()]
-            return "\n".join(lines[-n:])
-        except OSError:
-            return ""
-
-
-def _post(url: str, body: dict, timeout: float = 300) -> dict:
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"content-type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.load(r)
-
-
-def _get(url: str, timeout: float = 10) -> dict:
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return json.load(r)
-
-
-def wait_healthy(base: str, server: Server, timeout: float) -> float:
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        try:
-            with urllib.request.urlopen(base + "/health", timeout=3) as r:
-                if r.status == 200:
-                    return time.time() - t0
-        except (urllib.error.URLError, OSError):
-            pass
-        if not server.alive():
-            raise RuntimeError(f"server exited during start-up:\n{server.log_tail()}")
-        time.sleep(1)
-    raise RuntimeError(f"server not healthy after {timeout:.0f}s:\n{server.log_tail()}")
 
 
 def generate(base: str, prompts: Sequence[Sequence[int]], max_new: int, concurrency: int = 1,

@@ -1,0 +1,686 @@
+"""`fab bench HOST`: throughput and latency of plain, DFLASH and DDTREE serving on one GPU of a fleet host, kept per
+host and release on the control machine, and the choice `mode: auto` makes from it at `fab deploy`.
+
+Plan (pure, from the inventory and one read-only `release.probe`): which GPU (default: the host's first enabled
+service), which model pair (that service's target and draft model, or with `--tiny` the training kit's tiny pair,
+trained on the host as `fab smoke` writes its tiny model there), modes, budgets, concurrencies, the DFLASH block
+(the service's `block_size`), and the active release whose venv and plugin run it. Refused before anything runs:
+no active release, a venv root must not run, a GPU the host does not have, no model configured. Then one
+`bench.run` agent call runs the plugin's `python -m sglang_ddtree.bench` on the host (transient `systemd-run`
+servers as the service user, one at a time, always torn down) and its report comes back. The report is hostile
+input: :func:`parse_report` checks it whole (types, ranges, sizes) before anything is kept or shown. A host
+without a GPU (a CPU lab host) says so and the run exits 2.
+
+Kept: ``inventory/bench/HOST/RELEASE.json`` next to the inventory file (not committed; RELEASE is the host's active
+release, matched against the release id grammar before it becomes a file name), a list of results (one per bench
+run: GPU, model pair, the release's plugin version and source digest, the report), and the plot of the last one
+beside it (``RELEASE.png``).
+
+`mode: auto` (:func:`choose`), at `fab deploy`, for each service whose inventory mode is ``auto``:
+
+1. the results that apply: this host, the service's own target and draft model (not a tiny pair), and the plugin
+   being deployed (same plugin source digest as the release the bench ran on: each deploy builds a new release id,
+   the plugin source is what was measured); of those, the newest;
+2. its runs that the deploy can serve as measured: a deployable mode (DFLASH = ``linear``, ``shadow-linear``,
+   ``tree-verify``), measured with the CUDA-graph setting the deploy renders for that mode, the chain modes at
+   the service's ``block_size``, and no failed request;
+3. the level: the measured concurrency nearest the service's ``concurrency`` on a log scale (4 and 16 are equally
+   near 8); a tie goes to the higher one (throughput under more load is the safer guess);
+4. the fastest run at that level by output tok/s; runs within 1% of the fastest are a tie, which goes to the
+   simpler mode (``linear`` < ``shadow-linear`` < ``tree-verify``) and then to the smaller budget.
+
+No applicable result (or none with a usable run): the host is refused at the plan with what to run. Plain
+decoding is measured too but is not a mode the toolkit deploys: when it beats the choice, the plan says so.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import secrets
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from . import modes, values
+from .inventory import Host, Inventory, Service
+from .release import hybrid
+
+REPORT_SCHEMA = "ddtree-bench/1"  # what the plugin's bench module writes
+RESULT_SCHEMA = "ddtree-bench-result/1"  # what is kept here
+BENCH_MODES = ("plain", "dflash", "tree-verify", "shadow-linear")
+DEPLOY_MODE = {"dflash": "linear", "shadow-linear": "shadow-linear", "tree-verify": "tree-verify"}
+SIMPLER = {"linear": 0, "shadow-linear": 1, "tree-verify": 2}  # the tie order
+TIE = 0.01
+RELEASE_RE = re.compile(r"\d{8}T\d{6}Z-[0-9a-f]{6}\Z")
+DIGEST_RE = re.compile(r"[0-9a-f]{64}\Z")
+EXIT_OK, EXIT_FAILED, EXIT_CANNOT_RUN = 0, 1, 2
+PROBE_DEADLINE = 60.0
+MAX_RUNS, MAX_LEVELS, MAX_TEXT = 256, 64, 4000
+PROMPTS_MAX, PROMPT_TOKENS_MAX, PROMPTS_BYTES_MAX = 4096, 32768, 4 << 20
+DEFAULTS = {"modes": ("plain", "dflash", "tree-verify"), "budgets": (15, 31, 63), "concurrency": (1, 4, 16),
+            "graphs": "both", "max_new_tokens": 128, "num_prompts": 32, "prompt_len": 64, "seed": 0}
+
+
+class BenchRefused(ValueError):
+    """The benchmark cannot run on this host as asked (nothing was started)."""
+
+
+class BadReport(ValueError):
+    """A report from a host that is not a well-formed ddtree-bench/1 document (every problem listed)."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("; ".join(problems[:8]) + (f" (+{len(problems) - 8} more)" if len(problems) > 8 else ""))
+
+
+class NoChoice(ValueError):
+    """`mode: auto` cannot be resolved for a service (the message says what to run)."""
+
+
+# ----------------------------------------------------------------------------- arguments
+def int_list(text, what: str, lo: int, hi: int, most: int = 16) -> tuple[int, ...]:
+    """``"1,4,16"`` -> (1, 4, 16), sorted and unique, each in [lo, hi]; raises BenchRefused."""
+    words = [w.strip() for w in str(text).split(",") if w.strip()]
+    try:
+        vals = sorted({int(w) for w in words})
+    except ValueError:
+        raise BenchRefused(f"{what}: {text!r} is not a comma list of integers") from None
+    if not vals or len(vals) > most or any(not lo <= v <= hi for v in vals):
+        raise BenchRefused(f"{what}: 1-{most} integers in [{lo}, {hi}], got {text!r}")
+    return tuple(vals)
+
+
+def mode_list(text) -> tuple[str, ...]:
+    out: list[str] = []
+    for w in (x.strip() for x in str(text).split(",")):
+        m = "dflash" if w == "linear" else w
+        if not w:
+            continue
+        if m not in BENCH_MODES:
+            raise BenchRefused(f"mode {w!r}: choose from {', '.join(BENCH_MODES)} (linear = dflash)")
+        if m not in out:
+            out.append(m)
+    if not out:
+        raise BenchRefused("--modes: give at least one")
+    return tuple(out)
+
+
+def load_prompt_file(path: str) -> list[list[int]]:
+    """Token-id prompts from a JSON document (a list, or {"prompts": [...]}) or JSONL (one a line); each prompt a
+    list of ids or {"input_ids": [...]}. Problems name the file and line."""
+    p = Path(path)
+    try:
+        if p.stat().st_size > PROMPTS_BYTES_MAX:
+            raise BenchRefused(f"{path}: larger than {PROMPTS_BYTES_MAX >> 20} MiB")
+        text = p.read_text()
+    except OSError as exc:
+        raise BenchRefused(f"{path}: {exc.strerror or exc}") from None
+    items: list[tuple[str, object]] = []
+    try:
+        doc = json.loads(text)
+        if isinstance(doc, dict) and "prompts" in doc:
+            doc = doc["prompts"]
+        if not isinstance(doc, list):
+            raise BenchRefused(f"{path}:1: expected a list of prompts")
+        items = [(f"{path}: prompt {i}", x) for i, x in enumerate(doc)]
+    except json.JSONDecodeError:
+        for n, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    items.append((f"{path}:{n}", json.loads(line)))
+                except json.JSONDecodeError as e:
+                    raise BenchRefused(f"{path}:{n}: not JSON: {e.msg}") from None
+    if not items or len(items) > PROMPTS_MAX:
+        raise BenchRefused(f"{path}: 1-{PROMPTS_MAX} prompts, found {len(items)}")
+    out = []
+    for where, x in items:
+        ids = x.get("input_ids") if isinstance(x, dict) else x
+        if not (isinstance(ids, list) and 1 <= len(ids) <= PROMPT_TOKENS_MAX
+                and all(type(t) is int and 0 <= t < 2 ** 31 for t in ids)):
+            raise BenchRefused(f"{where}: a prompt is 1-{PROMPT_TOKENS_MAX} token ids (non-negative integers) or "
+                               '{"input_ids": [...]}')
+        out.append(ids)
+    return out
+
+
+# ----------------------------------------------------------------------------- the plan
+@dataclass(frozen=True)
+class BenchPlan:
+    host: str
+    gpu: int
+    instance: str | None
+    modes: tuple
+    budgets: tuple
+    concurrency: tuple
+    graphs: str
+    block: int
+    max_new_tokens: int
+    requests: int | None
+    num_prompts: int
+    prompt_len: int
+    seed: int
+    tiny: str | None  # the family of the tiny pair trained on the host, or None: the service's models
+    family_reason: str | None
+    model: str | None
+    draft_model: str | None
+    release: str
+    plugin: dict
+    venv: str
+    user: str
+    prefix: str
+    server_args: tuple
+    deadline: float
+    prompts: list | None = field(default=None, repr=False)
+    prompts_source: str = "random"
+    warnings: tuple = ()
+
+    def agent_args(self) -> dict:
+        return {"gpu": self.gpu, "modes": list(self.modes), "budgets": list(self.budgets),
+                "concurrency": list(self.concurrency), "graphs": self.graphs, "block": self.block,
+                "max_new_tokens": self.max_new_tokens, "requests": self.requests, "num_prompts": self.num_prompts,
+                "prompt_len": self.prompt_len, "seed": self.seed, "tiny": self.tiny, "model": self.model,
+                "draft_model": self.draft_model, "venv": self.venv, "user": self.user, "prefix": self.prefix,
+                "server_args": list(self.server_args), "prompts": self.prompts}
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["prompts"] = None if self.prompts is None else len(self.prompts)
+        return d
+
+
+def plan_bench(host: Host, probe: dict, *, gpu: int | None = None, modes_: tuple = DEFAULTS["modes"],
+               budgets: tuple = DEFAULTS["budgets"], concurrency: tuple = DEFAULTS["concurrency"],
+               graphs: str = DEFAULTS["graphs"], tiny: bool = False, family: str | None = None,
+               max_new_tokens: int = DEFAULTS["max_new_tokens"], requests: int | None = None,
+               num_prompts: int = DEFAULTS["num_prompts"], prompt_len: int = DEFAULTS["prompt_len"],
+               seed: int = DEFAULTS["seed"], prompts: list | None = None, prompts_source: str = "random",
+               server_args: tuple = (), deadline: float = 3600.0) -> BenchPlan:
+    """The benchmark run for `host` from its inventory entry and a `release.probe` result. Raises BenchRefused."""
+    if gpu is not None and gpu not in host.gpus:
+        raise BenchRefused(f"{host.name} has no GPU {gpu} (its GPUs: {', '.join(map(str, host.gpus)) or 'none'})")
+    services = [s for s in host.services if s.enabled]
+    svc = next((s for s in services if gpu is None or s.gpu == gpu), None)
+    if gpu is None:
+        if svc is None:
+            raise BenchRefused(f"{host.name} has no enabled service: pass --gpu (and --tiny)")
+        gpu = svc.gpu
+    if graphs not in ("on", "off", "both"):
+        raise BenchRefused(f"--graphs {graphs!r}: on, off or both")
+    if family is not None and family not in ("hybrid", "dense"):
+        raise BenchRefused(f"--family {family!r}: hybrid or dense")
+    if not probe.get("current"):
+        raise BenchRefused(f"{host.name} has no active release: run `fab deploy` first (the benchmark runs the "
+                           f"release's plugin from {host.vars['venv']})")
+    if not RELEASE_RE.match(str(probe["current"])):
+        raise BenchRefused(f"{host.name}: its active release id {str(probe['current'])[:80]!r} is not one this "
+                           "toolkit makes")
+    if probe.get("venv_trust") != "ok":
+        raise BenchRefused(f"{host.name}: {host.vars['venv']}: root will not run it: {probe.get('venv_trust')}")
+    for w in server_args:
+        if problem := values.extra_arg(w):
+            raise BenchRefused(f"--server-args: {problem}")
+    man = probe.get("manifest") if isinstance(probe.get("manifest"), dict) else {}
+    plug = man.get("plugin") if isinstance(man.get("plugin"), dict) else {}
+    digest = plug.get("source_digest") if isinstance(plug.get("source_digest"), str) else None
+    plugin = {"version": str(plug.get("version"))[:100] if plug.get("version") else None,
+              "source_digest": digest if digest and DIGEST_RE.match(digest) else None}
+    model = draft = reason = None
+    warnings = []
+    if tiny:
+        if family is None:
+            family, reason = "dense", "no model configured for this GPU: the dense tiny pair"
+            if svc is not None and svc.model:
+                got = (probe.get("configs") or {}).get(svc.model) or {}
+                if "config" not in got:
+                    raise BenchRefused(f"{host.name}: the model of {svc.instance} ({svc.model}) has no readable "
+                                       f"config.json ({got.get('error', 'not probed')}): its family decides the "
+                                       "tiny pair (or pass --family)")
+                why = hybrid.hybrid_reason(got["config"])
+                family, reason = ("hybrid", f"{svc.model}: {why}") if why else ("dense", f"{svc.model}: no recurrent layers")
+        else:
+            reason = "--family"
+    else:
+        if svc is None or not svc.model:
+            raise BenchRefused(f"{host.name}: GPU {gpu} has no service with a model: pass --tiny to bench the tiny "
+                               "pair")
+        model, draft = svc.model, svc.draft_model
+        if draft is None and modes_ != ("plain",):
+            raise BenchRefused(f"{host.name}: {svc.instance} has no draft_model: only --modes plain can run")
+    if svc is not None and svc.enabled:
+        warnings.append(f"GPU {gpu} serves {svc.instance}: the bench servers share its memory and compute with the "
+                        "running service (figures are lower than alone; all modes share it alike)")
+    block = svc.block_size if svc is not None else 8
+    return BenchPlan(host=host.name, gpu=gpu, instance=svc.instance if svc else None, modes=tuple(modes_),
+                     budgets=tuple(budgets), concurrency=tuple(concurrency), graphs=graphs, block=block,
+                     max_new_tokens=int(max_new_tokens), requests=requests, num_prompts=int(num_prompts),
+                     prompt_len=int(prompt_len), seed=int(seed), tiny=family if tiny else None,
+                     family_reason=reason, model=model, draft_model=draft, release=probe["current"], plugin=plugin,
+                     venv=host.vars["venv"], user=host.vars["service_user"],
+                     prefix=f"ddtree-bench-{secrets.token_hex(6)}",
+                     server_args=tuple(server_args) + (tuple(svc.extra_args) if svc is not None and not tiny else ()),
+                     deadline=float(deadline), prompts=prompts, prompts_source=prompts_source,
+                     warnings=tuple(warnings))
+
+
+# ----------------------------------------------------------------------------- the report, hostile
+def _nonneg(v, allow_none=False) -> bool:
+    if v is None:
+        return allow_none
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and 0 <= v < 1e12
+
+
+def _text(v, n=MAX_TEXT):
+    return None if v is None else str(v)[:n]
+
+
+def parse_report(doc) -> dict:
+    """A host's bench report, checked whole and copied into a clean document (only the fields kept, every string
+    cut to size). Raises BadReport naming each problem."""
+    p: list[str] = []
+    if not isinstance(doc, dict):
+        raise BadReport(["the report is not a JSON object"])
+    if doc.get("schema") != REPORT_SCHEMA:
+        p.append(f"schema is {_text(doc.get('schema'), 60)!r}, not {REPORT_SCHEMA!r}")
+    runs = doc.get("runs")
+    if not isinstance(runs, list) or len(runs) > MAX_RUNS:
+        raise BadReport(p + [f"runs must be a list of at most {MAX_RUNS}"])
+    out_runs = []
+    for i, r in enumerate(runs):
+        w = f"runs[{i}]"
+        if not isinstance(r, dict):
+            p.append(f"{w} is not an object")
+            continue
+        mode, budget, block, graphs = r.get("mode"), r.get("budget"), r.get("block"), r.get("graphs")
+        if mode not in BENCH_MODES:
+            p.append(f"{w}.mode {_text(mode, 40)!r} is not one of {', '.join(BENCH_MODES)}")
+        if mode in ("tree-verify", "shadow-linear") and not (type(budget) is int and 1 <= budget <= 1023):
+            p.append(f"{w}.budget must be an integer in [1, 1023]")
+        if block is not None and not (type(block) is int and 1 <= block <= 1024):
+            p.append(f"{w}.block must be an integer or null")
+        if not isinstance(graphs, bool):
+            p.append(f"{w}.graphs must be true or false")
+        if r.get("status") not in ("ok", "failed"):
+            p.append(f"{w}.status must be ok or failed")
+        levels = r.get("levels")
+        if not isinstance(levels, list) or len(levels) > MAX_LEVELS:
+            p.append(f"{w}.levels must be a list of at most {MAX_LEVELS}")
+            continue
+        out_levels = []
+        for j, lv in enumerate(levels):
+            lw = f"{w}.levels[{j}]"
+            if not isinstance(lv, dict):
+                p.append(f"{lw} is not an object")
+                continue
+            bad = [k for k in ("concurrency", "requests", "errors", "output_tokens")
+                   if not (type(lv.get(k)) is int and 0 <= lv[k] < 10 ** 9)]
+            bad += [k for k in ("output_tok_s", "wall_s") if not _nonneg(lv.get(k))]
+            bad += [k for k in ("accept_length",) if not _nonneg(lv.get(k), allow_none=True)]
+            for k in ("ttft_ms", "itl_ms"):
+                d = lv.get(k)
+                if not (isinstance(d, dict) and _nonneg(d.get("p50"), True) and _nonneg(d.get("p99"), True)):
+                    bad.append(k)
+            if lv.get("concurrency") == 0:
+                bad.append("concurrency")
+            if bad:
+                p.append(f"{lw}: {', '.join(sorted(set(bad)))} out of range or of the wrong type")
+                continue
+            out_levels.append({k: lv[k] for k in ("concurrency", "requests", "errors", "output_tokens", "output_tok_s",
+                                                  "wall_s", "accept_length")}
+                              | {k: {"p50": lv[k]["p50"], "p99": lv[k]["p99"]} for k in ("ttft_ms", "itl_ms")}
+                              | {"first_error": _text(lv.get("first_error"), 300)})
+        out_runs.append({"mode": mode, "budget": budget if mode in ("tree-verify", "shadow-linear") else None,
+                         "block": block, "graphs": graphs, "status": r.get("status"), "error": _text(r.get("error")),
+                         "levels": out_levels})
+    if p:
+        raise BadReport(p)
+    gpu = doc.get("gpu") if isinstance(doc.get("gpu"), dict) else {}
+    vers = doc.get("versions") if isinstance(doc.get("versions"), dict) else {}
+    st = doc.get("settings") if isinstance(doc.get("settings"), dict) else {}
+    return {"schema": REPORT_SCHEMA, "created": _text(doc.get("created"), 40), "ok": doc.get("ok") is True,
+            "cannot_run": _text(doc.get("cannot_run")), "error": _text(doc.get("error")),
+            "interrupted": doc.get("interrupted") is True,
+            "gpu": {"name": _text(gpu.get("name"), 100),
+                    "memory_total_mib": gpu.get("memory_total_mib") if _nonneg(gpu.get("memory_total_mib")) else None,
+                    "memory_used_mib_at_start": gpu.get("memory_used_mib_at_start")
+                    if _nonneg(gpu.get("memory_used_mib_at_start")) else None},
+            "versions": {k: _text(vers.get(k), 100) for k in ("sglang", "sglang-ddtree", "torch")},
+            "max_new_tokens": st.get("max_new_tokens") if type(st.get("max_new_tokens")) is int else None,
+            "runs": out_runs}
+
+
+# ----------------------------------------------------------------------------- results kept here
+def results_dir(inventory_path: str) -> Path:
+    return Path(inventory_path).parent / "bench"
+
+
+def result_path(inventory_path: str, host: str, release: str) -> Path:
+    if not values.HOSTNAME_RE.fullmatch(host) or not RELEASE_RE.match(release):
+        raise ValueError(f"not a host name and release id: {host!r}, {release!r}")
+    return results_dir(inventory_path) / host / f"{release}.json"
+
+
+def result_record(plan: BenchPlan, report: dict) -> dict:
+    return {"created": report.get("created") or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "host": plan.host, "release": plan.release, "plugin": dict(plan.plugin), "gpu": plan.gpu,
+            "instance": plan.instance, "model": plan.model, "draft_model": plan.draft_model, "tiny": plan.tiny,
+            "block": plan.block, "prompts": plan.prompts_source, "report": report}
+
+
+def save_result(inventory_path: str, record: dict) -> Path:
+    """Append `record` to inventory/bench/HOST/RELEASE.json (written whole, then renamed: never half a file)."""
+    path = result_path(inventory_path, record["host"], record["release"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"schema": RESULT_SCHEMA, "host": record["host"], "release": record["release"], "results": []}
+    if path.exists():
+        try:
+            old = json.loads(path.read_text())
+            if isinstance(old, dict) and isinstance(old.get("results"), list):
+                doc["results"] = old["results"]
+        except (OSError, ValueError):
+            pass  # an unreadable file is replaced by the new result (the old one could not be used anyway)
+    doc["results"].append(record)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def load_results(inventory_path: str, host: str) -> tuple[list[dict], list[str]]:
+    """Every kept result of `host` (each report checked again: the files may have been edited) and the problems
+    of the files or results that could not be used."""
+    d = results_dir(inventory_path) / host
+    out, problems = [], []
+    if not values.HOSTNAME_RE.fullmatch(host) or not d.is_dir():
+        return out, problems
+    for f in sorted(d.glob("*.json")):
+        try:
+            doc = json.loads(f.read_text())
+            if not (isinstance(doc, dict) and doc.get("schema") == RESULT_SCHEMA and doc.get("host") == host
+                    and f.stem == doc.get("release") and isinstance(doc.get("results"), list)):
+                raise ValueError(f"not a {RESULT_SCHEMA} file of host {host} and release {f.stem}")
+        except (OSError, ValueError) as exc:
+            problems.append(f"{f}: {exc}")
+            continue
+        for k, r in enumerate(doc["results"]):
+            try:
+                if not isinstance(r, dict):
+                    raise BadReport(["not an object"])
+                rec = dict(r, report=parse_report(r.get("report")), host=host, release=doc["release"])
+                plug = rec.get("plugin") if isinstance(rec.get("plugin"), dict) else {}
+                rec["plugin"] = {"version": _text(plug.get("version"), 100),
+                                 "source_digest": plug.get("source_digest")
+                                 if isinstance(plug.get("source_digest"), str) else None}
+                out.append(rec)
+            except BadReport as exc:
+                problems.append(f"{f}: results[{k}]: {exc}")
+    return out, problems
+
+
+# ----------------------------------------------------------------------------- mode: auto
+@dataclass(frozen=True)
+class Choice:
+    mode: str
+    budget: int | None
+    tok_s: float
+    concurrency: int  # the measured level the choice was made at
+    wanted: int  # the service's concurrency
+    source: str  # which result: HOST/RELEASE.json and when
+    plain_tok_s: float | None = None
+    runner_up: str | None = None
+
+    def note(self) -> str:
+        b = f" B={self.budget}" if self.mode != "linear" else ""
+        at = f"concurrency {self.concurrency}" + ("" if self.concurrency == self.wanted else
+                                                  f" (nearest measured to {self.wanted})")
+        s = f"{self.mode}{b}: {self.tok_s:.1f} tok/s at {at}, bench {self.source}"
+        if self.runner_up:
+            s += f"; next {self.runner_up}"
+        if self.plain_tok_s is not None and self.plain_tok_s > self.tok_s:
+            s += (f"; NOTE plain decoding measured {self.plain_tok_s:.1f} tok/s, faster: the toolkit deploys "
+                  "speculative modes only")
+        return s
+
+
+def nearest_level(levels, wanted: int) -> int:
+    """The measured concurrency nearest `wanted` on a log scale; a tie goes to the higher."""
+    if not levels:
+        raise ValueError("no measured level")
+    return min(set(levels), key=lambda c: (abs(math.log2(c) - math.log2(wanted)), -c))
+
+
+def choose(results: list[dict], *, host: str, plugin_digest: str | None, model: str | None,
+           draft_model: str | None, concurrency: int, block_size: int, graphs_for) -> Choice:
+    """The mode and budget `mode: auto` gives a service (the rule is in the module docstring). `graphs_for(mode)`
+    is whether the deploy runs `mode` with decode CUDA graphs. Raises NoChoice with what to do."""
+    want = f"host {host}, model {model} with drafter {draft_model}, plugin source {str(plugin_digest)[:12]}"
+    todo = ("run `fab bench " + host + "` with this plugin deployed (fab deploy --mode ... first), or set a mode")
+    if not plugin_digest:
+        raise NoChoice(f"the plugin being deployed has no source digest to match bench results against; {todo}")
+    mine = [r for r in results if r.get("host") == host and not r.get("tiny") and r.get("model") == model
+            and r.get("draft_model") == draft_model and (r.get("plugin") or {}).get("source_digest") == plugin_digest]
+    if not mine:
+        others = sorted({f"{r.get('release')} ({str((r.get('plugin') or {}).get('source_digest'))[:12]}, "
+                         f"{r.get('model') or 'tiny ' + str(r.get('tiny'))})" for r in results})
+        raise NoChoice(f"no bench result for {want}" + (f" (kept: {', '.join(others)})" if others else
+                                                        " (none kept for this host)") + f"; {todo}")
+    rec = max(mine, key=lambda r: (str(r.get("created")), str(r.get("release"))))
+    source = f"{host}/{rec['release']}.json ({rec.get('created')})"
+    rows, plain = [], {}
+    for run in rec["report"]["runs"]:
+        for lv in run["levels"]:
+            if lv["errors"] or lv["requests"] == 0:
+                continue
+            if run["mode"] == "plain":
+                plain[lv["concurrency"]] = max(plain.get(lv["concurrency"], 0.0), lv["output_tok_s"])
+                continue
+            mode = DEPLOY_MODE[run["mode"]]
+            if run["graphs"] != graphs_for(mode):
+                continue
+            if mode in ("linear", "shadow-linear") and run["block"] != block_size:
+                continue
+            rows.append((mode, run["budget"], lv["concurrency"], lv["output_tok_s"]))
+    if not rows:
+        raise NoChoice(f"bench {source} has no run the deploy can serve as measured (a deployable mode with the "
+                       f"deploy's CUDA-graph setting, block {block_size} for the chain modes, no failed request); "
+                       f"{todo}")
+    level = nearest_level([r[2] for r in rows], concurrency)
+    at = sorted((r for r in rows if r[2] == level), key=lambda r: -r[3])
+    best_tps = at[0][3]
+    tied = [r for r in at if r[3] >= best_tps * (1 - TIE)]
+    pick = min(tied, key=lambda r: (SIMPLER[r[0]], r[1] or 0))
+    rest = [r for r in at if r is not pick]
+    runner = (f"{rest[0][0]}" + (f" B={rest[0][1]}" if rest[0][0] != "linear" else "") + f" {rest[0][3]:.1f} tok/s"
+              if rest else None)
+    return Choice(mode=pick[0], budget=pick[1], tok_s=pick[3], concurrency=level, wanted=concurrency,
+                  source=source, plain_tok_s=plain.get(level), runner_up=runner)
+
+
+def resolve_auto(inventory_path: str, hosts: list[Host], plugin_digest: str | None, graphs_for,
+                 results_by_host: dict | None = None) -> tuple[list[Host], dict[str, list[str]], dict[str, list[str]]]:
+    """Hosts with every `mode: auto` service given its chosen mode and budget (Service.auto says why); the hosts
+    that could not be resolved ({host: refusals}) are left out; notes per host for the plan's output."""
+    out, refused, notes = [], {}, {}
+    for h in hosts:
+        autos = [s for s in h.services if s.mode == modes.AUTO and s.enabled]
+        disabled = [s for s in h.services if s.mode == modes.AUTO and not s.enabled]
+        if not autos and not disabled:
+            out.append(h)
+            continue
+        if results_by_host is not None and h.name in results_by_host:
+            results, problems = results_by_host[h.name], []
+        else:
+            results, problems = load_results(inventory_path, h.name)
+        svcs, bad, told = [], [], []
+        for s in h.services:
+            if s.mode != modes.AUTO:
+                svcs.append(s)
+                continue
+            try:
+                c = choose(results, host=h.name, plugin_digest=plugin_digest, model=s.model,
+                           draft_model=s.draft_model, concurrency=s.concurrency or 1, block_size=s.block_size,
+                           graphs_for=lambda m, s=s: graphs_for(s, m))
+            except ValueError as exc:  # NoChoice, or a service the deploy could not render (its message)
+                if s.enabled:
+                    bad.append(f"{s.instance}: mode auto: {exc}")
+                    continue
+                svcs.append(replace(s, mode=modes.MODES[0], auto="disabled: not resolved"))
+                continue
+            budget = c.budget if c.budget is not None else s.budget
+            svcs.append(replace(s, mode=c.mode, budget=budget, auto=c.note()))
+            told.append(f"{s.instance}: mode auto -> {c.note()}")
+        if bad:
+            refused[h.name] = bad + [f"bench results not used: {p}" for p in problems[:3]]
+            continue
+        notes[h.name] = told + [f"bench results not used: {p}" for p in problems[:3]]
+        out.append(replace(h, services=tuple(svcs)))
+    return out, refused, notes
+
+
+# ----------------------------------------------------------------------------- showing it
+def rows(report: dict) -> list[dict]:
+    """One flat row per run and level (a failed run with no level: one row saying why)."""
+    out = []
+    for run in report["runs"]:
+        part = {"plain": "plain", "dflash": f"dflash blk={run['block']}"}.get(
+            run["mode"], f"{run['mode']} B={run['budget']}")
+        label = f"{part} graphs={'on' if run['graphs'] else 'off'}"
+        if not run["levels"]:
+            out.append({"label": label, "failed": (run.get("error") or run["status"]).strip().splitlines()[0][:160]
+                        if (run.get("error") or "").strip() else run["status"]})
+        for lv in run["levels"]:
+            out.append(dict(lv, label=label))
+    return out
+
+
+def table(record: dict):
+    """The result as a rich Table; every cell is a Text (host strings are never read as rich markup)."""
+    from rich.table import Table
+    from rich.text import Text
+
+    rep = record["report"]
+    what = record.get("model") or f"tiny {record.get('tiny')} pair (trained on the host)"
+    t = Table(title=Text(f"{record['host']} GPU {record['gpu']} ({rep['gpu'].get('name')}), release "
+                         f"{record['release']}: {what}, {rep.get('max_new_tokens')} new tokens a request"))
+    for col in ("run", "conc", "req", "tok/s", "accept", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms"):
+        t.add_column(col, justify="left" if col == "run" else "right")
+
+    def f(v, nd=1):
+        return "-" if v is None else f"{v:.{nd}f}"
+
+    for r in rows(rep):
+        if "failed" in r:
+            cells = (r["label"], "-", "-", "FAILED", r["failed"], "", "", "", "")
+        else:
+            cells = (r["label"], str(r["concurrency"]),
+                     f"{r['requests']}" + (f" ({r['errors']} err)" if r["errors"] else ""), f(r["output_tok_s"]),
+                     f(r["accept_length"], 2), f(r["ttft_ms"]["p50"]), f(r["ttft_ms"]["p99"]), f(r["itl_ms"]["p50"], 2),
+                     f(r["itl_ms"]["p99"], 2))
+        t.add_row(*[Text(x) for x in cells])
+    return t
+
+
+def plot(record: dict, path: Path) -> Path:
+    """PNG: output tok/s against concurrency, one line per mode/budget/graphs (matplotlib, Agg backend)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series: dict[str, list] = {}
+    for r in rows(record["report"]):
+        if "failed" not in r and r["requests"] > r["errors"]:
+            series.setdefault(r["label"], []).append((r["concurrency"], r["output_tok_s"]))
+    if not series:
+        raise ValueError("no measured level to plot")
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
+    for label, pts in series.items():
+        pts.sort()
+        ax.plot([c for c, _ in pts], [v for _, v in pts], marker="o",
+                linestyle="--" if label.endswith("graphs=off") else "-", label=label)
+    levels = sorted({c for pts in series.values() for c, _ in pts})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(levels)
+    ax.set_xticklabels([str(c) for c in levels])
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("output tokens / s")
+    what = os.path.basename(str(record.get("model") or f"tiny-{record.get('tiny')}").rstrip("/"))
+    ax.set_title(f"{record['host']} GPU {record['gpu']} ({record['report']['gpu'].get('name')}): {what}, "
+                 f"release {record['release']}", fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(str(path), format="png")
+    plt.close(fig)
+    return path
+
+
+# ----------------------------------------------------------------------------- the run
+def outcome(res: dict) -> tuple[int, str, dict | None]:
+    """(exit code, one line, the checked report or None) from the bench.run result."""
+    raw = res.get("report")
+    if isinstance(raw, dict) and raw.get("cannot_run"):
+        return EXIT_CANNOT_RUN, f"cannot run: {_text(raw['cannot_run'], 400)}", None
+    if res.get("timed_out"):
+        return EXIT_FAILED, "the benchmark did not finish within its deadline (its servers were stopped)", None
+    if raw is None:
+        tail = " | ".join((res.get("stderr") or "").strip().splitlines()[-3:])[:600]
+        if "No module named sglang_ddtree.bench" in (res.get("stderr") or ""):
+            return EXIT_FAILED, ("the active release's plugin has no sglang_ddtree.bench: deploy a release built by "
+                                 "this toolkit first"), None
+        return EXIT_FAILED, f"the bench module exited {res.get('rc')} without a report: {tail}", None
+    try:
+        rep = parse_report(raw)
+    except BadReport as exc:
+        return EXIT_FAILED, f"the host's report was refused: {exc}", None
+    if rep.get("error"):
+        return EXIT_FAILED, f"bench failed: {rep['error']}", rep
+    if not rep["runs"]:
+        return EXIT_FAILED, "bench measured nothing", rep
+    failed = [r for r in rep["runs"] if r["status"] != "ok"]
+    n = sum(len(r["levels"]) for r in rep["runs"])
+    line = f"{len(rep['runs']) - len(failed)}/{len(rep['runs'])} servers measured ({n} levels)"
+    if failed:
+        return EXIT_FAILED, line + "; failed: " + "; ".join(
+            f"{r['mode']}{' B=%s' % r['budget'] if r['budget'] else ''} graphs={'on' if r['graphs'] else 'off'}: "
+            f"{(r.get('error') or '').strip().splitlines()[0][:200] if (r.get('error') or '').strip() else 'failed'}"
+            for r in failed[:4]), rep
+    return EXIT_OK, "ok: " + line, rep
+
+
+def run(inv: Inventory, host: Host, on_plan=None, **kw) -> dict:
+    """Plan and run the benchmark on `host`: {plan, result, exit, line, record, saved} (plan None when refused
+    or unreachable); a checked report is kept (save_result) even when some of its runs failed."""
+    from .release.rollout import host_args
+    from .remote.client import Remote
+    from .ssh import run_per_host
+
+    models = sorted({s.model for s in host.services if s.enabled and s.model})
+
+    def one(conn, h):
+        remote = Remote(conn, h.name)
+        probe = remote.call("release.probe", host_args(h) | {"models": models}, deadline=PROBE_DEADLINE)
+        try:
+            plan = plan_bench(h, probe, **kw)
+        except BenchRefused as exc:
+            return None, str(exc)
+        if on_plan:
+            on_plan(plan)
+        return plan, remote.call("bench.run", plan.agent_args(), deadline=plan.deadline)
+
+    (r,) = run_per_host(inv, [host], one, label="bench")
+    if not r.ok:
+        return {"plan": None, "result": None, "exit": EXIT_FAILED, "line": f"{r.kind}: {r.error}"}
+    plan, res = r.value
+    if plan is None:
+        return {"plan": None, "result": None, "exit": EXIT_CANNOT_RUN, "line": f"refused: {res}"}
+    code, line, rep = outcome(res)
+    out = {"plan": plan.to_json(), "result": {k: res.get(k) for k in ("rc", "timed_out", "seconds")},
+           "exit": code, "line": line, "record": None, "saved": None}
+    if rep is not None and any(run["levels"] for run in rep["runs"]):
+        rec = result_record(plan, rep)
+        out["record"] = rec
+        out["saved"] = str(save_result(inv.path, rec))
+    return out

@@ -1,0 +1,874 @@
+"""Throughput and latency of plain, DFLASH and DDTREE serving on one GPU: ``python -m sglang_ddtree.bench``.
+
+Runs where SGLang and this plugin are installed (a fleet host's managed venv, driven by ``fab bench``, or any GPU
+box: nothing of the toolkit is needed).  For each requested mode, budget and CUDA-graph setting it starts ONE
+transient SGLang server (:mod:`sglang_ddtree.servers`, as ``sglang_ddtree.smoke`` starts them: ``systemd-run``
+units where systemd runs, plain process sessions otherwise, ``--launcher``), alone on the GPU: servers run one
+after another, never two at once, and each is torn down before the next starts, also on an error, SIGTERM or
+Ctrl-C.  It then replays the prompts (token ids through ``/generate`` with ``--skip-tokenizer-init``,
+``stream: true``, greedy, ``ignore_eos``, a fixed ``max_new_tokens``) at each concurrency and reports, per
+(mode, budget, graphs, concurrency):
+
+* ``output_tok_s``: output tokens of all requests of the level / the level's wall time (first request sent to
+  last request finished);
+* ``accept_length``: SGLang's own figures, summed over the level's requests: ``completion_tokens /
+  spec_verify_ct`` (SGLang 0.5.17's ``meta_info``; per request that is ``spec_accept_length``); None for plain;
+* ``ttft_ms`` p50/p99: time to the first streamed chunk that carries a token;
+* ``itl_ms`` p50/p99: per-token latency after the first chunk.  A streamed chunk that brings ``n`` tokens
+  ``g`` ms after the previous one counts as ``n`` tokens of ``g / n`` ms each (a speculative step emits several
+  tokens at once; counting the chunk gap as one token's latency would penalise exactly what speculation buys);
+* ``requests``, ``errors``, ``output_tokens``, ``wall_s``.
+
+Modes: ``plain`` (no speculation), ``dflash`` (SGLang's own DFLASH chain, block ``--block``; ``linear`` is
+accepted as its name in the fleet), ``tree-verify`` and ``shadow-linear`` (DDTREE; for each budget B in
+``--budgets``; tree-verify verifies ``--speculative-num-draft-tokens = B + 1`` tokens).  ``--graphs on|off|both``:
+off passes ``--cuda-graph-backend-decode disabled``; on leaves SGLang's decode graph backend on (captured up to
+the largest concurrency).  A server that refuses to start (today DDTREE tree-verify refuses CUDA graphs) is
+recorded as a failed run with the reason and its log tail, and the others still run.  ``--server-args`` words
+are appended to every server's command line (last, so they win).
+
+Each level is preceded by ``c`` unmeasured warm-up requests of ``--warmup-tokens`` tokens at that concurrency
+(Triton compiles per batch shape); a level sends ``max(--requests, c)`` requests (prompts reused in order).
+
+Models: ``--model PATH [--draft-model PATH]``; or ``--tiny DIR [--family hybrid|dense]``: a tiny pair as
+``python -m sglang_ddtree.trainkit DIR`` (trained; with its held-out ``prompts.jsonl``) or
+``python -m sglang_ddtree.tiny DIR`` (random weights) write it (``DIR/FAMILY-target``, ``DIR/FAMILY-drafter``;
+``DIR/FAMILY/{target,drafter}`` too); or ``--tiny-train`` (the training kit run here first, seeded by ``--seed``,
+into the private work directory: what ``fab bench --tiny`` does) or ``--tiny-random`` (tiny.py's random pair
+written there).  Prompts: ``--prompts FILE`` (JSON or JSONL of token-id lists or ``{"input_ids": [...]}``
+objects; with a tiny pair its ``prompts.jsonl`` is used when none is given), or ``--num-prompts`` random prompts
+of ``--prompt-len`` tokens within the target's vocabulary.
+
+Output: the table on stdout; ``--json FILE`` (``-`` for stdout) the report, schema ``ddtree-bench/1``
+(:func:`validate_report` says what it holds); ``--plot FILE`` a PNG (matplotlib, Agg; skipped with a note when
+matplotlib is not installed): output tok/s against concurrency, one line per mode/budget/graphs.  ``--out DIR``
+writes ``bench.json``, ``bench.png`` and the servers' logs there.  Exit status: 0 every run measured, 1 a run
+failed (the report still says what did run), 2 this host cannot run it (no GPU device; said plainly on stderr),
+130 interrupted (servers stopped, the partial report written).
+
+The pure parts (argument parsing and run planning, prompt files, stream parsing, percentiles, aggregation, the
+report schema, the table and the plot) are tested on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterable, List, Optional, Sequence
+
+from .servers import (Server, ServerSpec, free_port, get, gpu_device_problem, gpu_memory_mib, gpu_name,
+                      server_argv, server_env, server_mem_fraction, wait_healthy)
+
+SCHEMA = "ddtree-bench/1"
+BENCH_MODES = ("plain", "dflash", "tree-verify", "shadow-linear")
+MODE_ALIASES = {"linear": "dflash"}
+BUDGETED = ("tree-verify", "shadow-linear")
+GRAPHS = {"on": (True,), "off": (False,), "both": (False, True)}
+FAMILIES = ("hybrid", "dense")
+EXIT_OK, EXIT_FAILED, EXIT_CANNOT_RUN, EXIT_INTERRUPTED = 0, 1, 2, 130
+MAX_PROMPT_TOKENS = 32768
+MAX_PROMPTS = 100000
+
+__all__ = [
+    "SCHEMA", "BENCH_MODES", "RunSpec", "parse_int_list", "parse_modes", "plan_runs", "load_prompts",
+    "random_prompts", "resolve_tiny", "Sizing", "plan_sizing", "spec_for", "parse_sse", "RequestRecord",
+    "percentile", "aggregate_level", "validate_report", "format_table", "write_plot", "main",
+]
+
+
+# ----------------------------------------------------------------------------- pure parts: what to run
+def parse_int_list(text: str, what: str, lo: int = 1, hi: int = 4096) -> List[int]:
+    """``"1,4,16"`` -> ``[1, 4, 16]`` (sorted, unique); every value in ``[lo, hi]``."""
+    out = []
+    for word in str(text).split(","):
+        word = word.strip()
+        if not word:
+            continue
+        try:
+            v = int(word)
+        except ValueError:
+            raise ValueError(f"{what}: {word!r} is not an integer") from None
+        if not lo <= v <= hi:
+            raise ValueError(f"{what}: {v} is outside [{lo}, {hi}]")
+        out.append(v)
+    if not out:
+        raise ValueError(f"{what}: give at least one value")
+    return sorted(set(out))
+
+
+def parse_modes(text: str) -> List[str]:
+    """``"plain,dflash,tree-verify"`` -> modes in the order given (``linear`` is ``dflash``), unique."""
+    out: List[str] = []
+    for word in str(text).split(","):
+        word = word.strip()
+        if not word:
+            continue
+        mode = MODE_ALIASES.get(word, word)
+        if mode not in BENCH_MODES:
+            raise ValueError(f"mode {word!r}: choose from {', '.join(BENCH_MODES)} (linear = dflash)")
+        if mode not in out:
+            out.append(mode)
+    if not out:
+        raise ValueError("modes: give at least one")
+    return out
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One server of the benchmark: a mode, its budget (DDTREE) or block (DFLASH chain), graphs on or off."""
+
+    mode: str
+    budget: Optional[int]  # B for tree-verify / shadow-linear, else None
+    block: Optional[int]  # the DFlash chain width for dflash / shadow-linear, else None
+    graphs: bool
+
+    @property
+    def draft_tokens(self) -> Optional[int]:
+        if self.mode == "plain":
+            return None
+        return self.budget + 1 if self.mode == "tree-verify" else self.block
+
+    @property
+    def label(self) -> str:
+        part = {"plain": "plain", "dflash": f"dflash blk={self.block}"}.get(self.mode, f"{self.mode} B={self.budget}")
+        return f"{part} graphs={'on' if self.graphs else 'off'}"
+
+
+def plan_runs(modes: Sequence[str], budgets: Sequence[int], graphs: str, block: int) -> List[RunSpec]:
+    """Every server to start, in order: for each graph setting (off first), each mode, each budget."""
+    if graphs not in GRAPHS:
+        raise ValueError(f"graphs {graphs!r}: choose on, off or both")
+    runs = []
+    for g in GRAPHS[graphs]:
+        for m in modes:
+            if m in BUDGETED:
+                runs += [RunSpec(m, b, block if m == "shadow-linear" else None, g) for b in budgets]
+            else:
+                runs.append(RunSpec(m, None, block if m == "dflash" else None, g))
+    return runs
+
+
+def _prompt_from(value, where: str, vocab: Optional[int]) -> List[int]:
+    ids = value.get("input_ids") if isinstance(value, dict) else value
+    if not isinstance(ids, list) or not ids:
+        raise ValueError(f"{where}: a prompt is a non-empty list of token ids or {{\"input_ids\": [...]}}")
+    if len(ids) > MAX_PROMPT_TOKENS:
+        raise ValueError(f"{where}: {len(ids)} tokens (at most {MAX_PROMPT_TOKENS})")
+    for t in ids:
+        if type(t) is not int or t < 0 or (vocab is not None and t >= vocab):
+            raise ValueError(f"{where}: token {t!r} is not an id in [0, {vocab if vocab is not None else 'vocab'})")
+    return ids
+
+
+def load_prompts(path: str, vocab: Optional[int] = None) -> List[List[int]]:
+    """Prompts from a JSON document (a list, or ``{"prompts": [...]}``) or JSONL (one prompt a line)."""
+    text = Path(path).read_text()
+    try:
+        doc = json.loads(text)
+        items = doc.get("prompts") if isinstance(doc, dict) and "prompts" in doc else doc
+        if isinstance(items, dict) or (isinstance(items, list) and items and all(type(x) is int for x in items)):
+            items = [items]  # one prompt alone
+        if not isinstance(items, list):
+            raise ValueError(f"{path}: expected a list of prompts")
+        where = [f"{path}: prompt {i}" for i in range(len(items))]
+    except json.JSONDecodeError:
+        items, where = [], []
+        for n, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                items.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not JSON: {e.msg}") from None
+            where.append(f"{path}:{n}")
+    if not items:
+        raise ValueError(f"{path}: no prompts")
+    if len(items) > MAX_PROMPTS:
+        raise ValueError(f"{path}: {len(items)} prompts (at most {MAX_PROMPTS})")
+    return [_prompt_from(v, w, vocab) for v, w in zip(items, where)]
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int = 1) -> List[List[int]]:
+    """``n`` seeded prompts of ``length`` ids, clear of the low ids (special tokens) and the last two (mask)."""
+    import random
+
+    lo, hi = min(100, vocab // 4), max(min(vocab - 2, 31000), min(100, vocab // 4) + 1)
+    rng = random.Random(seed)
+    return [[rng.randrange(lo, hi) for _ in range(length)] for _ in range(n)]
+
+
+def resolve_tiny(root: str, family: str) -> dict:
+    """The tiny pair of ``family`` under ``root``: ``FAMILY/{target,drafter}`` or ``FAMILY-target`` /
+    ``FAMILY-drafter`` (what ``sglang_ddtree.trainkit`` and ``sglang_ddtree.tiny`` write), with the held-out
+    ``prompts.jsonl`` beside it when there is one (``FAMILY/prompts.jsonl`` or ``prompts.jsonl``).  ``kind`` is
+    ``trained`` when the training kit's ``manifest.json`` is there (or the nested layout), else ``random``."""
+    if family not in FAMILIES:
+        raise ValueError(f"family {family!r}: choose {' or '.join(FAMILIES)}")
+    base = Path(root)
+    layouts = [(base / family / "target", base / family / "drafter"),
+               (base / f"{family}-target", base / f"{family}-drafter")]
+    for n, (t, d) in enumerate(layouts):
+        if (t / "config.json").is_file() and (d / "config.json").is_file():
+            prompts = next((str(p) for p in (base / family / "prompts.jsonl", base / "prompts.jsonl") if p.is_file()),
+                           None)
+            trained = n == 0 or (base / "manifest.json").is_file()
+            return {"target": str(t), "drafter": str(d), "kind": "trained" if trained else "random", "prompts": prompts}
+    raise ValueError(f"{root}: no tiny {family} pair: looked for "
+                     + " and ".join(f"{t}/config.json + {d}/config.json" for t, d in layouts))
+
+
+def trainkit_argv(python: str, out: str, family: str, seed: int) -> List[str]:
+    """The training kit's command line (``--tiny-train``): one family, on the GPU, seeded."""
+    return [python, "-m", "sglang_ddtree.trainkit", out, "--seed", str(seed), "--family", family, "--device", "cuda"]
+
+
+def read_config(path: Optional[str]) -> dict:
+    if not path:
+        return {}
+    try:
+        return json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def drafter_block(cfg: dict, default: int = 8) -> int:
+    """The DFlash drafter's own block size (``dflash_config.block_size`` or ``block_size``)."""
+    v = (cfg.get("dflash_config") or {}).get("block_size") or cfg.get("block_size")
+    return int(v) if isinstance(v, int) and v > 1 else default
+
+
+def is_hybrid(cfg: dict) -> bool:
+    """Recurrent (linear-attention) layers in a target config: the pool caps differ."""
+    return "linear_attention" in (cfg.get("layer_types") or []) or any(
+        "Next" in a or "Mamba" in a for a in cfg.get("architectures") or [])
+
+
+def _kv_bytes_per_token(cfg: dict) -> int:
+    heads = cfg.get("num_attention_heads") or 1
+    hd = cfg.get("head_dim") or (cfg.get("hidden_size") or 0) // heads
+    return int(2 * (cfg.get("num_hidden_layers") or 0) * (cfg.get("num_key_value_heads") or heads) * hd * 2)
+
+
+def _weights_mib(path: Optional[str]) -> float:
+    if not path or not os.path.isdir(path):
+        return 0.0
+    return sum(p.stat().st_size for p in Path(path).iterdir()
+               if p.is_file() and p.suffix in (".safetensors", ".bin", ".pt")) / 2**20
+
+
+@dataclass(frozen=True)
+class Sizing:
+    max_running: int
+    context_length: int
+    max_total_tokens: int
+    max_mamba_cache: Optional[int]
+    kv_mib: float
+
+
+def plan_sizing(prompts: Sequence[Sequence[int]], max_new: int, concurrency: Sequence[int], runs: Sequence[RunSpec],
+                target_cfg: dict, drafter_cfg: dict) -> Sizing:
+    """Pools for the largest level: every request's prompt + output + one step's draft window fits, twice over."""
+    running = max(concurrency)
+    window = max([r.draft_tokens or 1 for r in runs] + [1])
+    need = max(len(p) for p in prompts) + max_new + window + 64
+    ctx = int(math.ceil(need / 256.0) * 256)
+    limit = target_cfg.get("max_position_embeddings")
+    if isinstance(limit, int) and ctx > limit:
+        raise ValueError(f"prompt + output + draft window needs {need} tokens of context; the model allows {limit}")
+    total = max(32768, 2 * running * ctx)
+    kv = (_kv_bytes_per_token(target_cfg) + _kv_bytes_per_token(drafter_cfg)) * total / 2**20
+    mamba = max(48, 6 * running) if is_hybrid(target_cfg) else None
+    return Sizing(running, ctx, total, mamba, round(kv, 1))
+
+
+def spec_for(run: RunSpec, target: str, drafter: Optional[str], sizing: Sizing, mem_fraction: Optional[float],
+             extra: Sequence[str] = ()) -> ServerSpec:
+    """The server of one run (pools from ``sizing``; graphs captured up to the largest concurrency)."""
+    return ServerSpec(mode=run.mode, target=target, drafter=drafter if run.mode != "plain" else None,
+                      budget=run.budget if run.budget is not None else 15, block=run.block or 8,
+                      mem_fraction=mem_fraction, max_running=sizing.max_running,
+                      max_total_tokens=sizing.max_total_tokens, max_mamba_cache=sizing.max_mamba_cache,
+                      context_length=sizing.context_length, cuda_graph=run.graphs,
+                      cuda_graph_max_bs=sizing.max_running if run.graphs else None, extra_args=tuple(extra))
+
+
+# ----------------------------------------------------------------------------- pure parts: measuring
+@dataclass
+class RequestRecord:
+    """One streamed request: when it was sent, each chunk's arrival with the cumulative token count."""
+
+    sent: float
+    chunks: List[tuple] = field(default_factory=list)  # (time, cumulative completion tokens)
+    meta: dict = field(default_factory=dict)
+    error: Optional[str] = None
+    done: Optional[float] = None
+
+    @property
+    def tokens(self) -> int:
+        return self.chunks[-1][1] if self.chunks else 0
+
+    def ttft(self) -> Optional[float]:
+        first = next((t for t, n in self.chunks if n > 0), None)
+        return None if first is None else first - self.sent
+
+    def itl(self) -> List[float]:
+        """Per-token latencies after the first token-carrying chunk (a chunk of n tokens: n x gap / n)."""
+        out: List[float] = []
+        prev = None
+        for t, n in self.chunks:
+            if n <= 0:
+                continue
+            if prev is not None and n > prev[1]:
+                k = n - prev[1]
+                out += [(t - prev[0]) / k] * k
+            if prev is None or n > prev[1]:
+                prev = (t, n)
+        return out
+
+
+def parse_sse(lines: Iterable[bytes]):
+    """SGLang's ``/generate`` stream (``data: {json}`` events, ``data: [DONE]`` last) -> the decoded events."""
+    for raw in lines:
+        line = raw.strip()
+        if not line.startswith(b"data:"):
+            continue
+        body = line[5:].strip()
+        if body == b"[DONE]":
+            return
+        yield json.loads(body)
+
+
+def event_tokens(ev: dict) -> int:
+    """Cumulative completion tokens after an event: ``meta_info.completion_tokens`` (SGLang sets it on every
+    chunk, also with ``--incremental-streaming-output``), else the length of the (cumulative) ``output_ids``."""
+    n = (ev.get("meta_info") or {}).get("completion_tokens")
+    if type(n) is int:
+        return n
+    return len(ev.get("output_ids") or [])
+
+
+def percentile(values: Sequence[float], q: float) -> Optional[float]:
+    """The q-th percentile (0-100) with linear interpolation between order statistics (numpy's default)."""
+    if not values:
+        return None
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile {q} outside [0, 100]")
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo, hi = int(math.floor(pos)), int(math.ceil(pos))
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def _ms(v: Optional[float]) -> Optional[float]:
+    return None if v is None else round(v * 1000.0, 3)
+
+
+def aggregate_level(records: Sequence[RequestRecord], wall_s: float, concurrency: int) -> dict:
+    """One row of the report from a level's requests (see the module docstring for each figure)."""
+    ok = [r for r in records if r.error is None]
+    tokens = sum(r.tokens for r in ok)
+    ttfts = [x for x in (r.ttft() for r in ok) if x is not None]
+    itls = [x for r in ok for x in r.itl()]
+    verify = [(r.meta.get("completion_tokens"), r.meta.get("spec_verify_ct")) for r in ok]
+    verify = [(c, v) for c, v in verify if isinstance(c, int) and isinstance(v, int) and v > 0]
+    if verify:
+        accept = sum(c for c, _ in verify) / sum(v for _, v in verify)
+    else:
+        per = [r.meta.get("spec_accept_length") for r in ok]
+        per = [float(x) for x in per if isinstance(x, (int, float))]
+        accept = sum(per) / len(per) if per else None
+    return {
+        "concurrency": concurrency, "requests": len(records), "errors": len(records) - len(ok),
+        "output_tokens": tokens, "wall_s": round(wall_s, 4),
+        "output_tok_s": round(tokens / wall_s, 2) if wall_s > 0 else 0.0,
+        "accept_length": None if accept is None else round(accept, 4),
+        "ttft_ms": {"p50": _ms(percentile(ttfts, 50)), "p99": _ms(percentile(ttfts, 99))},
+        "itl_ms": {"p50": _ms(percentile(itls, 50)), "p99": _ms(percentile(itls, 99))},
+        "first_error": next((r.error for r in records if r.error), None),
+    }
+
+
+# ----------------------------------------------------------------------------- pure parts: the report
+def _is_num(v, allow_none=True) -> bool:
+    if v is None:
+        return allow_none
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+
+
+def validate_report(doc) -> List[str]:
+    """What is wrong with a report (empty when it is a well-formed ``ddtree-bench/1`` document)."""
+    if not isinstance(doc, dict):
+        return ["the report is not a JSON object"]
+    errs = []
+    if doc.get("schema") != SCHEMA:
+        errs.append(f"schema is {doc.get('schema')!r}, not {SCHEMA!r}")
+    for k in ("model", "settings", "gpu"):
+        if not isinstance(doc.get(k), dict):
+            errs.append(f"{k} is not an object")
+    runs = doc.get("runs")
+    if not isinstance(runs, list):
+        return errs + ["runs is not a list"]
+    for i, run in enumerate(runs):
+        where = f"runs[{i}]"
+        if not isinstance(run, dict):
+            errs.append(f"{where} is not an object")
+            continue
+        if run.get("mode") not in BENCH_MODES:
+            errs.append(f"{where}.mode {run.get('mode')!r} is not one of {BENCH_MODES}")
+        if run.get("mode") in BUDGETED and not (type(run.get("budget")) is int and run["budget"] > 0):
+            errs.append(f"{where}.budget must be a positive integer")
+        if not isinstance(run.get("graphs"), bool):
+            errs.append(f"{where}.graphs must be true or false")
+        if run.get("status") not in ("ok", "failed"):
+            errs.append(f"{where}.status must be ok or failed")
+        levels = run.get("levels")
+        if not isinstance(levels, list):
+            errs.append(f"{where}.levels is not a list")
+            continue
+        for j, lv in enumerate(levels):
+            w = f"{where}.levels[{j}]"
+            if not isinstance(lv, dict):
+                errs.append(f"{w} is not an object")
+                continue
+            for k in ("concurrency", "requests", "errors", "output_tokens"):
+                if type(lv.get(k)) is not int or lv[k] < 0:
+                    errs.append(f"{w}.{k} must be a non-negative integer")
+            for k in ("output_tok_s", "wall_s"):
+                if not _is_num(lv.get(k), allow_none=False):
+                    errs.append(f"{w}.{k} must be a non-negative number")
+            if not _is_num(lv.get("accept_length")):
+                errs.append(f"{w}.accept_length must be a non-negative number or null")
+            for k in ("ttft_ms", "itl_ms"):
+                d = lv.get(k)
+                if not (isinstance(d, dict) and _is_num(d.get("p50")) and _is_num(d.get("p99"))):
+                    errs.append(f"{w}.{k} must be {{p50, p99}} of non-negative numbers or null")
+    return errs
+
+
+def rows(doc: dict) -> List[dict]:
+    """One flat row per (run, level), with the run's label, for tables, plots and choices."""
+    out = []
+    for run in doc.get("runs") or []:
+        label = RunSpec(run["mode"], run.get("budget"), run.get("block"), run["graphs"]).label
+        if run.get("status") != "ok" and not run.get("levels"):
+            out.append({"label": label, "mode": run["mode"], "budget": run.get("budget"), "graphs": run["graphs"],
+                        "failed": run.get("error") or "failed"})
+        for lv in run.get("levels") or []:
+            out.append(dict(lv, label=label, mode=run["mode"], budget=run.get("budget"), graphs=run["graphs"]))
+    return out
+
+
+def _f(v, nd=1) -> str:
+    return "-" if v is None else f"{v:.{nd}f}"
+
+
+def format_table(doc: dict) -> str:
+    """The report as a fixed-width text table (one line per mode/budget/graphs and concurrency)."""
+    head = ("run", "conc", "req", "tok/s", "accept", "ttft p50", "ttft p99", "itl p50", "itl p99")
+    lines = []
+    for r in rows(doc):
+        if "failed" in r:
+            reason = str(r["failed"]).strip().splitlines()[0][:100] if str(r["failed"]).strip() else "failed"
+            lines.append((r["label"], "-", "-", "FAILED", reason, "", "", "", ""))
+            continue
+        lines.append((r["label"], str(r["concurrency"]), f"{r['requests']}" + (f" ({r['errors']} err)" if r["errors"] else ""),
+                      _f(r["output_tok_s"]), _f(r["accept_length"], 2), _f(r["ttft_ms"]["p50"]),
+                      _f(r["ttft_ms"]["p99"]), _f(r["itl_ms"]["p50"], 2), _f(r["itl_ms"]["p99"], 2)))
+    widths = [max(len(h), *(len(x[i]) for x in lines)) if lines else len(h) for i, h in enumerate(head)]
+    fmt = lambda row: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+    m = doc.get("model") or {}
+    title = (f"{m.get('target')} (drafter {m.get('drafter')}), GPU {(doc.get('gpu') or {}).get('name')}, "
+             f"{(doc.get('settings') or {}).get('max_new_tokens')} new tokens a request; ms for latencies")
+    return "\n".join([title, fmt(head), fmt(tuple("-" * w for w in widths))] + [fmt(x) for x in lines])
+
+
+def write_plot(doc: dict, path: str) -> str:
+    """PNG: output tok/s against concurrency, one line per mode/budget/graphs (matplotlib, Agg backend)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series: dict = {}
+    for r in rows(doc):
+        if "failed" not in r:
+            series.setdefault(r["label"], []).append((r["concurrency"], r["output_tok_s"]))
+    if not series:
+        raise ValueError("no measured level to plot")
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
+    for label, pts in series.items():
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+                linestyle="--" if "graphs=off" in label else "-", label=label)
+    levels = sorted({c for pts in series.values() for c, _ in pts})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(levels)
+    ax.set_xticklabels([str(c) for c in levels])
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("output tokens / s")
+    m = doc.get("model") or {}
+    ax.set_title(f"{os.path.basename(str(m.get('target') or '').rstrip('/'))} on {(doc.get('gpu') or {}).get('name')}"
+                 f" ({doc.get('host')})", fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    plt.close(fig)
+    return path
+
+
+# ----------------------------------------------------------------------------- the servers and requests
+def stream_request(base: str, input_ids: Sequence[int], max_new: int, timeout: float) -> RequestRecord:
+    body = {"input_ids": list(input_ids), "stream": True,
+            "sampling_params": {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}}
+    req = urllib.request.Request(base + "/generate", json.dumps(body).encode(), {"content-type": "application/json"})
+    rec = RequestRecord(sent=time.perf_counter())
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            for ev in parse_sse(resp):
+                now = time.perf_counter()
+                if "error" in ev:
+                    rec.error = f"server error: {str(ev['error'])[:300]}"
+                    break
+                rec.chunks.append((now, event_tokens(ev)))
+                rec.meta = ev.get("meta_info") or rec.meta
+    except Exception as e:  # noqa: BLE001 - a failed request is counted in the level, not fatal
+        rec.error = f"{type(e).__name__}: {e}"
+    rec.done = time.perf_counter()
+    if rec.error is None and rec.tokens != max_new:
+        rec.error = f"{rec.tokens} tokens streamed, {max_new} asked"
+    return rec
+
+
+def run_level(base: str, prompts: Sequence[Sequence[int]], max_new: int, concurrency: int, timeout: float):
+    """Send every prompt with ``concurrency`` requests in flight; (records, wall seconds)."""
+    out: List[Optional[RequestRecord]] = [None] * len(prompts)
+    lock = threading.Lock()
+    nxt = [0]
+
+    def worker():
+        while True:
+            with lock:
+                i = nxt[0]
+                nxt[0] += 1
+            if i >= len(prompts):
+                return
+            out[i] = stream_request(base, prompts[i], max_new, timeout)
+
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(min(concurrency, len(prompts)))]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        while t.is_alive():  # a bounded join, so Ctrl-C reaches the main thread
+            t.join(0.5)
+    return [r for r in out if r is not None], time.perf_counter() - t0
+
+
+def level_prompts(prompts: Sequence[Sequence[int]], requests: int, concurrency: int) -> List[Sequence[int]]:
+    n = max(requests, concurrency)
+    return [prompts[i % len(prompts)] for i in range(n)]
+
+
+def _versions() -> dict:
+    from importlib import metadata
+
+    out = {}
+    for d in ("sglang", "sglang-ddtree", "torch"):
+        try:
+            out[d] = metadata.version(d)
+        except metadata.PackageNotFoundError:
+            out[d] = None
+    return out
+
+
+def wait_gpu_released(gpu: int, baseline_mib: float, timeout: float = 90.0, slack_mib: float = 1024) -> float:
+    """Wait until the GPU's used memory is back to ``baseline_mib`` (+ slack): the last server's processes may
+    free their memory a moment after they are stopped, and the next server must start alone. Returns MiB used."""
+    t0 = time.time()
+    while True:
+        used, _ = gpu_memory_mib(gpu)
+        if used <= baseline_mib + slack_mib or time.time() - t0 > timeout:
+            return used
+        time.sleep(1)
+
+
+class _Interrupted(BaseException):
+    pass
+
+
+def _on_sigterm(signum, frame):
+    raise _Interrupted()
+
+
+def run_bench(a, runs: List[RunSpec], prompts: List[List[int]], target: str, drafter: Optional[str], workdir: str,
+              logdir: str, doc: dict, log=print, save=lambda doc: None) -> None:
+    """Start each run's server alone, measure every level, stop it; fills ``doc["runs"]`` as it goes and
+    ``save``s it after each run (a run killed later still leaves what it measured)."""
+    tcfg, dcfg = read_config(target), read_config(drafter)
+    sizing = plan_sizing(prompts, a.max_new_tokens, a.concurrency, runs, tcfg, dcfg)
+    weights = _weights_mib(target) + _weights_mib(drafter)
+    doc["settings"]["sizing"] = asdict(sizing)
+    extra = shlex.split(a.server_args or "")
+    baseline, _ = gpu_memory_mib(a.gpu)
+    for k, run in enumerate(runs):
+        entry = {"mode": run.mode, "budget": run.budget, "block": run.block, "draft_tokens": run.draft_tokens,
+                 "graphs": run.graphs, "status": "failed", "error": None, "levels": []}
+        doc["runs"].append(entry)
+        used = wait_gpu_released(a.gpu, baseline)
+        total = doc["gpu"]["memory_total_mib"]
+        frac = a.mem_fraction if a.mem_fraction is not None else server_mem_fraction(used, total, weights, sizing.kv_mib + 4096)
+        spec = spec_for(run, target, drafter, sizing, frac, extra)
+        port = free_port()
+        base = f"http://127.0.0.1:{port}"
+        argv = server_argv(a.python, spec, port)
+        entry.update(server_argv=argv[1:], gpu_used_mib_before=used, mem_fraction=frac)
+        slug = f"{k:02d}-{run.mode}-{run.budget or run.block or 0}-{'g' if run.graphs else 'e'}"
+        srv = Server(argv, server_env(spec, a.gpu), os.path.join(logdir, slug + ".log"), launcher=a.launcher,
+                     user=a.user, runtime_max_s=a.runtime_max,
+                     unit=f"{a.unit_prefix}-{slug}" if a.unit_prefix else None)
+        log(f"[{k + 1}/{len(runs)}] {run.label}: starting ({used:.0f} of {total:.0f} MiB in use on GPU {a.gpu})")
+        try:
+            srv.start()
+            entry["start_s"] = round(wait_healthy(base, srv, a.start_timeout), 1)
+            try:
+                info = get(base + "/server_info")
+                entry["algorithm"] = info.get("speculative_algorithm") or (info.get("server_args") or {}).get(
+                    "speculative_algorithm")
+            except Exception:  # noqa: BLE001 - informative only
+                entry["algorithm"] = None
+            for c in a.concurrency:
+                if a.warmup_tokens:
+                    run_level(base, level_prompts(prompts, c, c), a.warmup_tokens, c, a.request_timeout)
+                recs, wall = run_level(base, level_prompts(prompts, a.requests, c), a.max_new_tokens, c,
+                                       a.request_timeout)
+                row = aggregate_level(recs, wall, c)
+                entry["levels"].append(row)
+                log(f"    c={c}: {row['output_tok_s']} tok/s, accept {row['accept_length']}, "
+                    f"ttft p50 {row['ttft_ms']['p50']} ms, itl p50 {row['itl_ms']['p50']} ms"
+                    + (f", {row['errors']} errors ({row['first_error']})" if row["errors"] else ""))
+            failed = [lv for lv in entry["levels"] if lv["errors"]]
+            entry["status"] = "failed" if failed else "ok"
+            if failed:
+                entry["error"] = f"{sum(lv['errors'] for lv in failed)} requests failed: {failed[0]['first_error']}"
+        except (Exception, KeyboardInterrupt, _Interrupted) as e:
+            if isinstance(e, Exception):
+                entry["error"] = f"{type(e).__name__}: {e}"[:4000]
+                log(f"    FAILED: {entry['error'].splitlines()[0][:300]}")
+            else:
+                entry["error"] = "interrupted"
+                raise
+        finally:
+            srv.stop()
+        save(doc)
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m sglang_ddtree.bench", description=__doc__.split("\n")[0],
+                                 epilog="Each server starts alone on the GPU and is always stopped.")
+    src = ap.add_argument_group("models (one of)")
+    src.add_argument("--model", help="target model directory")
+    src.add_argument("--draft-model", help="DFlash drafter directory (needed by every mode but plain)")
+    src.add_argument("--tiny", metavar="DIR", help="a tiny pair: DIR/FAMILY/{target,drafter} or DIR/FAMILY-{target,drafter}")
+    src.add_argument("--tiny-random", action="store_true", help="write sglang_ddtree.tiny's random pair and use it")
+    src.add_argument("--tiny-train", action="store_true",
+                     help="train the pair here first (python -m sglang_ddtree.trainkit, seed --seed) and use it")
+    src.add_argument("--family", choices=FAMILIES, default="hybrid", help="with --tiny/--tiny-random (default hybrid)")
+    ap.add_argument("--modes", default="plain,dflash,tree-verify", help="comma list of " + ", ".join(BENCH_MODES))
+    ap.add_argument("--budgets", default="15", help="DDTREE budgets B, comma list (tree-verify: D = B + 1)")
+    ap.add_argument("--block", type=int, help="DFLASH chain block (default: the drafter's block_size, else 8)")
+    ap.add_argument("--graphs", choices=tuple(GRAPHS), default="off", help="CUDA graphs on, off or both (default off)")
+    ap.add_argument("--concurrency", default="1,4,16", help="comma list of concurrent requests (default 1,4,16)")
+    ap.add_argument("--prompts", help="JSON/JSONL file of token-id prompts")
+    ap.add_argument("--num-prompts", type=int, default=32, help="random prompts when no file (default 32)")
+    ap.add_argument("--prompt-len", type=int, default=64, help="tokens of each random prompt (default 64)")
+    ap.add_argument("--seed", type=int, default=1, help="seed of random prompts and of --tiny-random")
+    ap.add_argument("--requests", type=int, help="requests a level (default: the number of prompts; at least c)")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--warmup-tokens", type=int, default=16, help="tokens of each warm-up request (0: none)")
+    ap.add_argument("--gpu", type=int, default=0)
+    ap.add_argument("--server-args", default="", help="extra server arguments for every server (one string)")
+    ap.add_argument("--mem-fraction", type=float, help="--mem-fraction-static (default: sized to the weights and pools)")
+    ap.add_argument("--launcher", choices=("auto", "systemd-run", "process"), default="auto")
+    ap.add_argument("--python", default=sys.executable, help="the interpreter SGLang runs from (default this one)")
+    ap.add_argument("--user", help="run the servers as this user (systemd-run --uid)")
+    ap.add_argument("--unit-prefix", help="name the transient units <prefix>-<run> (so a caller can stop them all)")
+    ap.add_argument("--runtime-max", type=int, default=1800, help="RuntimeMaxSec of each transient unit")
+    ap.add_argument("--start-timeout", type=float, default=600)
+    ap.add_argument("--request-timeout", type=float, default=600)
+    ap.add_argument("--json", help="write the report here (- for stdout)")
+    ap.add_argument("--plot", help="write the PNG plot here")
+    ap.add_argument("--out", help="directory for bench.json, bench.png and the server logs")
+    return ap
+
+
+def parse_args(argv=None):
+    """Parse and check the command line; raises SystemExit(2) with argparse's message on a bad one."""
+    ap = _parser()
+    a = ap.parse_args(argv)
+    try:
+        a.modes = parse_modes(a.modes)
+        a.budgets = parse_int_list(a.budgets, "--budgets", 1, 1023)
+        a.concurrency = parse_int_list(a.concurrency, "--concurrency", 1, 1024)
+        shlex.split(a.server_args or "")
+    except ValueError as e:
+        ap.error(str(e))
+    given = sum(bool(x) for x in (a.model, a.tiny, a.tiny_random, a.tiny_train))
+    if given != 1:
+        ap.error("give exactly one of --model, --tiny DIR, --tiny-random, --tiny-train")
+    if a.model and a.draft_model is None and a.modes != ["plain"]:
+        ap.error("--draft-model is needed by " + ", ".join(m for m in a.modes if m != "plain"))
+    for k in ("num_prompts", "prompt_len", "max_new_tokens"):
+        if getattr(a, k) < 1:
+            ap.error(f"--{k.replace('_', '-')} must be at least 1")
+    if a.requests is not None and a.requests < 1:
+        ap.error("--requests must be at least 1")
+    if a.warmup_tokens < 0:
+        ap.error("--warmup-tokens must be 0 or more")
+    return a
+
+
+def _write_json(doc: dict, dest: Optional[str]) -> None:
+    if not dest:
+        return
+    text = json.dumps(doc, indent=1) + "\n"
+    if dest == "-":
+        sys.stdout.write(text)
+        return
+    tmp = dest + ".tmp"
+    with open(tmp, "w") as fh:
+        fh.write(text)
+    os.replace(tmp, dest)
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+        a.json = a.json or os.path.join(a.out, "bench.json")
+        a.plot = a.plot or os.path.join(a.out, "bench.png")
+    doc = {"schema": SCHEMA, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "host": socket.gethostname(), "ok": False, "versions": _versions(), "gpu": {"index": a.gpu},
+           "model": {}, "settings": {}, "runs": []}
+    problem = gpu_device_problem(a.gpu)
+    if problem:
+        log(f"bench: cannot run: {problem}")
+        doc["cannot_run"] = problem
+        _write_json(doc, a.json)
+        return EXIT_CANNOT_RUN
+    workdir = tempfile.mkdtemp(prefix="ddtree-bench-")  # 0700: private to this run
+    if a.user:
+        shutil.chown(workdir, user=a.user)  # the servers (run as the user) read the models and write their logs
+    logdir = os.path.join(a.out, "logs") if a.out else workdir
+    os.makedirs(logdir, exist_ok=True)
+    if a.user and logdir != workdir:
+        shutil.chown(logdir, user=a.user)
+    old = signal.signal(signal.SIGTERM, _on_sigterm)
+    code = EXIT_FAILED
+    try:
+        if a.tiny_random:
+            from . import tiny
+
+            paths = tiny.write_family(workdir, a.family, seed=a.seed)
+            target, drafter, source, tiny_prompts = paths["target"], paths["drafter"], "tiny-random", None
+        elif a.tiny or a.tiny_train:
+            if a.tiny_train:
+                import subprocess
+
+                probe = [a.python, "-c", "import importlib.util as u, sys; "
+                         "sys.exit(u.find_spec('sglang_ddtree.trainkit') is None)"]
+                if subprocess.run(probe, timeout=120).returncode != 0:  # the interpreter the kit would run under
+                    raise RuntimeError("this plugin has no sglang_ddtree.trainkit (the training kit): --tiny-train "
+                                       "needs a plugin that ships it; use --tiny DIR or --tiny-random")
+                out = os.path.join(workdir, "tiny")
+                argv = trainkit_argv(a.python, out, a.family, a.seed)
+                log(f"bench: training the tiny {a.family} pair on GPU {a.gpu} (seed {a.seed}): {' '.join(argv)}")
+                t0 = time.time()
+                env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(a.gpu), PYTHONUNBUFFERED="1")
+                try:  # the kit's progress goes where ours goes (stderr), never into the table on stdout
+                    kit_out = sys.stderr.fileno()
+                except (AttributeError, ValueError, OSError):
+                    kit_out = subprocess.DEVNULL
+                r = subprocess.run(argv, stdout=kit_out, env=env, timeout=max(60, a.runtime_max))
+                if r.returncode:
+                    raise RuntimeError(f"the training kit exited {r.returncode}")
+                doc["settings"]["tiny_train_s"] = round(time.time() - t0, 1)
+                if a.user:
+                    for dirpath, _, files in os.walk(out):
+                        shutil.chown(dirpath, user=a.user)
+                        for f in files:
+                            shutil.chown(os.path.join(dirpath, f), user=a.user)
+            got = resolve_tiny(a.tiny or os.path.join(workdir, "tiny"), a.family)
+            target, drafter, source, tiny_prompts = got["target"], got["drafter"], f"tiny-{got['kind']}", got["prompts"]
+        else:
+            target, drafter, source, tiny_prompts = a.model, a.draft_model, "model", None
+        tcfg, dcfg = read_config(target), read_config(drafter)
+        vocab = tcfg.get("vocab_size") if isinstance(tcfg.get("vocab_size"), int) else None
+        pfile = a.prompts or tiny_prompts
+        if pfile:
+            prompts, psrc = load_prompts(pfile, vocab), pfile
+        else:
+            prompts, psrc = random_prompts(a.num_prompts, a.prompt_len, vocab or 32000, a.seed), "random"
+        block = a.block or drafter_block(dcfg)
+        runs = plan_runs(a.modes, a.budgets, a.graphs, block)
+        used, total = gpu_memory_mib(a.gpu)
+        doc["gpu"].update(name=gpu_name(a.gpu), memory_total_mib=total, memory_used_mib_at_start=used)
+        doc["model"] = {"target": target, "drafter": drafter, "source": source,
+                        "family": a.family if source.startswith("tiny") else ("hybrid" if is_hybrid(tcfg) else "dense"),
+                        "architectures": tcfg.get("architectures")}
+        doc["settings"] = {"modes": a.modes, "budgets": a.budgets, "block": block, "graphs": a.graphs,
+                           "concurrency": a.concurrency, "max_new_tokens": a.max_new_tokens, "greedy": True,
+                           "requests_per_level": {str(c): max(a.requests or len(prompts), c) for c in a.concurrency},
+                           "warmup_tokens": a.warmup_tokens, "server_args": a.server_args,
+                           "prompts": {"source": psrc, "count": len(prompts),
+                                       "mean_len": round(sum(map(len, prompts)) / len(prompts), 1)},
+                           "launcher": a.launcher}
+        a.requests = a.requests or len(prompts)
+        log(f"bench: {len(runs)} server(s) one after another on GPU {a.gpu} ({doc['gpu']['name']}), "
+            f"concurrency {a.concurrency}, {a.max_new_tokens} new tokens, {len(prompts)} prompts ({psrc})")
+        run_bench(a, runs, prompts, target, drafter, workdir, logdir, doc, log=log,
+                  save=lambda d: _write_json(d, a.json) if a.json and a.json != "-" else None)
+        doc["ok"] = all(r["status"] == "ok" for r in doc["runs"])
+        code = EXIT_OK if doc["ok"] else EXIT_FAILED
+    except (KeyboardInterrupt, _Interrupted):
+        doc["interrupted"] = True
+        log("bench: interrupted; servers stopped")
+        code = EXIT_INTERRUPTED
+    except Exception as e:  # noqa: BLE001 - one clear line, non-zero exit, the report says it too
+        doc["error"] = f"{type(e).__name__}: {e}"
+        log(f"bench: {doc['error']}")
+    finally:
+        signal.signal(signal.SIGTERM, old)
+        shutil.rmtree(workdir, ignore_errors=True)
+    bad = validate_report(doc)
+    if bad:  # a bug here, not the host's: say so rather than write a report the control side will refuse
+        doc["ok"], doc["error"] = False, "report fails its own schema: " + "; ".join(bad[:5])
+        code = EXIT_FAILED
+    _write_json(doc, a.json)
+    if doc["runs"]:
+        print(format_table(doc), flush=True)
+    if a.plot and any(r.get("levels") for r in doc["runs"]):
+        try:
+            write_plot(doc, a.plot)
+            log(f"bench: plot {a.plot}")
+        except ImportError:
+            log("bench: matplotlib is not installed here: no plot (fab bench plots from the JSON)")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

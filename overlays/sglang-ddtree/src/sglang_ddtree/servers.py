@@ -1,0 +1,264 @@
+"""Transient SGLang servers on one GPU: what to start, how to start it, and how to stop it.
+
+Shared by :mod:`sglang_ddtree.smoke` (the lossless smoke test) and :mod:`sglang_ddtree.bench` (throughput and
+latency), so that both build the same command line, size their pools the same way and always tear their servers
+down the same way:
+
+* :class:`ServerSpec` / :func:`server_argv` / :func:`server_env`: the pure part (tested on CPU against SGLang's own
+  argument parser);
+* :class:`Server`: a ``systemd-run`` unit (runtime-capped, optionally as another user) where systemd runs, else a
+  process session killed as a group (``--launcher process``: a GPU box without systemd); a process server also
+  gets ``PR_SET_PDEATHSIG`` so that a caller killed with SIGKILL does not leave it holding the GPU;
+* :func:`wait_healthy`, :func:`post` / :func:`get`: the HTTP side, stdlib only;
+* GPU facts: :func:`gpu_device_problem` (no GPU device: say so), :func:`gpu_memory_mib`, :func:`gpu_name` and the
+  ``--mem-fraction-static`` rule (:func:`shared_gpu_fraction`, :func:`server_mem_fraction`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+from .config import BUDGET_ENV, MODE_ENV, SHADOW_LINEAR, TREE_VERIFY
+
+MODES = ("tree-verify", "shadow-linear", "linear", "dflash", "plain")  # linear = dflash: SGLang's own DFLASH chain
+
+__all__ = [
+    "MODES", "ServerSpec", "server_argv", "server_env", "gpu_device_problem", "shared_gpu_fraction",
+    "server_mem_fraction", "gpu_memory_mib", "gpu_name", "free_port", "Server", "post", "get", "wait_healthy",
+]
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """One transient server: what to serve and how."""
+
+    mode: str  # one of MODES
+    target: str
+    drafter: Optional[str] = None
+    budget: int = 15  # B (tree-verify: D = B + 1; shadow-linear: the would-be tree's budget)
+    block: int = 8  # DFlash chain width (dflash, shadow-linear)
+    mem_fraction: Optional[float] = 0.12  # None: SGLang's own default
+    max_running: int = 8
+    # Pool caps: a transient server sizes its KV / recurrent-state pools by these, not by the memory it finds free,
+    # so it can share a GPU with other servers (SGLang derives its pools from the memory free at start-up).
+    max_total_tokens: Optional[int] = None
+    max_mamba_cache: Optional[int] = None
+    context_length: int = 2048
+    # CUDA graphs: off by default (smoke proves correctness, not speed); on = SGLang's own decode graph backend,
+    # captured up to cuda_graph_max_bs requests (prefill stays eager: a benchmark compares decode steps).
+    cuda_graph: bool = False
+    cuda_graph_max_bs: Optional[int] = None
+    extra_args: tuple = ()  # appended last: a flag given here wins over the one set above (argparse keeps the last)
+
+    @property
+    def draft_tokens(self) -> Optional[int]:
+        """``--speculative-num-draft-tokens``: B + 1 in tree-verify, the chain block otherwise, None for plain."""
+        if self.mode == "plain":
+            return None
+        return self.budget + 1 if self.mode == TREE_VERIFY else self.block
+
+
+def server_argv(python: str, spec: ServerSpec, port: int, host: str = "127.0.0.1") -> List[str]:
+    """``python -m sglang.launch_server ...`` for ``spec`` on ``host:port``."""
+    if spec.mode not in MODES:
+        raise ValueError(f"unknown mode {spec.mode!r}; choose one of {MODES}")
+    argv = [
+        python, "-m", "sglang.launch_server", "--model-path", spec.target, "--host", host, "--port", str(port),
+        "--skip-tokenizer-init", "--attention-backend", "triton", "--grammar-backend", "none",
+    ]
+    if spec.cuda_graph:
+        argv += ["--cuda-graph-backend-prefill", "disabled"]
+        if spec.cuda_graph_max_bs:
+            argv += ["--cuda-graph-max-bs-decode", str(spec.cuda_graph_max_bs)]
+    else:
+        argv += ["--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled"]
+    argv += ["--page-size", "1", "--context-length", str(spec.context_length),
+             "--max-running-requests", str(spec.max_running)]
+    if spec.mem_fraction is not None:
+        argv += ["--mem-fraction-static", str(spec.mem_fraction)]
+    if spec.max_total_tokens:
+        argv += ["--max-total-tokens", str(spec.max_total_tokens)]
+    if spec.max_mamba_cache:
+        argv += ["--max-mamba-cache-size", str(spec.max_mamba_cache)]
+    if spec.mode != "plain":
+        if not spec.drafter:
+            raise ValueError(f"mode {spec.mode} needs a drafter")
+        algo = "DFLASH" if spec.mode in ("dflash", "linear") else "DDTREE"
+        argv += ["--speculative-algorithm", algo, "--speculative-draft-model-path", spec.drafter,
+                 "--speculative-num-draft-tokens", str(spec.draft_tokens)]
+    return argv + list(spec.extra_args)
+
+
+def server_env(spec: ServerSpec, gpu: int, base: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    """The server's environment: its one GPU, the plugin allow-list, DDTREE's mode and budget."""
+    env = dict(os.environ if base is None else base)
+    env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+    env["PYTHONUNBUFFERED"] = "1"
+    for k in (MODE_ENV, BUDGET_ENV):
+        env.pop(k, None)
+    if spec.mode in (TREE_VERIFY, SHADOW_LINEAR):
+        env["SGLANG_PLUGINS"] = "ddtree"
+        env[MODE_ENV] = spec.mode
+        env[BUDGET_ENV] = str(spec.budget)
+    return env
+
+
+def gpu_device_problem(gpu: int, dev: str = "/dev") -> Optional[str]:
+    """Why this host cannot serve a model on ``gpu`` (None when it can)."""
+    missing = [p for p in (f"{dev}/nvidiactl", f"{dev}/nvidia{gpu}") if not os.path.exists(p)]
+    if missing:
+        return (f"no GPU device {' or '.join(missing)} on this host: it serves a real model on a "
+                "real GPU and cannot run here (a CPU lab host has an nvidia-smi stand-in, not a GPU)")
+    return None
+
+
+def shared_gpu_fraction(used_mib: float, total_mib: float, headroom_mib: float = 4096) -> float:
+    """``--mem-fraction-static`` for a pool-capped server on a GPU where ``used_mib`` is already taken: SGLang
+    budgets ``free - total * (1 - fraction)``, so the fraction must cover what others use plus headroom."""
+    return min(0.97, max(0.1, math.ceil(1000 * (used_mib + headroom_mib) / total_mib) / 1000))  # up: never short
+
+
+def server_mem_fraction(used_mib: float, total_mib: float, weights_mib: float, kv_mib: float = 4096) -> float:
+    """The same rule for a server whose weights are not negligible: what others use, the weights with a quarter
+    on top (activations, the drafter's buffers), and ``kv_mib`` for the (capped) pools."""
+    return shared_gpu_fraction(used_mib, total_mib, headroom_mib=1.25 * weights_mib + kv_mib)
+
+
+def _nvidia_smi(gpu: int, fields: str) -> List[str]:
+    out = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits", "-i", str(gpu)],
+                         capture_output=True, text=True, timeout=30, check=True).stdout
+    return [x.strip() for x in out.strip().splitlines()[0].split(",")]
+
+
+def gpu_memory_mib(gpu: int) -> tuple:
+    """(used, total) MiB of one GPU from nvidia-smi."""
+    used, total = (float(x) for x in _nvidia_smi(gpu, "memory.used,memory.total"))
+    return used, total
+
+
+def gpu_name(gpu: int) -> str:
+    try:
+        return _nvidia_smi(gpu, "name")[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return "unknown"
+
+
+# ----------------------------------------------------------------------------- servers
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
+
+class Server:
+    """A transient server: a ``systemd-run`` unit (runtime-capped, stopped on exit)
+    where systemd runs, else a process session killed as a group."""
+
+    ENV_KEEP = ("CUDA_VISIBLE_DEVICES", "PYTHONUNBUFFERED", "SGLANG_PLUGINS", MODE_ENV, BUDGET_ENV,
+                "PATH", "HOME", "SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK", "PYTHONPATH")
+
+    def __init__(self, argv, env, log_path, launcher="auto", runtime_max_s=1800, user=None, unit=None):
+        self.argv, self.env, self.log_path = argv, env, log_path
+        self.unit_name = unit
+        self.launcher = launcher if launcher != "auto" else (
+            "systemd-run" if shutil.which("systemd-run") and os.path.isdir("/run/systemd/system") else "process")
+        self.runtime_max_s, self.user = runtime_max_s, user
+        self.proc = None
+        self.unit = None
+
+    def start(self) -> None:
+        if self.launcher == "systemd-run":
+            self.unit = self.unit_name or f"ddtree-smoke-{os.getpid()}-{int(time.time() * 1000) % 10**8}"
+            keep = {k: v for k, v in self.env.items() if k in self.ENV_KEEP}
+            argv = ["systemd-run", f"--unit={self.unit}", "--collect", "--quiet",
+                    f"--property=RuntimeMaxSec={self.runtime_max_s}", f"--property=StandardOutput=file:{self.log_path}",
+                    f"--property=StandardError=file:{self.log_path}", "--property=KillMode=control-group"]
+            if self.user:
+                argv.append(f"--uid={self.user}")
+            argv += [f"--setenv={k}={v}" for k, v in sorted(keep.items())] + ["--"] + list(self.argv)
+            subprocess.run(argv, check=True, timeout=30, capture_output=True, text=True)
+        else:
+            log = open(self.log_path, "ab")
+            self.proc = subprocess.Popen(self.argv, env=self.env, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
+                                         start_new_session=True,
+                                         preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+
+    def alive(self) -> bool:
+        if self.unit:
+            r = subprocess.run(["systemctl", "is-active", "--quiet", self.unit], timeout=10)
+            return r.returncode == 0
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self) -> None:
+        if self.unit:
+            subprocess.run(["systemctl", "stop", self.unit], timeout=60, capture_output=True)
+            return
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.proc.wait(timeout=wait)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+    def log_tail(self, n: int = 30) -> str:
+        try:
+            with open(self.log_path, errors="replace") as fh:
+                lines = [ln for ln in fh.read().splitlines() if ln.strip()]
+            return "\n".join(lines[-n:])
+        except OSError:
+            return ""
+
+
+def post(url: str, body: dict, timeout: float = 300) -> dict:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.load(r)
+
+
+def get(url: str, timeout: float = 10) -> dict:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return json.load(r)
+
+
+def wait_healthy(base: str, server: Server, timeout: float) -> float:
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=3) as r:
+                if r.status == 200:
+                    return time.time() - t0
+        except (urllib.error.URLError, OSError):
+            pass
+        if not server.alive():
+            raise RuntimeError(f"server exited during start-up:\n{server.log_tail()}")
+        time.sleep(1)
+    raise RuntimeError(f"server not healthy after {timeout:.0f}s:\n{server.log_tail()}")

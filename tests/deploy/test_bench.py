@@ -1,0 +1,420 @@
+"""fab bench's control side without hosts: the plan and its refusals, the host's report read as hostile input, the
+results kept per host and release, the plot and table, the `mode: auto` choice (ties, the nearest-concurrency
+rule, missing results, results of another plugin or model), the inventory's `mode: auto` / `concurrency` checks,
+and the host op's argument checks and command line (parsed by the plugin's own bench parser)."""
+from __future__ import annotations
+
+import copy
+import json
+import textwrap
+
+import pytest
+
+from deploy import bench
+from deploy.inventory import InventoryError, load_inventory
+from deploy.release import render
+from deploy.remote.host import bench as hostbench
+from deploy.remote.host.registry import Failure
+
+DIGEST = "ab" * 32
+OTHER = "cd" * 32
+RELEASE = "20261202T010203Z-a1b2c3"
+
+INV = """\
+fleet: t
+reference: h
+vars:
+  venv: /opt/v
+  model: /models/T
+  draft_model: /models/D
+  mode: tree-verify
+  budget: 16
+  block_size: 16
+hosts:
+  h:
+    address: 10.0.0.1
+    gpus: 2
+    services:
+      1: {mode: auto, concurrency: 6, extra_args: [--chunked-prefill-size, "4096"]}
+"""
+
+
+def inventory(tmp_path, text=INV):
+    p = tmp_path / "inv.yaml"
+    p.write_text(textwrap.dedent(text))
+    return load_inventory(str(p))
+
+
+def probe(**kw):
+    base = {"current": RELEASE, "venv_trust": "ok",
+            "manifest": {"plugin": {"version": "0.1.0+r2026", "source_digest": DIGEST}},
+            "configs": {"/models/T": {"config": {"architectures": ["Qwen3NextForCausalLM"],
+                                                 "layer_types": ["linear_attention", "full_attention"]}}}}
+    return base | kw
+
+
+# ----------------------------------------------------------------------------- the plan
+def test_plan_takes_the_service_its_models_block_and_extra_args(tmp_path):
+    h = inventory(tmp_path).hosts["h"]
+    p = bench.plan_bench(h, probe())
+    assert (p.gpu, p.instance, p.model, p.draft_model, p.block, p.release) == (0, "gpu0", "/models/T", "/models/D",
+                                                                               16, RELEASE)
+    assert p.plugin == {"version": "0.1.0+r2026", "source_digest": DIGEST}
+    assert p.prefix.startswith("ddtree-bench-") and p.user == "sglang" and p.tiny is None
+    assert "share its memory" in p.warnings[0]
+    p1 = bench.plan_bench(h, probe(), gpu=1, server_args=("--max-running-requests", "32"))
+    assert p1.server_args == ("--max-running-requests", "32", "--chunked-prefill-size", "4096")
+    a = p1.agent_args()
+    assert a["modes"] == ["plain", "dflash", "tree-verify"] and a["budgets"] == [15, 31, 63] and a["prompts"] is None
+    t = bench.plan_bench(h, probe(), tiny=True)
+    assert (t.tiny, t.model, t.server_args) == ("hybrid", None, ())
+    assert "recurrent layers" in t.family_reason
+    assert bench.plan_bench(h, probe(), tiny=True, family="dense").tiny == "dense"
+
+
+@pytest.mark.parametrize("kw,pr,msg", [
+    ({}, {"current": None}, "h has no active release: run `fab deploy` first"),
+    ({}, {"current": "../../etc"}, "is not one this toolkit makes"),
+    ({}, {"venv_trust": "site-packages is writable by group"}, "root will not run it"),
+    ({"gpu": 5}, {}, "h has no GPU 5 (its GPUs: 0, 1)"),
+    ({"server_args": ("--host", "0.0.0.0")}, {}, "the deploy tool sets --host itself"),
+    ({"server_args": ("--api-key", "x")}, {}, "passes a secret"),
+    ({"graphs": "sometimes"}, {}, "on, off or both"),
+    ({"tiny": True}, {"configs": {}}, "no readable config.json"),
+])
+def test_plan_refusals(tmp_path, kw, pr, msg):
+    h = inventory(tmp_path).hosts["h"]
+    with pytest.raises(bench.BenchRefused, match=msg.replace("(", r"\(").replace(")", r"\)")):
+        bench.plan_bench(h, probe(**pr), **kw)
+
+
+def test_plan_without_models(tmp_path):
+    h = inventory(tmp_path, INV.replace("  draft_model: /models/D\n", "")).hosts["h"]
+    with pytest.raises(bench.BenchRefused, match="has no draft_model: only --modes plain"):
+        bench.plan_bench(h, probe())
+    assert bench.plan_bench(h, probe(), modes_=("plain",)).draft_model is None
+
+
+def test_argument_lists_and_prompt_files(tmp_path):
+    assert bench.int_list("16,1,4", "--concurrency", 1, 1024) == (1, 4, 16)
+    for bad in ("0", "1,x", ""):
+        with pytest.raises(bench.BenchRefused):
+            bench.int_list(bad, "--concurrency", 1, 1024)
+    assert bench.mode_list("linear,tree-verify,dflash") == ("dflash", "tree-verify")
+    with pytest.raises(bench.BenchRefused, match="choose from"):
+        bench.mode_list("beam")
+    f = tmp_path / "p.jsonl"
+    f.write_text('[1, 2]\n{"input_ids": [3], "regime": 0}\n')
+    assert bench.load_prompt_file(str(f)) == [[1, 2], [3]]
+    f.write_text('[1, 2]\n[1, -4]\n')
+    with pytest.raises(bench.BenchRefused, match=r"p.jsonl:2: a prompt is"):
+        bench.load_prompt_file(str(f))
+    with pytest.raises(bench.BenchRefused, match="No such file"):
+        bench.load_prompt_file(str(tmp_path / "none.json"))
+
+
+# ----------------------------------------------------------------------------- the report, as hostile input
+def report(runs=None, **kw):
+    lv = lambda c, tps, err=0: {"concurrency": c, "requests": 8, "errors": err, "output_tokens": 1024,  # noqa: E731
+                                "output_tok_s": tps, "wall_s": 1.0, "accept_length": 2.5,
+                                "ttft_ms": {"p50": 10.0, "p99": 20.0}, "itl_ms": {"p50": 2.0, "p99": 4.0},
+                                "first_error": None}
+    runs = runs if runs is not None else [
+        ("plain", None, None, True, [(1, 100), (4, 380), (16, 1200)]),
+        ("dflash", None, 16, True, [(1, 150), (4, 500), (16, 1300)]),
+        ("tree-verify", 15, None, False, [(1, 210), (4, 520), (16, 1000)]),
+        ("tree-verify", 31, None, False, [(1, 230), (4, 505), (16, 800)]),
+    ]
+    doc = {"schema": "ddtree-bench/1", "created": "2026-12-02T01:00:00Z", "ok": True, "host": "box",
+           "gpu": {"index": 0, "name": "NVIDIA H200", "memory_total_mib": 143771, "memory_used_mib_at_start": 0},
+           "versions": {"sglang": "0.5.17", "sglang-ddtree": "0.1.0", "torch": "2.11.0"}, "model": {},
+           "settings": {"max_new_tokens": 128}, "runs": []}
+    for mode, b, blk, g, levels in runs:
+        doc["runs"].append({"mode": mode, "budget": b, "block": blk, "graphs": g, "status": "ok", "error": None,
+                            "levels": [lv(*x) for x in levels]})
+    doc.update(kw)
+    return doc
+
+
+def test_the_plugins_report_passes_the_control_sides_check():
+    """Both sides of the schema: a report assembled by the plugin's own code is what parse_report accepts."""
+    pb = pytest.importorskip("sglang_ddtree.bench")
+    recs = [pb.RequestRecord(sent=0.0, chunks=[(0.01, 1), (0.05, 8)], meta={"completion_tokens": 8, "spec_verify_ct": 3})]
+    doc = {"schema": pb.SCHEMA, "created": "x", "host": "b", "ok": True, "versions": {}, "gpu": {"name": "g"},
+           "model": {}, "settings": {"max_new_tokens": 8},
+           "runs": [{"mode": "tree-verify", "budget": 15, "block": None, "draft_tokens": 16, "graphs": False,
+                     "status": "ok", "error": None, "levels": [pb.aggregate_level(recs, 0.05, 1)]}]}
+    assert pb.validate_report(doc) == []
+    got = bench.parse_report(json.loads(json.dumps(doc)))
+    assert got["runs"][0]["levels"][0]["accept_length"] == pytest.approx(8 / 3, abs=1e-3)
+    assert bench.REPORT_SCHEMA == pb.SCHEMA
+
+
+def test_parse_report_refuses_what_is_not_a_report_and_cuts_strings():
+    assert bench.parse_report(report())["runs"][2]["budget"] == 15
+    for mutate, needle in [
+        (lambda d: d.update(schema="x"), "schema is 'x'"),
+        (lambda d: d["runs"][0].update(mode="rm -rf"), "runs[0].mode 'rm -rf'"),
+        (lambda d: d["runs"][2].update(budget="15"), "runs[2].budget"),
+        (lambda d: d["runs"][1].update(graphs=1), "runs[1].graphs"),
+        (lambda d: d["runs"][0]["levels"][0].update(output_tok_s=float("nan")), "output_tok_s"),
+        (lambda d: d["runs"][0]["levels"][1].update(output_tok_s=-5), "output_tok_s"),
+        (lambda d: d["runs"][0]["levels"][1].update(concurrency=True), "concurrency"),
+        (lambda d: d["runs"][0]["levels"][1].update(ttft_ms=[1, 2]), "ttft_ms"),
+        (lambda d: d.update(runs=[{}] * 300), "at most 256"),
+        (lambda d: d["runs"].append("x"), "runs[4] is not an object"),
+    ]:
+        d = report()
+        mutate(d)
+        with pytest.raises(bench.BadReport) as ei:
+            bench.parse_report(d)
+        assert any(needle in p for p in ei.value.problems), ei.value.problems
+    with pytest.raises(bench.BadReport, match="not a JSON object"):
+        bench.parse_report([1])
+    d = report()
+    d["runs"][0]["error"] = "[bold red]x[/] " + "y" * 10000
+    d["gpu"]["name"] = "n" * 500
+    d["extra"] = {"anything": "dropped"}
+    got = bench.parse_report(d)
+    assert len(got["runs"][0]["error"]) == bench.MAX_TEXT and len(got["gpu"]["name"]) == 100 and "extra" not in got
+
+
+def test_outcome_lines():
+    assert bench.outcome({"report": {"cannot_run": "no GPU device /dev/nvidiactl"}})[:2] == (
+        2, "cannot run: no GPU device /dev/nvidiactl")
+    code, line, _ = bench.outcome({"rc": 1, "report": None, "stderr": "x\n/v/bin/python: No module named "
+                                                                      "sglang_ddtree.bench"})
+    assert code == 1 and "has no sglang_ddtree.bench" in line
+    code, line, rep = bench.outcome({"report": report()})
+    assert code == 0 and line == "ok: 4/4 servers measured (12 levels)" and rep["runs"]
+    bad = report()
+    bad["runs"][3].update(status="failed", error="RuntimeError: server exited during start-up:\nrefused", levels=[])
+    code, line, _ = bench.outcome({"report": bad})
+    assert code == 1 and "3/4 servers measured" in line and "tree-verify B=31 graphs=off: RuntimeError" in line
+    code, line, _ = bench.outcome({"report": report(schema="evil")})
+    assert code == 1 and line.startswith("the host's report was refused: schema is 'evil'")
+
+
+# ----------------------------------------------------------------------------- kept results
+def record(rep=None, release=RELEASE, digest=DIGEST, model="/models/T", draft="/models/D", created=None, tiny=None):
+    rep = bench.parse_report(rep or report())
+    if created:
+        rep["created"] = created
+    return {"created": rep["created"], "host": "h", "release": release, "plugin": {"version": "v", "source_digest": digest},
+            "gpu": 0, "instance": "gpu0", "model": None if tiny else model, "draft_model": None if tiny else draft,
+            "tiny": tiny, "block": 16, "prompts": "random", "report": rep}
+
+
+def test_results_are_kept_per_host_and_release_and_checked_again(tmp_path):
+    inv = str(tmp_path / "inv.yaml")
+    p = bench.save_result(inv, record())
+    assert p == tmp_path / "bench" / "h" / f"{RELEASE}.json"
+    bench.save_result(inv, record(created="2026-12-02T02:00:00Z"))
+    got, problems = bench.load_results(inv, "h")
+    assert len(got) == 2 and problems == [] and json.loads(p.read_text())["schema"] == bench.RESULT_SCHEMA
+    with pytest.raises(ValueError, match="not a host name and release id"):
+        bench.save_result(inv, record(release="../../../etc/cron.d/x"))
+    doc = json.loads(p.read_text())  # an edited file: the bad result is named and left out, the good one used
+    doc["results"][0]["report"]["runs"][0]["levels"][0]["output_tok_s"] = "fast"
+    p.write_text(json.dumps(doc))
+    got, problems = bench.load_results(inv, "h")
+    assert len(got) == 1 and "results[0]" in problems[0] and "output_tok_s" in problems[0]
+    (p.parent / "20261201T000000Z-000000.json").write_text(json.dumps(dict(doc, release="20990101T000000Z-ffffff")))
+    got, problems = bench.load_results(inv, "h")
+    assert any("20261201T000000Z-000000.json: not a" in x for x in problems)
+    assert bench.load_results(inv, "nohost") == ([], [])
+
+
+def test_plot_and_table(tmp_path):
+    pytest.importorskip("matplotlib")
+    rec = record()
+    png = bench.plot(rec, tmp_path / "b" / "x.png")
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+    from rich.console import Console
+
+    rec["report"]["runs"][0]["levels"] = []
+    rec["report"]["runs"][0]["error"] = "[red]boom[/red]"
+    con = Console(width=200, record=True)
+    con.print(bench.table(rec))
+    text = con.export_text()
+    assert "[red]boom[/red]" in text and "FAILED" in text  # shown as is, never as markup
+    assert "tree-verify B=15 graphs=off" in text and "NVIDIA H200" in text
+
+
+# ----------------------------------------------------------------------------- mode: auto
+def graphs(mode):
+    return mode != "tree-verify"  # what the deploy renders today (render.decode_cuda_graphs, tested below)
+
+
+def pick(results, concurrency, **kw):
+    args = dict(host="h", plugin_digest=DIGEST, model="/models/T", draft_model="/models/D",
+                concurrency=concurrency, block_size=16, graphs_for=graphs) | kw
+    return bench.choose(results, **args)
+
+
+def test_choice_at_the_measured_concurrency():
+    rs = [record()]
+    c = pick(rs, 1)
+    assert (c.mode, c.budget, c.tok_s, c.concurrency) == ("tree-verify", 31, 230, 1)
+    assert c.runner_up == "tree-verify B=15 210.0 tok/s"
+    c = pick(rs, 16)
+    assert (c.mode, c.budget, c.concurrency) == ("linear", None, 16)
+    assert "NOTE plain decoding measured 1200.0" not in c.note()  # 1300 > 1200
+
+
+def test_nearest_concurrency_is_on_a_log_scale_and_a_tie_goes_up():
+    assert bench.nearest_level([1, 4, 16], 8) == 16  # |log 4 - log 8| == |log 16 - log 8|: the higher
+    assert bench.nearest_level([1, 4, 16], 6) == 4
+    assert bench.nearest_level([1, 4, 16], 2) == 4  # 2 is as near 1 as 4 on a log scale: the higher
+    assert bench.nearest_level([1, 4, 16], 3) == 4
+    assert bench.nearest_level([1, 4, 16], 1000) == 16
+    c = pick([record()], 6)
+    assert (c.concurrency, c.wanted, c.mode, c.budget) == (4, 6, "tree-verify", 15)
+    assert "nearest measured to 6" in c.note()
+
+
+def test_ties_go_to_the_simpler_mode_then_the_smaller_budget():
+    rs = [record(report(runs=[("dflash", None, 16, True, [(4, 500.0)]),
+                              ("tree-verify", 15, None, False, [(4, 503.0)]),
+                              ("tree-verify", 7, None, False, [(4, 504.0)])]))]
+    assert pick(rs, 4).mode == "linear"  # all within 1% of 504
+    rs = [record(report(runs=[("dflash", None, 16, True, [(4, 400.0)]),
+                              ("tree-verify", 31, None, False, [(4, 504.0)]),
+                              ("tree-verify", 7, None, False, [(4, 500.0)])]))]
+    assert (pick(rs, 4).mode, pick(rs, 4).budget) == ("tree-verify", 7)
+    rs = [record(report(runs=[("dflash", None, 16, True, [(4, 400.0)]), ("tree-verify", 31, None, False, [(4, 520.0)]),
+                              ("tree-verify", 7, None, False, [(4, 500.0)])]))]
+    assert pick(rs, 4).budget == 31  # 500 is not within 1% of 520
+
+
+def test_only_runs_the_deploy_can_serve_as_measured_count():
+    rs = [record(report(runs=[("tree-verify", 15, None, True, [(1, 900.0)]),  # graphs on: not what deploy runs
+                              ("dflash", None, 8, True, [(1, 800.0)]),  # another block than the service's
+                              ("tree-verify", 31, None, False, [(1, 700.0, 2)]),  # failed requests
+                              ("plain", None, None, True, [(1, 650.0)]),
+                              ("dflash", None, 16, True, [(1, 300.0)])]))]
+    c = pick(rs, 1)
+    assert (c.mode, c.tok_s) == ("linear", 300.0) and "NOTE plain decoding measured 650.0" in c.note()
+    assert pick(rs, 1, graphs_for=lambda m: True).mode == "tree-verify"  # once the deploy runs its graphs
+    with pytest.raises(bench.NoChoice, match="has no run the deploy can serve"):
+        pick([record(report(runs=[("plain", None, None, True, [(1, 1.0)])]))], 1)
+
+
+def test_missing_results_and_results_of_another_plugin_or_model_refuse():
+    with pytest.raises(bench.NoChoice, match=r"no bench result for host h, model /models/T with drafter /models/D, "
+                                             r"plugin source abababababab \(none kept for this host\); run `fab bench h`"):
+        pick([], 4)
+    for r in (record(digest=OTHER), record(model="/models/Other"), record(draft="/models/D2"), record(tiny="hybrid")):
+        with pytest.raises(bench.NoChoice, match=r"no bench result for host h.*\(kept: 20261202T010203Z-a1b2c3"):
+            pick([r], 4)
+    with pytest.raises(bench.NoChoice, match="no source digest"):
+        pick([record()], 4, plugin_digest=None)
+    with pytest.raises(bench.NoChoice, match="no bench result"):
+        pick([dict(record(), host="other")], 4)
+
+
+def test_the_newest_matching_result_decides():
+    old = record(report(runs=[("dflash", None, 16, True, [(4, 900.0)])]), created="2026-12-01T00:00:00Z")
+    new = record(report(runs=[("tree-verify", 15, None, False, [(4, 100.0)])]), created="2026-12-02T00:00:00Z")
+    assert pick([new, old], 4).mode == "tree-verify" and new["created"] in pick([old, new], 4).source
+
+
+def test_resolve_auto_gives_the_service_its_mode_or_refuses_the_host(tmp_path):
+    inv = inventory(tmp_path)
+    h = inv.hosts["h"]
+    assert [(s.mode, s.concurrency) for s in h.services] == [("tree-verify", None), ("auto", 6)]
+    gf = lambda svc, mode: render.decode_cuda_graphs(svc.__class__(**{**svc.__dict__, "mode": mode}))  # noqa: E731
+    hosts, refused, notes = bench.resolve_auto(inv.path, [h], DIGEST, gf)
+    assert hosts == [] and "gpu1: mode auto: no bench result for host h" in refused["h"][0]
+    bench.save_result(inv.path, record())
+    hosts, refused, notes = bench.resolve_auto(inv.path, [h], DIGEST, gf)
+    s0, s1 = hosts[0].services
+    assert refused == {} and (s0.mode, s0.budget, s0.auto) == ("tree-verify", 16, None)
+    assert (s1.mode, s1.budget) == ("tree-verify", 15) and s1.auto.startswith("tree-verify B=15: 520.0 tok/s at concurrency 4")
+    assert notes["h"][0].startswith("gpu1: mode auto -> tree-verify B=15")
+    hosts, refused, _ = bench.resolve_auto(inv.path, [h], OTHER, gf)
+    assert hosts == [] and "plugin source cdcdcdcdcdcd" in refused["h"][0]
+
+
+def test_render_says_which_modes_run_decode_graphs(tmp_path):
+    s = inventory(tmp_path).hosts["h"].services[0]
+    rep = lambda **kw: s.__class__(**{**s.__dict__, **kw})  # noqa: E731
+    assert render.decode_cuda_graphs(rep(mode="tree-verify")) is False
+    assert render.decode_cuda_graphs(rep(mode="linear")) is True
+    assert render.decode_cuda_graphs(rep(mode="shadow-linear")) is True
+    assert render.decode_cuda_graphs(rep(mode="linear", extra_args=("--cuda-graph-backend-decode", "disabled"))) is False
+    assert render.decode_cuda_graphs(rep(mode="linear", extra_args=("--disable-cuda-graph",))) is False
+
+
+# ----------------------------------------------------------------------------- the inventory
+def test_inventory_mode_auto_needs_a_concurrency(tmp_path):
+    with pytest.raises(InventoryError) as ei:
+        inventory(tmp_path, INV.replace(", concurrency: 6", ""))
+    assert ei.value.problems == [f"{tmp_path}/inv.yaml:15: hosts.h.services.1: mode auto needs concurrency: N (the "
+                                 "concurrent requests this service is sized for: fab deploy gives it the mode and "
+                                 "budget fab bench measured fastest at N)"]
+    with pytest.raises(InventoryError) as ei:  # set for the whole fleet: said once per host, at the host
+        inventory(tmp_path, INV.replace("  mode: tree-verify\n", "  mode: auto\n").replace(", concurrency: 6", ""))
+    assert [p.split(": ")[0:2] for p in ei.value.problems] == [[f"{tmp_path}/inv.yaml:11", "hosts.h"],
+                                                               [f"{tmp_path}/inv.yaml:15", "hosts.h.services.1"]]
+    with pytest.raises(InventoryError, match=r"inv.yaml:15: hosts.h.services.1.concurrency: must be an integer in "
+                                             r"\[1, 4096\], got 0"):
+        inventory(tmp_path, INV.replace("concurrency: 6", "concurrency: 0"))
+    with pytest.raises(InventoryError, match=r"vars.mode: must be one of linear, shadow-linear, tree-verify, auto"):
+        inventory(tmp_path, INV.replace("  mode: tree-verify\n", "  mode: fastest\n"))
+    assert inventory(tmp_path, INV.replace("  budget: 16\n", "  budget: 16\n  concurrency: 8\n")).hosts["h"].services[0].concurrency == 8
+
+
+# ----------------------------------------------------------------------------- the host op
+def agent_args(**kw):
+    a = bench.plan_bench(inventory_for_args(), probe()).agent_args() | {"prefix": "ddtree-bench-0123456789ab"}
+    return a | kw
+
+
+_INV_CACHE = {}
+
+
+def inventory_for_args():
+    if "h" not in _INV_CACHE:
+        import tempfile
+        from pathlib import Path
+
+        d = Path(tempfile.mkdtemp())
+        (d / "inv.yaml").write_text(textwrap.dedent(INV))
+        _INV_CACHE["h"] = load_inventory(str(d / "inv.yaml")).hosts["h"]
+    return _INV_CACHE["h"]
+
+
+@pytest.mark.parametrize("kw,msg", [
+    ({"gpu": -1}, "gpu must be"), ({"modes": ["beam"]}, "modes must be"), ({"budgets": []}, "budgets must be"),
+    ({"concurrency": [0]}, "concurrency must be"), ({"graphs": "x"}, "graphs must be"),
+    ({"model": "/models/../etc"}, "model must be an absolute path"), ({"model": "models/T"}, "model must be"),
+    ({"draft_model": None}, "needs draft_model"), ({"server_args": ["a b"]}, "plain words"),
+    ({"server_args": ["--x;rm"]}, "plain words"), ({"prefix": "ddtree-smoke-0123456789ab"}, "ddtree-bench-"),
+    ({"user": "r oot"}, "plain user name"), ({"prompts": [[1, -1]]}, "token ids"), ({"prompts": []}, "1-4096"),
+    ({"tiny": "moe"}, "tiny must be"),
+])
+def test_host_op_refuses_bad_arguments(kw, msg):
+    with pytest.raises(Failure, match=msg):
+        hostbench.check_args(agent_args(**kw))
+
+
+def test_host_op_command_line_is_what_the_plugins_parser_reads():
+    pb = pytest.importorskip("sglang_ddtree.bench")
+    a = agent_args(prompts=[[1, 2]], server_args=["--chunked-prefill-size", "4096"], requests=8)
+    hostbench.check_args(a)
+    argv = hostbench.bench_argv("/opt/v/bin/python", a, "/tmp/w/report.json", 900, "/tmp/w")
+    assert argv[:3] == ["/opt/v/bin/python", "-m", "sglang_ddtree.bench"]
+    ns = pb.parse_args(argv[3:])
+    assert (ns.model, ns.draft_model, ns.modes, ns.budgets, ns.concurrency) == (
+        "/models/T", "/models/D", ["plain", "dflash", "tree-verify"], [15, 31, 63], [1, 4, 16])
+    assert (ns.graphs, ns.block, ns.launcher, ns.unit_prefix, ns.user, ns.runtime_max) == (
+        "both", 16, "systemd-run", "ddtree-bench-0123456789ab", "sglang", 900)
+    assert (ns.prompts, ns.json, ns.requests, ns.server_args) == ("/tmp/w/prompts.json", "/tmp/w/report.json", 8,
+                                                                 "--chunked-prefill-size 4096")
+    t = agent_args(tiny="dense", model=None, draft_model=None)
+    hostbench.check_args(t)
+    ns = pb.parse_args(hostbench.bench_argv("/py", t, "/r", 60, "/w")[3:])
+    assert (ns.tiny_train, ns.family, ns.model) == (True, "dense", None)
+    assert copy.deepcopy(a) == a  # check_args changed nothing

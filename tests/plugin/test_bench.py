@@ -1,0 +1,495 @@
+"""The benchmark's pure parts (sglang_ddtree.bench): run planning, prompt files, the stream client against a
+local SSE endpoint, percentiles, aggregation, the report schema, the table, the plot, argv through SGLang's own
+parser, and its refusal on a host without a GPU."""
+
+import argparse
+import http.server
+import json
+import os
+import struct
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from sglang_ddtree import bench, servers
+
+
+# ----------------------------------------------------------------------------- what to run
+def test_lists_and_modes_parse_strictly():
+    assert bench.parse_int_list("16,1,4,4", "--concurrency") == [1, 4, 16]
+    for bad, msg in (("1,x", "not an integer"), ("0", "outside"), ("", "at least one")):
+        with pytest.raises(ValueError, match=msg):
+            bench.parse_int_list(bad, "--concurrency")
+    assert bench.parse_modes("tree-verify,linear,plain,dflash") == ["tree-verify", "dflash", "plain"]
+    with pytest.raises(ValueError, match="choose from"):
+        bench.parse_modes("plain,beam")
+
+
+def test_plan_runs_one_server_per_mode_budget_and_graph_setting():
+    runs = bench.plan_runs(["plain", "dflash", "tree-verify", "shadow-linear"], [15, 31], "both", 8)
+    assert len(runs) == 2 * (1 + 1 + 2 + 2)
+    assert [r.graphs for r in runs] == [False] * 6 + [True] * 6  # every eager server first, then the graphed ones
+    tv = [r for r in runs if r.mode == "tree-verify"]
+    assert [(r.budget, r.draft_tokens) for r in tv[:2]] == [(15, 16), (31, 32)]  # D = B + 1
+    df = next(r for r in runs if r.mode == "dflash")
+    assert (df.budget, df.block, df.draft_tokens) == (None, 8, 8)
+    sl = next(r for r in runs if r.mode == "shadow-linear")
+    assert (sl.budget, sl.draft_tokens) == (15, 8)  # the chain commits: it verifies the block
+    assert runs[0].label == "plain graphs=off" and tv[0].label == "tree-verify B=15 graphs=off"
+    with pytest.raises(ValueError, match="on, off or both"):
+        bench.plan_runs(["plain"], [15], "sometimes", 8)
+
+
+def _parse(argv):
+    from sglang.srt.server_args import ServerArgs
+
+    p = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(p)
+    return p.parse_args(argv[3:])
+
+
+@pytest.mark.sglang_api
+@pytest.mark.parametrize("graphs", [False, True])
+def test_server_argv_of_each_run_parses_with_sglangs_real_parser(graphs):
+    runs = [r for r in bench.plan_runs(["plain", "dflash", "tree-verify"], [31], "both", 16) if r.graphs == graphs]
+    sizing = bench.plan_sizing([[5] * 100], 128, [1, 4, 16], runs, {"max_position_embeddings": 4096}, {})
+    assert (sizing.max_running, sizing.context_length) == (16, 512)  # 100 + 128 + 32 + 64 -> 512
+    for run in runs:
+        spec = bench.spec_for(run, "/m/t", "/m/d", sizing, 0.2, ["--chunked-prefill-size", "4096",
+                                                                  "--max-running-requests", "20"])
+        ns = _parse(servers.server_argv("/venv/bin/python", spec, 30001))
+        assert (ns.model_path, ns.port, ns.skip_tokenizer_init, ns.context_length) == ("/m/t", 30001, True, 512)
+        assert ns.max_running_requests == 20 and ns.chunked_prefill_size == 4096  # --server-args come last and win
+        assert ns.max_total_tokens == sizing.max_total_tokens and ns.mem_fraction_static == 0.2
+        decode_off = getattr(ns, "cuda_graph_backend_decode", None) == "disabled" or getattr(ns, "disable_cuda_graph", False)
+        assert decode_off is (not graphs)
+        if graphs:
+            assert ns.cuda_graph_max_bs_decode == 16
+        want = {"plain": (None, None), "dflash": ("DFLASH", 16), "tree-verify": ("DDTREE", 32)}[run.mode]
+        assert (ns.speculative_algorithm, ns.speculative_num_draft_tokens) == want
+        env = servers.server_env(spec, 2, base={"PATH": "/bin"})
+        assert env["CUDA_VISIBLE_DEVICES"] == "2"
+        assert env.get("SGLANG_DDTREE_BUDGET") == ("31" if run.mode == "tree-verify" else None)
+
+
+def test_sizing_caps_pools_and_refuses_a_context_the_model_lacks():
+    runs = bench.plan_runs(["tree-verify"], [63], "off", 8)
+    hyb = {"layer_types": ["linear_attention", "full_attention"], "max_position_embeddings": 4096,
+           "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64}
+    s = bench.plan_sizing([[1] * 40], 64, [1, 8], runs, hyb, {})
+    assert s.max_mamba_cache == 48 and s.max_total_tokens == 32768 and s.context_length == 256
+    assert s.kv_mib == 2 * 4 * 2 * 64 * 2 * 32768 / 2**20
+    assert bench.plan_sizing([[1] * 40], 64, [1, 32], runs, {}, {}).max_mamba_cache is None  # dense: no cap
+    with pytest.raises(ValueError, match="the model allows 256"):
+        bench.plan_sizing([[1] * 200], 64, [1], runs, {"max_position_embeddings": 256}, {})
+
+
+def test_mem_fraction_covers_weights_pools_and_what_others_use():
+    f = servers.server_mem_fraction(used_mib=0, total_mib=143771, weights_mib=16000, kv_mib=8192)
+    assert f * 143771 >= 1.25 * 16000 + 8192
+    assert servers.server_mem_fraction(0, 143771, 30, 4096) == servers.shared_gpu_fraction(0, 143771, 4096 + 37.5)
+
+
+# ----------------------------------------------------------------------------- prompts and models
+def test_prompt_files_json_jsonl_and_their_errors(tmp_path):
+    j = tmp_path / "p.json"
+    j.write_text(json.dumps({"prompts": [[1, 2, 3], {"input_ids": [4, 5]}]}))
+    assert bench.load_prompts(str(j)) == [[1, 2, 3], [4, 5]]
+    j.write_text(json.dumps([7, 8, 9]))
+    assert bench.load_prompts(str(j)) == [[7, 8, 9]]
+    jl = tmp_path / "p.jsonl"
+    jl.write_text('[1, 2]\n\n{"input_ids": [3]}\n')
+    assert bench.load_prompts(str(jl)) == [[1, 2], [3]]
+    jl.write_text('[1, 2]\n{"input_ids": [3, 600]}\n')
+    with pytest.raises(ValueError, match=r"p.jsonl:2: token 600 is not an id in \[0, 512\)"):
+        bench.load_prompts(str(jl), vocab=512)
+    jl.write_text('[1, 2]\n[3, \n')
+    with pytest.raises(ValueError, match="p.jsonl:2: not JSON"):
+        bench.load_prompts(str(jl))
+    for bad, msg in (('{"x": 1}', "non-empty list"), ('[[1, true]]', "token True"), ("[]", "no prompts"),
+                     ('[[1.5]]', "token 1.5")):
+        j.write_text(bad)
+        with pytest.raises(ValueError, match=msg):
+            bench.load_prompts(str(j))
+
+
+def test_random_prompts_stay_inside_the_vocabulary():
+    ps = bench.random_prompts(5, 9, vocab=512, seed=3)
+    assert ps == bench.random_prompts(5, 9, vocab=512, seed=3) != bench.random_prompts(5, 9, vocab=512, seed=4)
+    assert all(len(p) == 9 and all(100 <= t < 510 for t in p) for p in ps)
+
+
+def _pair(root, t, d, block=None):
+    for p in (t, d):
+        p.mkdir(parents=True)
+        (p / "config.json").write_text(json.dumps({"dflash_config": {"block_size": block}} if block and p == d else {}))
+
+
+def test_resolve_tiny_reads_both_layouts(tmp_path):
+    _pair(tmp_path, tmp_path / "hybrid" / "target", tmp_path / "hybrid" / "drafter", block=16)
+    (tmp_path / "hybrid" / "prompts.jsonl").write_text("[1]\n")
+    _pair(tmp_path, tmp_path / "dense-target", tmp_path / "dense-drafter")
+    h = bench.resolve_tiny(str(tmp_path), "hybrid")
+    assert (h["kind"], h["target"], h["prompts"]) == ("trained", str(tmp_path / "hybrid" / "target"),
+                                                       str(tmp_path / "hybrid" / "prompts.jsonl"))
+    assert bench.drafter_block(bench.read_config(h["drafter"])) == 16
+    d = bench.resolve_tiny(str(tmp_path), "dense")
+    assert (d["kind"], d["drafter"], d["prompts"]) == ("random", str(tmp_path / "dense-drafter"), None)
+    assert bench.drafter_block(bench.read_config(d["drafter"])) == 8
+    # the training kit: the flat layout with its manifest.json and held-out prompts.jsonl at the top
+    (tmp_path / "manifest.json").write_text("{}")
+    (tmp_path / "prompts.jsonl").write_text('{"id": 0, "input_ids": [3, 4], "regime": 1}\n')
+    d = bench.resolve_tiny(str(tmp_path), "dense")
+    assert (d["kind"], d["prompts"]) == ("trained", str(tmp_path / "prompts.jsonl"))
+    assert bench.load_prompts(d["prompts"]) == [[3, 4]]
+    assert bench.trainkit_argv("/py", "/w/tiny", "dense", 7) == [
+        "/py", "-m", "sglang_ddtree.trainkit", "/w/tiny", "--seed", "7", "--family", "dense", "--device", "cuda"]
+    with pytest.raises(ValueError, match="no tiny hybrid pair"):
+        bench.resolve_tiny(str(tmp_path / "nowhere"), "hybrid")
+    with pytest.raises(ValueError, match="choose hybrid or dense"):
+        bench.resolve_tiny(str(tmp_path), "moe")
+
+
+def test_resolve_tiny_reads_what_the_tiny_kit_writes(tmp_path):
+    pytest.importorskip("transformers")
+    from sglang_ddtree import tiny
+
+    tiny.write_family(tmp_path, "dense", seed=0)
+    got = bench.resolve_tiny(str(tmp_path), "dense")
+    assert got["kind"] == "random" and bench.drafter_block(bench.read_config(got["drafter"])) == tiny.DRAFT_BLOCK
+    assert not bench.is_hybrid(bench.read_config(got["target"]))
+    assert bench.is_hybrid(tiny.target_config("hybrid"))
+
+
+# ----------------------------------------------------------------------------- measuring
+def test_percentile_interpolates_like_numpy():
+    np = pytest.importorskip("numpy")
+    xs = [5.0, 1.0, 9.0, 3.0, 7.5, 2.0]
+    for q in (0, 50, 90, 99, 100):
+        assert bench.percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)))
+    assert bench.percentile([], 50) is None and bench.percentile([4.0], 99) == 4.0
+    with pytest.raises(ValueError):
+        bench.percentile(xs, 101)
+
+
+def test_request_ttft_and_per_token_latency():
+    r = bench.RequestRecord(sent=10.0, chunks=[(10.0, 0), (10.5, 1), (10.6, 4), (10.6, 4), (11.0, 5)])
+    assert r.ttft() == pytest.approx(0.5) and r.tokens == 5
+    # 3 tokens 0.1 s after the first: 3 x 0.0333; a chunk with no new token adds nothing; then 1 token in 0.4 s
+    assert r.itl() == pytest.approx([0.1 / 3] * 3 + [0.4])
+    assert bench.RequestRecord(sent=0.0).ttft() is None
+
+
+def test_parse_sse_and_token_counts():
+    stream = [b'data: {"output_ids": [5], "meta_info": {"completion_tokens": 1}}\n', b"\n",
+              b": keep-alive\n", b'data: {"output_ids": [5, 6, 7]}\n', b"\n", b"data: [DONE]\n",
+              b'data: {"never": "read"}\n']
+    evs = list(bench.parse_sse(stream))
+    assert len(evs) == 2 and [bench.event_tokens(e) for e in evs] == [1, 3]
+
+
+def _rec(sent, chunks, meta=None, error=None):
+    return bench.RequestRecord(sent=sent, chunks=chunks, meta=meta or {}, error=error)
+
+
+def test_aggregate_level_sums_sglangs_counters():
+    recs = [_rec(0.0, [(0.1, 1), (0.2, 4)], {"completion_tokens": 4, "spec_verify_ct": 2, "spec_accept_length": 2.0}),
+            _rec(0.0, [(0.3, 2), (0.5, 4)], {"completion_tokens": 4, "spec_verify_ct": 1, "spec_accept_length": 4.0}),
+            _rec(0.0, [], error="HTTPError: 500")]
+    row = bench.aggregate_level(recs, wall_s=0.5, concurrency=3)
+    assert (row["requests"], row["errors"], row["output_tokens"], row["output_tok_s"]) == (3, 1, 8, 16.0)
+    assert row["accept_length"] == pytest.approx(8 / 3, abs=1e-4)  # token-weighted, not the mean of 2.0 and 4.0
+    assert row["ttft_ms"]["p50"] == pytest.approx(200.0) and row["first_error"] == "HTTPError: 500"
+    assert row["itl_ms"]["p50"] == pytest.approx(1000 * 0.1 / 3, rel=1e-3)
+    plain = bench.aggregate_level([_rec(0.0, [(0.1, 1), (0.2, 2)], {"completion_tokens": 2})], 0.2, 1)
+    assert plain["accept_length"] is None
+    old = bench.aggregate_level([_rec(0.0, [(0.1, 2)], {"spec_accept_length": 1.5})], 0.1, 1)
+    assert old["accept_length"] == 1.5  # no spec_verify_ct: SGLang's per-request figure
+    assert bench.level_prompts([[1], [2], [3]], 2, 4) == [[1], [2], [3], [1]]
+
+
+class _StandInSGLang(http.server.BaseHTTPRequestHandler):
+    """TEST STAND-IN for SGLang's streaming ``/generate`` (no model on a CPU test host): answers each request
+    with ``max_new_tokens`` tokens in chunks of 2, as SGLang 0.5.17 streams them (cumulative ``output_ids``,
+    ``meta_info.completion_tokens`` / ``spec_verify_ct``), 20 ms apart, then ``data: [DONE]``."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *a):
+        pass
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        n = body["sampling_params"]["max_new_tokens"]
+        assert body["stream"] is True and body["sampling_params"]["temperature"] == 0
+        self.send_response(200)
+        self.send_header("content-type", "text/event-stream")
+        self.send_header("transfer-encoding", "chunked")
+        self.end_headers()
+
+        def chunk(b):
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(b), b))
+            self.wfile.flush()
+
+        for k in range(2, n + 2, 2):
+            k = min(k, n)
+            time.sleep(0.02)
+            meta = {"completion_tokens": k, "spec_verify_ct": (k + 1) // 2}
+            chunk(b"data: " + json.dumps({"output_ids": body["input_ids"][:1] * k, "meta_info": meta}).encode() + b"\n\n")
+        chunk(b"data: [DONE]\n\n")
+        chunk(b"")
+
+
+@pytest.fixture
+def sse_server():
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _StandInSGLang)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+
+
+def test_a_level_streams_every_request_and_measures_it(sse_server):
+    recs, wall = bench.run_level(sse_server, [[3, 4]] * 6, 6, 3, timeout=30)
+    assert len(recs) == 6 and all(r.error is None and r.tokens == 6 for r in recs)
+    row = bench.aggregate_level(recs, wall, 3)
+    assert row["output_tokens"] == 36 and row["accept_length"] == 2.0
+    assert 15 <= row["ttft_ms"]["p50"] < 500 and 5 <= row["itl_ms"]["p50"] < 250  # 20 ms a 2-token chunk
+    assert 0.1 < wall < 5  # two waves of three concurrent requests, three 20 ms chunks each
+    short = bench.stream_request(sse_server, [1], 5, timeout=30)
+    assert short.error is None and short.tokens == 5
+    bad = bench.stream_request("http://127.0.0.1:9", [1], 4, timeout=5)
+    assert bad.error and "URLError" in bad.error
+
+
+# ----------------------------------------------------------------------------- the report
+def _doc():
+    runs = bench.plan_runs(["plain", "tree-verify"], [15], "off", 8)
+    doc = {"schema": bench.SCHEMA, "host": "box", "ok": False, "gpu": {"name": "NVIDIA H200"},
+           "model": {"target": "/m/tiny-target", "drafter": "/m/d"}, "settings": {"max_new_tokens": 64}, "runs": []}
+    for run, tps in zip(runs, (100.0, 150.0)):
+        levels = [dict(bench.aggregate_level([_rec(0.0, [(0.01, 1), (0.02, 64)], {"completion_tokens": 64})],
+                                             64 * c / (tps * c), c), concurrency=c) for c in (1, 4)]
+        doc["runs"].append({"mode": run.mode, "budget": run.budget, "block": run.block, "graphs": run.graphs,
+                            "status": "ok", "error": None, "levels": levels})
+    doc["runs"].append({"mode": "tree-verify", "budget": 15, "block": None, "graphs": True, "status": "failed",
+                        "error": "RuntimeError: server exited during start-up:\nDDTREE tree-verify needs ...",
+                        "levels": []})
+    return doc
+
+
+def test_report_schema_accepts_the_report_and_names_what_is_wrong():
+    doc = _doc()
+    assert bench.validate_report(doc) == []
+    assert bench.validate_report(json.loads(json.dumps(doc))) == []
+    assert bench.validate_report([]) == ["the report is not a JSON object"]
+    bad = json.loads(json.dumps(doc))
+    bad["schema"] = "ddtree-bench/0"
+    bad["runs"][0]["mode"] = "beam"
+    bad["runs"][1]["budget"] = 0
+    bad["runs"][1]["levels"][0]["output_tok_s"] = -1
+    bad["runs"][1]["levels"][1]["ttft_ms"] = {"p50": "fast"}
+    bad["runs"][2]["graphs"] = "yes"
+    got = bench.validate_report(bad)
+    assert any("schema is 'ddtree-bench/0'" in e for e in got)
+    assert any("runs[0].mode 'beam'" in e for e in got)
+    assert any("runs[1].budget" in e for e in got)
+    assert any("runs[1].levels[0].output_tok_s" in e for e in got)
+    assert any("runs[1].levels[1].ttft_ms" in e for e in got)
+    assert any("runs[2].graphs" in e for e in got)
+    bad["runs"][1]["levels"][0]["output_tok_s"] = float("nan")
+    assert any("levels[0].output_tok_s" in e for e in bench.validate_report(bad))
+
+
+def test_table_has_a_line_per_run_and_level_and_says_what_failed():
+    text = bench.format_table(_doc())
+    lines = text.splitlines()
+    assert "NVIDIA H200" in lines[0] and "64 new tokens" in lines[0]
+    assert lines[1].split()[:4] == ["run", "conc", "req", "tok/s"]
+    body = [ln for ln in lines[3:]]
+    assert len(body) == 5
+    assert body[0].startswith("plain graphs=off") and body[0].split()[2:4] == ["1", "1"]
+    assert "150.0" in body[2] and "tree-verify B=15 graphs=off" in body[2]
+    assert "FAILED" in body[4] and "server exited during start-up" in body[4]
+
+
+def _png_size(path):
+    data = open(path, "rb").read()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    w, h = struct.unpack(">II", data[16:24])
+    return w, h, data
+
+
+def test_plot_writes_a_png_with_one_line_per_run(tmp_path):
+    pytest.importorskip("matplotlib")
+    out = bench.write_plot(_doc(), str(tmp_path / "b.png"))
+    w, h, data = _png_size(out)
+    assert (w, h) == (880, 550)
+    assert len(data) > 5000
+    import matplotlib.pyplot as plt
+
+    assert plt.get_fignums() == []  # the figure was closed
+    nolevel = _doc()
+    nolevel["runs"] = nolevel["runs"][2:]
+    with pytest.raises(ValueError, match="no measured level"):
+        bench.write_plot(nolevel, str(tmp_path / "c.png"))
+
+
+# ----------------------------------------------------------------------------- the command line
+def test_arguments_are_checked_before_anything_runs(capsys):
+    for argv, msg in ((["--modes", "plain"], "exactly one of --model, --tiny DIR, --tiny-random, --tiny-train"),
+                      (["--tiny-random", "--tiny-train"], "exactly one of"),
+                      (["--model", "/m"], "--draft-model is needed by dflash, tree-verify"),
+                      (["--tiny-random", "--concurrency", "1,0"], "outside"),
+                      (["--tiny-random", "--modes", "beam"], "choose from"),
+                      (["--tiny-random", "--graphs", "maybe"], "invalid choice"),
+                      (["--tiny-random", "--max-new-tokens", "0"], "--max-new-tokens must be at least 1")):
+        with pytest.raises(SystemExit) as e:
+            bench.parse_args(argv)
+        assert e.value.code == 2
+        assert msg in capsys.readouterr().err
+    a = bench.parse_args(["--model", "/m", "--modes", "plain", "--concurrency", "8,2", "--graphs", "both"])
+    assert (a.modes, a.concurrency, a.budgets, a.graphs) == (["plain"], [2, 8], [15], "both")
+
+
+@pytest.mark.skipif(os.path.exists("/dev/nvidia0"), reason="this host has a GPU; the refusal is for hosts without one")
+def test_cli_on_a_host_without_gpu_says_so_and_exits_2(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "sglang_ddtree.bench", "--tiny-random", "--json",
+                          str(tmp_path / "r.json")], capture_output=True, text=True, timeout=120)
+    assert out.returncode == bench.EXIT_CANNOT_RUN == 2, out.stderr
+    assert "bench: cannot run: no GPU device /dev/nvidiactl or /dev/nvidia0" in out.stderr
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc["schema"] == bench.SCHEMA and doc["ok"] is False and doc["cannot_run"].startswith("no GPU device")
+    assert bench.validate_report(doc) == []
+
+
+def test_a_whole_run_on_stand_in_servers_one_at_a_time(tmp_path, monkeypatch, capsys):
+    """The orchestration end to end on CPU: the stand-in (tests/plugin/standin_sglang_server.py, marked as such)
+    takes the place of SGLang's server and nvidia-smi's figures are patched in; everything else is the module's."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    fake_py = tmp_path / "python"
+    fake_py.write_text(f"#!/bin/sh\nexec {sys.executable} {here}/standin_sglang_server.py \"$@\"\n")
+    fake_py.chmod(0o755)
+    state = tmp_path / "state"
+    state.mkdir()
+    monkeypatch.setenv("STANDIN_DIR", str(state))
+    monkeypatch.setattr(bench, "gpu_device_problem", lambda gpu: None)
+    monkeypatch.setattr(bench, "gpu_memory_mib", lambda gpu: (512.0, 81559.0))
+    monkeypatch.setattr(bench, "gpu_name", lambda gpu: "stand-in GPU")
+    for n in ("target", "drafter"):
+        (tmp_path / "tiny" / "dense" / n).mkdir(parents=True)
+    (tmp_path / "tiny" / "dense" / "target" / "config.json").write_text(json.dumps({"vocab_size": 512}))
+    (tmp_path / "tiny" / "dense" / "drafter" / "config.json").write_text(json.dumps({"block_size": 4}))
+    (tmp_path / "tiny" / "dense" / "prompts.jsonl").write_text("[1, 2, 3]\n[4, 5]\n[6]\n")  # nested layout
+    out = tmp_path / "out"
+    code = bench.main(["--tiny", str(tmp_path / "tiny"), "--family", "dense", "--modes", "plain,dflash,tree-verify",
+                       "--budgets", "7", "--graphs", "both", "--concurrency", "1,4", "--max-new-tokens", "12",
+                       "--warmup-tokens", "2", "--launcher", "process", "--python", str(fake_py),
+                       "--start-timeout", "30", "--request-timeout", "30", "--out", str(out),
+                       "--server-args", "--chunked-prefill-size 256"])
+    table = capsys.readouterr().out
+    assert code == bench.EXIT_FAILED  # tree-verify with graphs on refused to start; the rest ran
+    assert not (state / "overlap").exists() and not (state / "running").exists()  # one at a time, all stopped
+    doc = json.loads((out / "bench.json").read_text())
+    assert bench.validate_report(doc) == [] and doc["schema"] == bench.SCHEMA
+    assert doc["model"]["source"] == "tiny-trained" and doc["settings"]["prompts"]["count"] == 3
+    assert doc["settings"]["requests_per_level"] == {"1": 3, "4": 4}
+    st = [(r["mode"], r["graphs"], r["status"]) for r in doc["runs"]]
+    assert st == [("plain", False, "ok"), ("dflash", False, "ok"), ("tree-verify", False, "ok"),
+                  ("plain", True, "ok"), ("dflash", True, "ok"), ("tree-verify", True, "failed")]
+    failed = doc["runs"][-1]
+    assert "server exited during start-up" in failed["error"] and "needs --cuda-graph-backend-decode" in failed["error"]
+    acc = {(r["mode"], r["graphs"]): [lv["accept_length"] for lv in r["levels"]] for r in doc["runs"]}
+    assert acc[("plain", False)] == [None, None] and acc[("dflash", True)] == [2.0, 2.0]
+    assert acc[("tree-verify", False)] == [3.0, 3.0]
+    lv = doc["runs"][2]["levels"]
+    assert [(x["concurrency"], x["requests"], x["errors"], x["output_tokens"]) for x in lv] == [(1, 3, 0, 36), (4, 4, 0, 48)]
+    assert lv[1]["output_tok_s"] > lv[0]["output_tok_s"]  # 4 in flight beat 1 on a server that batches freely
+    argvs = [json.loads(x) for x in (state / "argv.jsonl").read_text().splitlines()]
+    assert len(argvs) == 6 and all(x[x.index("--chunked-prefill-size") + 1] == "256" for x in argvs)
+    tv = argvs[2]
+    assert tv[tv.index("--speculative-num-draft-tokens") + 1] == "8" and "--skip-tokenizer-init" in tv
+    assert argvs[1][argvs[1].index("--speculative-num-draft-tokens") + 1] == "4"  # the drafter's own block
+    assert "tree-verify B=7 graphs=on" in table and "FAILED" in table and "dflash blk=4 graphs=off" in table
+    assert sorted(os.listdir(out / "logs")) == sorted(f"{k:02d}-{m}.log" for k, m in enumerate(
+        ["plain-0-e", "dflash-4-e", "tree-verify-7-e", "plain-0-g", "dflash-4-g", "tree-verify-7-g"]))
+    if (out / "bench.png").exists():
+        assert _png_size(out / "bench.png")[:2] == (880, 550)
+    else:
+        pytest.importorskip("matplotlib")
+        raise AssertionError("matplotlib is installed but no plot was written")
+
+
+def test_sigterm_mid_run_stops_the_server_and_writes_the_partial_report(tmp_path):
+    here = os.path.dirname(os.path.abspath(__file__))
+    fake_py = tmp_path / "python"
+    fake_py.write_text(f"#!/bin/sh\nexec {sys.executable} {here}/standin_sglang_server.py \"$@\"\n")
+    fake_py.chmod(0o755)
+    state = tmp_path / "state"
+    state.mkdir()
+    driver = ("import sys; from sglang_ddtree import bench as b\n"
+              "b.gpu_device_problem = lambda g: None; b.gpu_memory_mib = lambda g: (0.0, 81559.0)\n"
+              "b.gpu_name = lambda g: 'stand-in GPU'\n"  # nvidia-smi's figures: the stand-in has no GPU
+              "sys.exit(b.main(sys.argv[1:]))\n")
+    env = dict(os.environ, STANDIN_DIR=str(state))
+    p = subprocess.Popen([sys.executable, "-c", driver, "--model", "/m", "--modes", "plain", "--concurrency", "1",
+                          "--max-new-tokens", "1000", "--requests", "50", "--launcher", "process", "--python",
+                          str(fake_py), "--json", str(tmp_path / "r.json")], env=env, stderr=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while not (state / "running").exists() and time.time() < deadline:
+        time.sleep(0.1)
+    time.sleep(1.5)  # healthy and measuring by now (50 requests of 1000 tokens take minutes)
+    assert (state / "running").exists() and p.poll() is None
+    p.send_signal(subprocess.signal.SIGTERM)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == bench.EXIT_INTERRUPTED, err
+    assert "interrupted; servers stopped" in err
+    assert not (state / "running").exists()  # the stand-in removes it only when it is stopped
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc["interrupted"] is True and doc["runs"][0]["error"] == "interrupted"
+    assert bench.validate_report(doc) == []
+
+
+def test_tiny_train_runs_the_kit_on_the_bench_gpu_first(tmp_path, monkeypatch, capsys):
+    """--tiny-train: the training kit runs first (here the stand-in interpreter answers for it: it writes a pair
+    as the kit lays it out, and records the GPU it was given), then the servers serve what it wrote."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    fake_py = tmp_path / "python"
+    fake_py.write_text(
+        "#!/bin/sh\n"
+        "if [ \"$1\" = -c ]; then [ -e \"$STANDIN_DIR/no-kit\" ] && exit 1; exit 0; fi\n"  # is the kit there?
+        "if [ \"$2\" = sglang_ddtree.trainkit ]; then\n"  # the kit's stand-in: its flat layout and prompts
+        "  mkdir -p \"$3/dense-target\" \"$3/dense-drafter\"; echo '{\"vocab_size\": 512}' > \"$3/dense-target/config.json\"\n"
+        "  echo '{\"block_size\": 4}' > \"$3/dense-drafter/config.json\"; echo '{}' > \"$3/manifest.json\"\n"
+        "  echo '{\"input_ids\": [5, 6]}' > \"$3/prompts.jsonl\"; echo \"$CUDA_VISIBLE_DEVICES $*\" > \"$STANDIN_DIR/kit\"; exit 0\n"
+        "fi\n"
+        f"exec {sys.executable} {here}/standin_sglang_server.py \"$@\"\n")
+    fake_py.chmod(0o755)
+    state = tmp_path / "state"
+    state.mkdir()
+    monkeypatch.setenv("STANDIN_DIR", str(state))
+    monkeypatch.setattr(bench, "gpu_device_problem", lambda gpu: None)
+    monkeypatch.setattr(bench, "gpu_memory_mib", lambda gpu: (0.0, 81559.0))
+    monkeypatch.setattr(bench, "gpu_name", lambda gpu: "stand-in GPU")
+    code = bench.main(["--tiny-train", "--family", "dense", "--seed", "5", "--gpu", "3", "--modes", "dflash",
+                       "--concurrency", "2", "--max-new-tokens", "4", "--launcher", "process", "--python",
+                       str(fake_py), "--json", str(tmp_path / "r.json"), "--start-timeout", "30"])
+    assert code == bench.EXIT_OK, capsys.readouterr().err
+    kit = (state / "kit").read_text().split()
+    assert kit[0] == "3" and kit[1:4] == ["-m", "sglang_ddtree.trainkit", kit[3]] and kit[4:] == [
+        "--seed", "5", "--family", "dense", "--device", "cuda"]
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc["model"]["source"] == "tiny-trained" and doc["model"]["target"].endswith("/tiny/dense-target")
+    assert doc["settings"]["prompts"]["source"].endswith("/tiny/prompts.jsonl")
+    assert doc["runs"][0]["levels"][0]["requests"] == 2 and doc["runs"][0]["block"] == 4
+    assert not os.path.exists(os.path.dirname(doc["model"]["target"]))  # the private work dir is gone
+    (state / "no-kit").touch()  # a plugin without the training kit: said plainly, nothing started
+    (state / "argv.jsonl").unlink()
+    code = bench.main(["--tiny-train", "--modes", "plain", "--launcher", "process", "--python", str(fake_py),
+                       "--json", str(tmp_path / "r2.json")])
+    assert code == bench.EXIT_FAILED and not (state / "argv.jsonl").exists()
+    assert "this plugin has no sglang_ddtree.trainkit" in json.loads((tmp_path / "r2.json").read_text())["error"]
