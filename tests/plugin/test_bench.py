@@ -486,6 +486,7 @@ def test_tiny_train_runs_the_kit_on_the_bench_gpu_first(tmp_path, monkeypatch, c
     assert doc["model"]["source"] == "tiny-trained" and doc["model"]["target"].endswith("/tiny/dense-target")
     assert doc["settings"]["prompts"]["source"].endswith("/tiny/prompts.jsonl")
     assert doc["runs"][0]["levels"][0]["requests"] == 2 and doc["runs"][0]["block"] == 4
+    assert doc["settings"]["tiny_train_s"] is not None
     assert not os.path.exists(os.path.dirname(doc["model"]["target"]))  # the private work dir is gone
     (state / "no-kit").touch()  # a plugin without the training kit: said plainly, nothing started
     (state / "argv.jsonl").unlink()

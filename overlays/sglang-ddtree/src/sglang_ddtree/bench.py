@@ -778,7 +778,7 @@ def main(argv=None) -> int:
     if a.user and logdir != workdir:
         shutil.chown(logdir, user=a.user)
     old = signal.signal(signal.SIGTERM, _on_sigterm)
-    code = EXIT_FAILED
+    code, train_s = EXIT_FAILED, None
     try:
         if a.tiny_random:
             from . import tiny
@@ -806,7 +806,7 @@ def main(argv=None) -> int:
                 r = subprocess.run(argv, stdout=kit_out, env=env, timeout=max(60, a.runtime_max))
                 if r.returncode:
                     raise RuntimeError(f"the training kit exited {r.returncode}")
-                doc["settings"]["tiny_train_s"] = round(time.time() - t0, 1)
+                train_s = round(time.time() - t0, 1)
                 if a.user:
                     for dirpath, _, files in os.walk(out):
                         shutil.chown(dirpath, user=a.user)
@@ -836,7 +836,7 @@ def main(argv=None) -> int:
                            "warmup_tokens": a.warmup_tokens, "server_args": a.server_args,
                            "prompts": {"source": psrc, "count": len(prompts),
                                        "mean_len": round(sum(map(len, prompts)) / len(prompts), 1)},
-                           "launcher": a.launcher}
+                           "launcher": a.launcher, "tiny_train_s": train_s}
         a.requests = a.requests or len(prompts)
         log(f"bench: {len(runs)} server(s) one after another on GPU {a.gpu} ({doc['gpu']['name']}), "
             f"concurrency {a.concurrency}, {a.max_new_tokens} new tokens, {len(prompts)} prompts ({psrc})")
