@@ -418,3 +418,14 @@ def test_host_op_command_line_is_what_the_plugins_parser_reads():
     ns = pb.parse_args(hostbench.bench_argv("/py", t, "/r", 60, "/w")[3:])
     assert (ns.tiny_train, ns.family, ns.model) == (True, "dense", None)
     assert copy.deepcopy(a) == a  # check_args changed nothing
+
+
+def test_smoke_of_an_auto_service_runs_the_mode_the_last_deploy_chose(tmp_path):
+    from deploy.smoke import SmokeRefused, plan_smoke
+
+    h = inventory(tmp_path).hosts["h"]
+    pr = probe(manifest={"services": {"gpu1": {"mode": "linear", "auto": "linear: 500.0 tok/s ..."}}})
+    assert plan_smoke(h, pr, gpu=1).mode == "linear"
+    assert plan_smoke(h, pr, gpu=1, mode="plain").mode == "plain"
+    with pytest.raises(SmokeRefused, match="gpu1 has mode auto and no deployed choice yet"):
+        plan_smoke(h, probe(manifest=None), gpu=1)
