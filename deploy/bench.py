@@ -650,9 +650,19 @@ def outcome(res: dict) -> tuple[int, str, dict | None]:
     return EXIT_OK, "ok: " + line, rep
 
 
-def run(inv: Inventory, host: Host, on_plan=None, **kw) -> dict:
+def host_command(plan: BenchPlan) -> list[str]:
+    """The command line the host op will run for `plan` (built by the op's own function, shown by --dry-run)."""
+    from .remote.host.bench import bench_argv
+
+    work = "/tmp/" + plan.prefix + "-op-XXXX"
+    return bench_argv(f"{plan.venv}/bin/python", plan.agent_args(), work + "/report.json", int(plan.deadline) - 15,
+                      work)
+
+
+def run(inv: Inventory, host: Host, on_plan=None, dry_run: bool = False, **kw) -> dict:
     """Plan and run the benchmark on `host`: {plan, result, exit, line, record, saved} (plan None when refused
-    or unreachable); a checked report is kept (save_result) even when some of its runs failed."""
+    or unreachable); a checked report is kept (save_result) even when some of its runs failed. `dry_run`: the
+    read-only probe and the plan only (with the host's command line), nothing started."""
     from .release.rollout import host_args
     from .remote.client import Remote
     from .ssh import run_per_host
@@ -668,6 +678,8 @@ def run(inv: Inventory, host: Host, on_plan=None, **kw) -> dict:
             return None, str(exc)
         if on_plan:
             on_plan(plan)
+        if dry_run:
+            return plan, None
         return plan, remote.call("bench.run", plan.agent_args(), deadline=plan.deadline)
 
     (r,) = run_per_host(inv, [host], one, label="bench")
@@ -676,6 +688,9 @@ def run(inv: Inventory, host: Host, on_plan=None, **kw) -> dict:
     plan, res = r.value
     if plan is None:
         return {"plan": None, "result": None, "exit": EXIT_CANNOT_RUN, "line": f"refused: {res}"}
+    if dry_run:
+        return {"plan": plan.to_json(), "command": host_command(plan), "result": None, "exit": EXIT_OK,
+                "line": "dry run: nothing started", "record": None, "saved": None}
     code, line, rep = outcome(res)
     out = {"plan": plan.to_json(), "result": {k: res.get(k) for k in ("rc", "timed_out", "seconds")},
            "exit": code, "line": line, "record": None, "saved": None}
