@@ -539,6 +539,12 @@ def resolve_auto(inventory_path: str, hosts: list[Host], plugin_digest: str | No
 
 
 # ----------------------------------------------------------------------------- showing it
+def failure_line(error) -> str:
+    """A failed run's reason on one line: its first line and the last (the server log's, which says why)."""
+    lines = [ln.strip() for ln in str(error or "failed").splitlines() if ln.strip()] or ["failed"]
+    return (lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}")[:300]
+
+
 def rows(report: dict) -> list[dict]:
     """One flat row per run and level (a failed run with no level: one row saying why)."""
     out = []
@@ -547,8 +553,7 @@ def rows(report: dict) -> list[dict]:
             run["mode"], f"{run['mode']} B={run['budget']}")
         label = f"{part} graphs={'on' if run['graphs'] else 'off'}"
         if not run["levels"]:
-            out.append({"label": label, "failed": (run.get("error") or run["status"]).strip().splitlines()[0][:160]
-                        if (run.get("error") or "").strip() else run["status"]})
+            out.append({"label": label, "failed": failure_line(run.get("error") or run["status"])})
         for lv in run["levels"]:
             out.append(dict(lv, label=label))
     return out
@@ -645,8 +650,7 @@ def outcome(res: dict) -> tuple[int, str, dict | None]:
     if failed:
         return EXIT_FAILED, line + "; failed: " + "; ".join(
             f"{r['mode']}{' B=%s' % r['budget'] if r['budget'] else ''} graphs={'on' if r['graphs'] else 'off'}: "
-            f"{(r.get('error') or '').strip().splitlines()[0][:200] if (r.get('error') or '').strip() else 'failed'}"
-            for r in failed[:4]), rep
+            f"{failure_line(r.get('error'))}" for r in failed[:4]), rep
     return EXIT_OK, "ok: " + line, rep
 
 

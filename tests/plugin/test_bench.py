@@ -310,10 +310,12 @@ def test_table_has_a_line_per_run_and_level_and_says_what_failed():
     assert "NVIDIA H200" in lines[0] and "64 new tokens" in lines[0]
     assert lines[1].split()[:4] == ["run", "conc", "req", "tok/s"]
     body = [ln for ln in lines[3:]]
-    assert len(body) == 5
+    assert len(body) == 6
     assert body[0].startswith("plain graphs=off") and body[0].split()[2:4] == ["1", "1"]
     assert "150.0" in body[2] and "tree-verify B=15 graphs=off" in body[2]
-    assert "FAILED" in body[4] and "server exited during start-up" in body[4]
+    assert body[4].split()[:4] == ["tree-verify", "B=15", "graphs=on", "-"] and "FAILED" in body[4]
+    assert body[5] == ("FAILED tree-verify B=15 graphs=on: RuntimeError: server exited during start-up: ... "
+                       "DDTREE tree-verify needs ...")
 
 
 def _png_size(path):
@@ -414,6 +416,8 @@ def test_a_whole_run_on_stand_in_servers_one_at_a_time(tmp_path, monkeypatch, ca
     assert tv[tv.index("--speculative-num-draft-tokens") + 1] == "8" and "--skip-tokenizer-init" in tv
     assert argvs[1][argvs[1].index("--speculative-num-draft-tokens") + 1] == "4"  # the drafter's own block
     assert "tree-verify B=7 graphs=on" in table and "FAILED" in table and "dflash blk=4 graphs=off" in table
+    assert ("FAILED tree-verify B=7 graphs=on: RuntimeError: server exited during start-up: ... ValueError: DDTREE "
+            "tree-verify needs --cuda-graph-backend-decode disabled") in table  # the server's own reason
     assert sorted(os.listdir(out / "logs")) == sorted(f"{k:02d}-{m}.log" for k, m in enumerate(
         ["plain-0-e", "dflash-4-e", "tree-verify-7-e", "plain-0-g", "dflash-4-g", "tree-verify-7-g"]))
     if (out / "bench.png").exists():

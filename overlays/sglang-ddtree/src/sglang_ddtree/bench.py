@@ -471,6 +471,14 @@ def rows(doc: dict) -> List[dict]:
     return out
 
 
+def failure_summary(error) -> str:
+    """A failed run's reason on one line: its first line and, when the server's log follows, the log's last line
+    (where SGLang or the plugin says why it refused to start)."""
+    lines = [ln.strip() for ln in str(error or "failed").splitlines() if ln.strip()] or ["failed"]
+    text = lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"
+    return text[:300]
+
+
 def _f(v, nd=1) -> str:
     return "-" if v is None else f"{v:.{nd}f}"
 
@@ -478,11 +486,11 @@ def _f(v, nd=1) -> str:
 def format_table(doc: dict) -> str:
     """The report as a fixed-width text table (one line per mode/budget/graphs and concurrency)."""
     head = ("run", "conc", "req", "tok/s", "accept", "ttft p50", "ttft p99", "itl p50", "itl p99")
-    lines = []
+    lines, notes = [], []
     for r in rows(doc):
         if "failed" in r:
-            reason = str(r["failed"]).strip().splitlines()[0][:100] if str(r["failed"]).strip() else "failed"
-            lines.append((r["label"], "-", "-", "FAILED", reason, "", "", "", ""))
+            lines.append((r["label"], "-", "-", "FAILED", "", "", "", "", ""))
+            notes.append(f"FAILED {r['label']}: {failure_summary(r['failed'])}")
             continue
         lines.append((r["label"], str(r["concurrency"]), f"{r['requests']}" + (f" ({r['errors']} err)" if r["errors"] else ""),
                       _f(r["output_tok_s"]), _f(r["accept_length"], 2), _f(r["ttft_ms"]["p50"]),
@@ -492,7 +500,7 @@ def format_table(doc: dict) -> str:
     m = doc.get("model") or {}
     title = (f"{m.get('target')} (drafter {m.get('drafter')}), GPU {(doc.get('gpu') or {}).get('name')}, "
              f"{(doc.get('settings') or {}).get('max_new_tokens')} new tokens a request; ms for latencies")
-    return "\n".join([title, fmt(head), fmt(tuple("-" * w for w in widths))] + [fmt(x) for x in lines])
+    return "\n".join([title, fmt(head), fmt(tuple("-" * w for w in widths))] + [fmt(x) for x in lines] + notes)
 
 
 def write_plot(doc: dict, path: str) -> str:
