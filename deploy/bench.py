@@ -259,7 +259,8 @@ def plan_bench(host: Host, probe: dict, *, gpu: int | None = None, modes_: tuple
                      family_reason=reason, model=model, draft_model=draft, release=probe["current"], plugin=plugin,
                      venv=host.vars["venv"], user=host.vars["service_user"],
                      prefix=f"ddtree-bench-{secrets.token_hex(6)}",
-                     server_args=tuple(server_args) + (tuple(svc.extra_args) if svc is not None and not tiny else ()),
+                     # the service's own extra_args, then --server-args (last, so the operator's word wins)
+                     server_args=(tuple(svc.extra_args) if svc is not None and not tiny else ()) + tuple(server_args),
                      deadline=float(deadline), prompts=prompts, prompts_source=prompts_source,
                      warnings=tuple(warnings))
 
