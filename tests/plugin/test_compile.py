@@ -79,3 +79,33 @@ def test_matches_sglang_reconstruct_indices_from_tree_mask(budget, seed):
     assert got["retrieve_index"] == vin.retrieve_index.reshape(-1).tolist()
     assert got["next_token"] == vin.retrieve_next_token.reshape(-1).tolist()
     assert got["next_sibling"] == vin.retrieve_next_sibling.reshape(-1).tolist()
+
+
+def _one_hop_ancestor_mask(parents, max_depth):
+    """The plain walk: one parent hop per round (what compile used before pointer jumping)."""
+    n, d = parents.shape
+    mask = torch.eye(d, dtype=torch.bool).unsqueeze(0).repeat(n, 1, 1)
+    cur = parents.clone()
+    for _ in range(max_depth):
+        ok = cur >= 0
+        mask |= torch.nn.functional.one_hot(cur.clamp_min(0), d).to(torch.bool) & ok.unsqueeze(-1)
+        cur = torch.where(ok, torch.gather(parents, 1, cur.clamp_min(0)), cur)
+    return mask
+
+
+@pytest.mark.parametrize("n_pos,budget,vocab,seed", [(1, 4, 30, 0), (2, 9, 3, 1), (5, 12, 30, 2), (7, 31, 4, 3),
+                                                     (15, 63, 2, 4), (15, 63, 50, 5), (16, 15, 2, 6), (3, 40, 40, 7)])
+def test_pointer_jumping_ancestor_mask_equals_the_one_hop_walk(n_pos, budget, vocab, seed):
+    tree = _tree(n=4, n_pos=n_pos, vocab=vocab, budget=budget, seed=seed)
+    for depth in {tree.max_depth, max(1, tree.max_depth - 1), tree.max_depth + 3}:
+        assert torch.equal(ancestor_mask(tree.parents, depth), _one_hop_ancestor_mask(tree.parents, depth)), depth
+    # a deep chain (vocab 2 forces long paths): every node sees its whole root path
+    m = ancestor_mask(tree.parents, tree.max_depth)
+    for b in range(4):
+        for s in range(tree.token_ids.shape[1]):
+            path, cur = {s}, int(tree.parents[b, s])
+            while cur >= 0:
+                path.add(cur)
+                cur = int(tree.parents[b, cur])
+            if bool(tree.valid[b, s]):
+                assert set(torch.nonzero(m[b, s]).flatten().tolist()) == path

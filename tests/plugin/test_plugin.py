@@ -189,9 +189,18 @@ def test_bad_command_lines_refused(loaded, monkeypatch, extra, env, message):
         _resolve(loaded, BASE + GRAPH_OFF + ["--speculative-num-draft-tokens", "65"] + extra, monkeypatch, env)
 
 
-def test_refuses_decode_cuda_graph_in_tree_mode(loaded, monkeypatch):
-    with pytest.raises(plugin.DDTreeConfigError, match="cuda-graph-backend-decode disabled"):
-        _resolve(loaded, BASE + ["--speculative-num-draft-tokens", "65"], monkeypatch)
+def test_decode_cuda_graphs_in_tree_mode_follow_the_adapter(loaded, monkeypatch):
+    """0.5.17's adapter captures the target's verify graph with the tree-mask buffer, so graphs stay on;
+    0.5.23's cannot (not run on a GPU), so they are refused with the flag to pass."""
+    caps = load_capabilities()["per_version"][SGLANG]
+    assert load_adapter().TREE_VERIFY_CUDA_GRAPHS is caps["tree_verify_cuda_graphs"] is (SGLANG == "0.5.17")
+    argv = BASE + ["--speculative-num-draft-tokens", "16"]
+    if caps["tree_verify_cuda_graphs"]:
+        sa = _resolve(loaded, argv, monkeypatch)
+        assert _result(sa, "speculative_num_draft_tokens") == 16 and _result(sa, "speculative_eagle_topk") >= 2
+    else:
+        with pytest.raises(plugin.DDTreeConfigError, match="cuda-graph-backend-decode disabled"):
+            _resolve(loaded, argv, monkeypatch)
 
 
 def test_refuses_missing_budget_and_drafter(loaded, monkeypatch):

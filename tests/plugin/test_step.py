@@ -372,3 +372,20 @@ def test_shadow_stats():
     out = s.summary()
     assert out["chain_accept_length"] == 2.0 and out["tree_would_accept_length"] == 3.0
     assert out["tree_inexact_share"] == 0.5 and out["skip_reasons"] == {"sampling": 2}
+
+
+def test_merge_of_one_shard_is_the_shards_own_order():
+    """TP = 1 takes the no-sort path: same log-probs and ids as the general merge (a 2-way split of the
+    same logits merged the general way), ties in ascending id order."""
+    from sglang_ddtree.step import draft_topk_candidates, merge_vocab_shards
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 40, generator=g).round(decimals=1)  # rounded: ties across the vocab
+    k = 9
+    v, i, l = draft_topk_candidates(logits, k)
+    lp1, id1 = merge_vocab_shards(v.unsqueeze(0), i.unsqueeze(0), l.unsqueeze(0), k)
+    halves = [draft_topk_candidates(logits[:, :20], k), draft_topk_candidates(logits[:, 20:], k, vocab_start=20)]
+    lp2, id2 = merge_vocab_shards(*(torch.stack([h[j] for h in halves]) for j in range(3)), k)
+    assert torch.equal(id1, id2) and torch.allclose(lp1, lp2, atol=1e-6)
+    ref = torch.log_softmax(logits.double(), -1)
+    assert torch.allclose(lp1, torch.gather(ref, 1, id1), atol=1e-5)

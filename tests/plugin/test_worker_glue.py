@@ -250,3 +250,39 @@ def test_0517_worker_imports_and_every_attribute_it_reads_exists():
     # the verify input carries the tree links the hybrid backend reads
     fields = {f for f in mod.DDTreeVerifyInput.__dataclass_fields__}
     assert {"retrieve_index", "retrieve_next_token", "retrieve_next_sibling", "custom_mask", "topk"} <= fields
+
+
+@pytest.mark.skipif(SGLANG != "0.5.17", reason="tree-verify CUDA graphs are an SGLang 0.5.17 adapter feature "
+                    "(capabilities.json: tree_verify_cuda_graphs); 0.5.23 refuses them (test_plugin.py)")
+def test_0517_tree_verify_graph_capture_carries_the_tree_mask():
+    """What the 0.5.17 worker relies on to replay tree-verify under CUDA graphs, read from the installed
+    SGLang: the decode graph runner asks dflash_utils.resolve_dflash_verify_mask_policy (imported at call
+    time, so the worker's policy takes effect) whether to capture with the mask buffer; the Triton backend
+    refills that buffer from spec_info.custom_mask at replay and the hybrid backend refills the tree links."""
+    runner = (ROOT / "srt/model_executor/runner/decode_cuda_graph_runner.py").read_text()
+    get_spec_info = ast.get_source_segment(runner, _find(ast.parse(runner), "DecodeCudaGraphRunner.get_spec_info"))
+    assert "from sglang.srt.speculative.dflash_utils import" in get_spec_info
+    assert "resolve_dflash_verify_mask_policy(" in get_spec_info and "else self.buffers.custom_mask" in get_spec_info
+    tri = (ROOT / "srt/layers/attention/triton_backend.py").read_text()
+    assert "custom_mask[: spec_info.custom_mask.shape[0]] = spec_info.custom_mask" in tri
+    assert "def verify_mask(self)" in tri
+    hyb = (ROOT / "srt/layers/attention/hybrid_linear_attn_backend.py").read_text()
+    assert "self.retrieve_next_token_list[bs - 1][:bs_without_pad].copy_(" in hyb
+
+    from sglang.srt.speculative import dflash_utils
+
+    mod = importlib.import_module("sglang_ddtree.adapters.v0_5_17_worker")
+    triton_like = type("TritonAttnBackend", (), {})()
+    hybrid_like = type("HybridLinearAttnBackend", (), {"full_attn_backend": triton_like})()
+    original = dflash_utils.resolve_dflash_verify_mask_policy
+    assert original(hybrid_like) == ("TritonAttnBackend", False)  # SGLang's own answer: capture causal
+    try:
+        mod._install_tree_mask_capture()
+        mod._install_tree_mask_capture()  # idempotent: wrapped once
+        patched = dflash_utils.resolve_dflash_verify_mask_policy
+        assert patched(hybrid_like) == ("TritonAttnBackend", True)
+        assert patched.__wrapped__ is original
+        assert mod._full_attn_backend(hybrid_like) is triton_like
+    finally:
+        dflash_utils.resolve_dflash_verify_mask_policy = original
+        mod._TREE_MASK_CAPTURE["installed"] = False

@@ -13,6 +13,8 @@ Importing this package does not import SGLang.  Submodules:
 * :mod:`sglang_ddtree.plugin`        - the ``sglang.srt.plugins`` entry point
 * :mod:`sglang_ddtree.adapters`      - one adapter (registration glue + worker) per supported SGLang version
 * :mod:`sglang_ddtree.tiny`          - tiny seeded models for GPU checks
+* :mod:`sglang_ddtree.markov`        - a seeded synthetic language with known branching; exact chain/tree accept estimator
+* :mod:`sglang_ddtree.trainkit`      - ``python -m sglang_ddtree.trainkit``: trained tiny targets + DFlash drafters
 * :mod:`sglang_ddtree.smoke`         - ``python -m sglang_ddtree.smoke``: serve the tiny model on one GPU and check
 """
 

@@ -37,10 +37,13 @@ Server arguments (``--speculative-algorithm DDTREE``)
   default 48.
 * Refused, each with the reason: rejection sampling / block verification /
   accept thresholds, ReplaySSM spec-verify and adaptive speculation, unified
-  memory, page size > 1, pipeline parallelism, devices other than CUDA, decode
-  CUDA graphs in tree-verify mode (SGLang captures the DFLASH-family verify
-  graph with ``custom_mask=None`` and ``topk=1``: a replayed graph would run the
-  tree causally), other attention backends in tree-verify mode.
+  memory, page size > 1, pipeline parallelism, devices other than CUDA, other
+  attention backends in tree-verify mode, and decode CUDA graphs in tree-verify
+  mode where the adapter cannot capture the verify graph with the tree mask
+  (SGLang captures the DFLASH-family verify graph with ``custom_mask=None``: a
+  replayed graph would run the tree causally).  The 0.5.17 adapter captures it
+  with the Triton backend's mask buffer, as SGLang does for EAGLE ``topk > 1``
+  (``tree_verify_cuda_graphs`` in ``capabilities.json``).
 """
 
 from __future__ import annotations
@@ -133,12 +136,15 @@ def resolve_ddtree_config(
     args: Any,
     environ: Optional[Mapping[str, str]] = None,
     backends: Optional[Mapping[str, Optional[str]]] = None,
+    tree_verify_cuda_graphs: bool = False,
 ) -> DDTreeConfig:
     """Pure resolution/validation of DDTREE settings from a ServerArgs-like
     object and an environment mapping.  ``backends`` maps the attention-backend
     fields to their resolved values (each SGLang version resolves them its own
     way; the adapter reads them); ``None`` reads the plain attributes.
-    Raises :class:`DDTreeConfigError`."""
+    ``tree_verify_cuda_graphs``: the adapter captures the target's verify graph
+    with the tree-mask buffer (SGLang 0.5.17); otherwise decode CUDA graphs are
+    refused in tree-verify mode.  Raises :class:`DDTreeConfigError`."""
     env = os.environ if environ is None else environ
     mode = (env.get(MODE_ENV) or TREE_VERIFY).strip().lower()
     if mode not in MODES:
@@ -207,11 +213,13 @@ def resolve_ddtree_config(
                 f"DDTREE tree-verify needs --speculative-eagle-topk >= 2 (got {topk_arg}): SGLang's "
                 "hybrid linear-attention backend and tree metadata take the tree path only when topk > 1."
             )
-        if not _decode_graph_disabled(args):
+        if not tree_verify_cuda_graphs and not _decode_graph_disabled(args):
             raise DDTreeConfigError(
-                "DDTREE tree-verify needs --cuda-graph-backend-decode disabled (or --disable-cuda-graph): "
-                "SGLang captures the DFlash-family verify graph with custom_mask=None and topk=1, so a "
-                "replayed graph would run the tree with a causal mask and chain positions (silently wrong)."
+                "DDTREE tree-verify needs --cuda-graph-backend-decode disabled (or --disable-cuda-graph) with "
+                "this SGLang version: it captures the DFlash-family verify graph with custom_mask=None and "
+                "topk=1, so a replayed graph would run the tree with a causal mask (silently wrong); the "
+                "plugin captures it with the tree mask only where its adapter says so (capabilities.json, "
+                "tree_verify_cuda_graphs)."
             )
         if block is not None and block > 2 * d:
             raise DDTreeConfigError(

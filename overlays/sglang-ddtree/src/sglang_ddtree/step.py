@@ -44,6 +44,7 @@ the allocator with the request's reservation, never leaked, never shared).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Dict, Optional, Sequence
 
@@ -60,6 +61,8 @@ from .verify import walk_tree
 
 __all__ = [
     "draft_topk_candidates",
+    "tree_accept_counts",
+    "TreeAcceptStats",
     "merge_vocab_shards",
     "build_tree_from_candidates",
     "tree_accept_greedy_reference",
@@ -112,6 +115,10 @@ def merge_vocab_shards(values: torch.Tensor, ids: torch.Tensor, lse: torch.Tenso
     contains the global top-k; rank-major concatenation keeps equal values in
     ascending id order, and the sort is stable)."""
     tp, r, kk = values.shape
+    if tp == 1 and kk == k:
+        # One shard: its candidates are already sorted by (-value, id) (draft_topk_candidates' stable sort),
+        # so the merge is the identity and the global lse is the shard's (launch-bound step: skip the sort).
+        return values[0].double() - lse[0].double().unsqueeze(1), ids[0]
     glse = torch.logsumexp(lse.float(), dim=0)  # [R]
     cat_v = values.permute(1, 0, 2).reshape(r, tp * kk)
     cat_i = ids.permute(1, 0, 2).reshape(r, tp * kk)
@@ -305,12 +312,24 @@ class StepCommit:
     bonus: torch.Tensor  # int64 [N] next root
     new_seq_lens: torch.Tensor  # int64 [N] prefix + commit_lens
     window_locs: torch.Tensor  # [N, D] to write to req_to_token[prefix : prefix + D]
-    state_step: torch.Tensor  # int64 [N] verify slot whose recurrent state is committed
-    kept_kv_locs: torch.Tensor  # [N, M] accepted path's KV locations (sequence order), -1 pad
-    recycled_kv_mask: torch.Tensor  # bool [N*D] window entries not on the path (stay reserved)
     append_rows: torch.Tensor  # int64 [N*M]
     append_cache_loc_2d: torch.Tensor  # [N, M]
     append_positions: torch.Tensor  # int64 [N*M]
+    verify_window_locs: torch.Tensor  # [N, D] the verify window's KV locations in slot order (input)
+    d: int
+
+    # Derived on first use only: a decode step is launch-bound and the workers read none of these.
+    @functools.cached_property
+    def state_step(self) -> torch.Tensor:  # int64 [N] verify slot whose recurrent state is committed
+        return recurrent_state_step(self.accept_slots, self.accept_length)
+
+    @functools.cached_property
+    def kept_kv_locs(self) -> torch.Tensor:  # [N, M] accepted path's KV locations (sequence order), -1 pad
+        return accepted_kv_locs(self.verify_window_locs, self.accept_slots, self.accept_length)
+
+    @functools.cached_property
+    def recycled_kv_mask(self) -> torch.Tensor:  # bool [N*D] window entries not on the path (stay reserved)
+        return (~kv_keep_mask(self.accept_slots, self.accept_length, self.d)).reshape(-1)
 
 
 def commit_from_accept(
@@ -331,7 +350,6 @@ def commit_from_accept(
     slots, length = accept_slots_from_flat(accept_index, accept_token_num, d)
     out, commit_lens, bonus = committed_tokens(predicts, accept_index, length, out_width)
     rows, loc2d, pos, _ = draft_append_inputs(draft_window_ids, slots, length, prefix)
-    kept = accepted_kv_locs(window_locs, slots, length)
     return StepCommit(
         accept_slots=slots,
         accept_length=length,
@@ -340,12 +358,11 @@ def commit_from_accept(
         bonus=bonus,
         new_seq_lens=prefix.to(torch.int64) + commit_lens.to(torch.int64),
         window_locs=committed_window_locs(window_locs, slots, length),
-        state_step=recurrent_state_step(slots, length),
-        kept_kv_locs=kept,
-        recycled_kv_mask=(~kv_keep_mask(slots, length, d)).reshape(-1),
         append_rows=rows,
         append_cache_loc_2d=loc2d,
         append_positions=pos,
+        verify_window_locs=window_locs,
+        d=int(d),
     )
 
 
@@ -440,3 +457,66 @@ class ShadowStats:
             "skipped_requests": self.skipped,
             "skip_reasons": dict(self.skip_reasons),
         }
+
+
+# --------------------------------------------------------------------------
+# tree-verify accept counters (is the tree doing more than a chain would?)
+# --------------------------------------------------------------------------
+def tree_accept_counts(ranks: torch.Tensor, accept_index: torch.Tensor, accept_num: torch.Tensor,
+                       max_depth: int) -> torch.Tensor:
+    """One step's counters, on the device, no host sync (scatter, not bincount):
+    ``[steps=1, requests, accepted, own_rank_gt0, off_first_branch, hist[0..max_depth]]``.
+
+    ``ranks``: the tree's ``[N, D]`` per-depth candidate rank of each slot's token (0 = the drafter's top-1
+    at that depth, what a chain would have drafted); ``accept_index``: ``[N, M]`` flat verify rows
+    (``n * D + slot``) of the root then the accepted nodes, root to deepest, ``-1`` padded;
+    ``accept_num``: ``[N]`` accepted draft nodes.  ``own_rank_gt0``: accepted tokens whose own rank is
+    > 0; ``off_first_branch``: accepted tokens at or below such a node (a chain drafter could have
+    accepted none of them); ``hist[k]``: requests that accepted ``k`` draft tokens this step."""
+    n, d = ranks.shape
+    acc = accept_index[:, 1:].to(torch.int64)
+    ok = acc >= 0
+    slot = torch.where(ok, acc.remainder(d), torch.zeros_like(acc))
+    r = torch.gather(ranks.to(torch.int64), 1, slot)
+    own = ok & (r > 0)
+    off = (torch.cummax(own.to(torch.int64), dim=1).values > 0) & ok
+    hist = torch.zeros(max_depth + 1, dtype=torch.int64, device=ranks.device)
+    hist.scatter_add_(0, accept_num.to(torch.int64).clamp(0, max_depth), torch.ones(n, dtype=torch.int64,
+                                                                                      device=ranks.device))
+    head = torch.stack([torch.ones((), dtype=torch.int64, device=ranks.device),
+                        torch.full((), n, dtype=torch.int64, device=ranks.device),
+                        ok.sum(), own.sum(), off.sum()])
+    return torch.cat([head, hist])
+
+
+class TreeAcceptStats:
+    """Running tree-verify accept counters: summed on the device every step, read back (one host sync)
+    every ``every`` steps, when the worker logs them as one ``DDTREE accept stats {json}`` line."""
+
+    def __init__(self, max_depth: int, every: int = 50) -> None:
+        self.max_depth, self.every = int(max_depth), max(1, int(every))
+        self._sum: Optional[torch.Tensor] = None
+        self._pending = 0
+        self.totals = {"steps": 0, "requests": 0, "accepted": 0, "own_rank_gt0": 0, "off_first_branch": 0,
+                       "depth_hist": [0] * (self.max_depth + 1)}
+
+    def add(self, counts: torch.Tensor) -> Optional[Dict]:
+        """Fold one step's :func:`tree_accept_counts` in; returns the totals when it is time to log."""
+        self._sum = counts if self._sum is None else self._sum + counts
+        self._pending += 1
+        if self._pending < self.every:
+            return None
+        return self.flush()
+
+    def flush(self) -> Dict:
+        if self._sum is not None:
+            v = self._sum.tolist()
+            for k, x in zip(("steps", "requests", "accepted", "own_rank_gt0", "off_first_branch"), v[:5]):
+                self.totals[k] += int(x)
+            self.totals["depth_hist"] = [a + int(b) for a, b in zip(self.totals["depth_hist"], v[5:])]
+        self._sum, self._pending = None, 0
+        t = dict(self.totals)
+        req = max(t["requests"], 1)
+        t["accept_length"] = round(1 + t["accepted"] / req, 4)  # drafts + the bonus token, per request-step
+        t["off_first_branch_share"] = round(t["off_first_branch"] / max(t["accepted"], 1), 4)
+        return t

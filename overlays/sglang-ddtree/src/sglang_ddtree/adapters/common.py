@@ -81,7 +81,8 @@ def make_validator(adapter: ModuleType) -> Callable:
 
     def validate_server_args(server_args) -> None:
         # the SGLang version was checked when the plugin registered (load_adapter), in this process
-        cfg = resolve_ddtree_config(server_args, os.environ, backends=adapter.attention_backends(server_args))
+        cfg = resolve_ddtree_config(server_args, os.environ, backends=adapter.attention_backends(server_args),
+                                    tree_verify_cuda_graphs=adapter.TREE_VERIFY_CUDA_GRAPHS)
         steps = getattr(server_args, "speculative_num_steps", None)
         if steps is not None and int(steps) != 1:
             logger.warning("DDTREE drafts in one pass; overriding speculative_num_steps=%s to 1.", steps)

@@ -31,12 +31,14 @@ raising (an exception here would stop the scheduler loop for every request).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from torch.profiler import record_function
 
 from sglang.kernels.ops.speculative.cache_locs import assign_extend_cache_locs_func
 from sglang.srt.distributed import get_tp_group
@@ -57,6 +59,8 @@ from ..config import SHADOW_LINEAR, TREE_VERIFY, resolve_ddtree_config
 from ..indexing import recurrent_state_step
 from ..step import (
     ShadowStats,
+    TreeAcceptStats,
+    tree_accept_counts,
     build_tree_from_candidates,
     commit_from_accept,
     draft_topk_candidates,
@@ -66,15 +70,56 @@ from ..step import (
 )
 from ..tree_sampling import max_bytes_from_env, sample_tree_accept
 from . import common
-from .v0_5_17 import attention_backends
+from .v0_5_17 import TREE_VERIFY_CUDA_GRAPHS, attention_backends
 
 logger = logging.getLogger(__name__)
 
 SHADOW_LOG_EVERY_ENV = "SGLANG_DDTREE_SHADOW_LOG_EVERY"
+# Tree-verify accept counters (accepted tokens off the first branch, accepted-depth histogram), logged as
+# one "DDTREE accept stats {json}" line every this many steps (one host sync each time).
+STATS_EVERY_ENV = "SGLANG_DDTREE_STATS_EVERY"
 # For the leak demonstration only (ddtree_checks.serve_matrix): the recurrent layers get no tree
 # links, so they process the verify slots in chain order and a node starts from the previous
 # slot's state (often a sibling), not its parent's. Wrong on purpose; refused unless spelled out.
 UNSAFE_CHAIN_STATE_ENV = "SGLANG_DDTREE_UNSAFE_CHAIN_STATE"
+
+
+# Tree-verify under CUDA graphs. SGLang 0.5.17 captures the target's DFlash-family verify graph with
+# custom_mask=None when the attention backend can express a chain causally (Triton among them:
+# dflash_utils._DFLASH_VERIFY_SKIP_CUSTOM_MASK_BACKENDS), so a replay would verify the tree as a chain.
+# The Triton backend already replays verify graphs with a custom mask - its VerifyMask buffer, refilled
+# from spec_info.custom_mask at every replay - when the spec_info seen at capture carries one (the EAGLE
+# topk > 1 path). The decode graph runner asks dflash_utils.resolve_dflash_verify_mask_policy (its only
+# caller) whether to pass the mask buffer at capture; in a DDTREE tree-verify process the answer is yes.
+# The hybrid linear-attention backend captures its tree buffers itself when speculative_eagle_topk > 1.
+_TREE_MASK_CAPTURE = {"installed": False}
+
+
+def _install_tree_mask_capture() -> None:
+    """Make the target's verify-graph capture carry the tree-mask buffer (this process only; idempotent)."""
+    if _TREE_MASK_CAPTURE["installed"]:
+        return
+    from sglang.srt.speculative import dflash_utils
+
+    original = dflash_utils.resolve_dflash_verify_mask_policy
+
+    def resolve_with_tree_mask(attn_backend):
+        name, _ = original(attn_backend)
+        return name, True
+
+    resolve_with_tree_mask.__wrapped__ = original
+    dflash_utils.resolve_dflash_verify_mask_policy = resolve_with_tree_mask
+    _TREE_MASK_CAPTURE["installed"] = True
+
+
+def _full_attn_backend(backend):
+    """The full-attention backend inside a hybrid wrapper (what holds the verify mask)."""
+    for _ in range(4):
+        inner = getattr(backend, "full_attn_backend", None)
+        if inner is None:
+            return backend
+        backend = inner
+    return backend
 
 
 @dataclass
@@ -100,7 +145,8 @@ class DDTreeWorker(DFlashWorkerV2):
 
     def __init__(self, server_args, gpu_id, ps, nccl_port, target_worker):
         super().__init__(server_args, gpu_id, ps, nccl_port, target_worker)
-        self.ddtree = resolve_ddtree_config(server_args, os.environ, backends=attention_backends(server_args))
+        self.ddtree = resolve_ddtree_config(server_args, os.environ, backends=attention_backends(server_args),
+                                            tree_verify_cuda_graphs=TREE_VERIFY_CUDA_GRAPHS)
         common.set_active_mode(self.ddtree.mode)
         self._vocab_size = int(self.model_runner.model_config.vocab_size)
         self._sampling_bytes = max_bytes_from_env()
@@ -109,6 +155,9 @@ class DDTreeWorker(DFlashWorkerV2):
         self._shadow_armed = False
         self._shadow_cands = None
         self._warned_unsupported = False
+        self._verify_used_graph = False
+        self.accept_stats = None
+        self._graph_widths = None
         self._unsafe_chain_state = os.environ.get(UNSAFE_CHAIN_STATE_ENV) == "1"
         if self._unsafe_chain_state:
             logger.warning("DDTREE: %s=1 - recurrent state is processed in CHAIN order (siblings leak into each "
@@ -118,6 +167,9 @@ class DDTreeWorker(DFlashWorkerV2):
             raise ValueError("DDTREE does not support --speculative-draft-window-size (compact drafter cache).")
         if self.ddtree.mode == TREE_VERIFY:
             self._init_tree_verify()
+            _install_tree_mask_capture()
+            self.accept_stats = TreeAcceptStats(int(self.block_size) - 1,
+                                                int(os.environ.get(STATS_EVERY_ENV, "50") or 50))
         logger.info("DDTreeWorker (SGLang 0.5.17 adapter): %s, drafter block %d", self.ddtree, int(self.block_size))
 
     # ----- init -------------------------------------------------------------
@@ -149,13 +201,23 @@ class DDTreeWorker(DFlashWorkerV2):
 
     def init_cuda_graphs(self):
         super().init_cuda_graphs()
-        # Checked here, after SGLang built (or skipped) its graphs: the target's decode graph
-        # is captured with custom_mask=None / topk=1 and would run the tree causally.
+        # The scheduler captured the target's graphs before this call (after __init__, which installed
+        # the tree-mask capture policy). Check that the captured verify graph reads the tree mask: a
+        # graph captured causal would verify the tree as a chain (silently wrong), so refuse to serve.
         if self.ddtree.mode == TREE_VERIFY and getattr(self.model_runner, "decode_cuda_graph_runner", None):
-            raise RuntimeError(
-                "DDTREE tree-verify found a target decode CUDA graph (captured causal, topk=1); "
-                "run with --cuda-graph-backend-decode disabled."
-            )
+            backend = _full_attn_backend(self.model_runner.attn_backend)
+            if getattr(backend, "verify_mask", None) is None or not _TREE_MASK_CAPTURE["installed"]:
+                raise RuntimeError(
+                    "DDTREE tree-verify found a target decode CUDA graph captured without the tree-mask buffer "
+                    f"({type(backend).__name__}); run with --cuda-graph-backend-decode disabled."
+                )
+            self._graph_widths = (int(self.model_runner.decode_cuda_graph_runner.captured_req_width),
+                                  getattr(getattr(self.draft_model_runner, "decode_cuda_graph_runner", None),
+                                          "captured_req_width", None))
+            logger.info("DDTREE tree-verify: target verify graphs captured with the tree mask (width %d); "
+                        "drafter graphs width %s, drafter block %d (%s)", self._graph_widths[0],
+                        self._graph_widths[1], int(self.block_size),
+                        "replayed" if self._graph_widths[1] == int(self.block_size) else "eager: widths differ")
 
     def _maybe_build_draft_sampler(self):
         # DDTREE needs the drafter's hidden states (per-position distributions), not the
@@ -270,10 +332,20 @@ class DDTreeWorker(DFlashWorkerV2):
         if batch.spec_info is None:
             batch.spec_info = DFlashDraftInputV2.create_idle_input(device=self.device)
         batch.seq_lens.record_stream(torch.get_device_module(self.device).current_stream())
-        draft = self._tree_draft(batch)
-        tree, vin, logits_output = self._tree_verify(batch, draft)
-        predict, accept_index, accept_num = self._tree_accept(batch, vin, logits_output)
-        return self._tree_commit(batch, draft, vin, logits_output, predict, accept_index, accept_num, on_publish)
+        # record_function ranges name the step's phases in a torch-profiler trace (SGLang's /start_profile;
+        # ddtree_checks.profile_step sums them); without a profiler they cost ~1 us each.
+        with record_function("ddtree.draft"):
+            draft = self._tree_draft(batch)
+        with record_function("ddtree.tree_verify"):
+            tree, vin, logits_output = self._tree_verify(batch, draft)
+        with record_function("ddtree.accept"):
+            predict, accept_index, accept_num = self._tree_accept(batch, vin, logits_output)
+            totals = self.accept_stats.add(tree_accept_counts(tree.ranks, accept_index, accept_num,
+                                                              self.accept_stats.max_depth))
+            if totals is not None and self.ps.tp_rank == 0:
+                logger.info("DDTREE accept stats %s", json.dumps(totals, sort_keys=True))
+        with record_function("ddtree.commit"):
+            return self._tree_commit(batch, draft, vin, logits_output, predict, accept_index, accept_num, on_publish)
 
     def _tree_draft(self, batch) -> _Draft:
         draft_input = batch.spec_info
@@ -317,40 +389,43 @@ class DDTreeWorker(DFlashWorkerV2):
             spec_info=self._draft_block_spec_info,
             capture_hidden_mode=CaptureHiddenMode.NULL,
         )
-        with torch.inference_mode():
+        with torch.inference_mode(), record_function("ddtree.draft_forward"):
             out = self.draft_model_runner.forward(fb)
         hidden = out.logits_output.hidden_states
         if hidden is None:
             raise RuntimeError("DDTREE: the DFlash draft model returned no hidden states.")
         hidden = hidden[: bs * blk].view(bs, blk, -1)
         k = min(self.ddtree.budget, self._vocab_size)
-        lp, ids = self._draft_candidates(hidden[:, 1:, :].reshape(-1, hidden.shape[-1]), self._lm_head(), k)
+        with record_function("ddtree.draft_topk"):
+            lp, ids = self._draft_candidates(hidden[:, 1:, :].reshape(-1, hidden.shape[-1]), self._lm_head(), k)
         return _Draft(window=window, cand_logprobs=lp.view(bs, blk - 1, k), cand_ids=ids.view(bs, blk - 1, k))
 
     def _tree_verify(self, batch, draft: _Draft):
         draft_input = batch.spec_info
         bs, d = len(batch.seq_lens), int(self.ddtree.num_draft_tokens)
-        tree = build_tree_from_candidates(draft.cand_logprobs, draft.cand_ids, self.ddtree.budget)
-        vin = compile_tree(
-            tree,
-            draft_input.bonus_tokens,
-            batch.seq_lens,
-            mask_mode=FULL_MASK,
-            prefix_lens_sum=batch.seq_lens_sum if batch.seq_lens_cpu is not None else None,
-            topk=self.ddtree.topk,
-        )
-        assert vin.draft_token_num == d
-        verify_input = DDTreeVerifyInput(
-            draft_token=vin.draft_token,
-            positions=vin.positions,
-            draft_token_num=d,
-            topk=vin.topk,
-            custom_mask=vin.custom_mask,
-            capture_hidden_mode=CaptureHiddenMode.FULL,
-            retrieve_index=vin.retrieve_index,
-            retrieve_next_token=None if self._unsafe_chain_state else vin.retrieve_next_token,
-            retrieve_next_sibling=None if self._unsafe_chain_state else vin.retrieve_next_sibling,
-        )
+        with record_function("ddtree.tree_build"):
+            tree = build_tree_from_candidates(draft.cand_logprobs, draft.cand_ids, self.ddtree.budget)
+        with record_function("ddtree.compile"):
+            vin = compile_tree(
+                tree,
+                draft_input.bonus_tokens,
+                batch.seq_lens,
+                mask_mode=FULL_MASK,
+                prefix_lens_sum=batch.seq_lens_sum if batch.seq_lens_cpu is not None else None,
+                topk=self.ddtree.topk,
+            )
+            assert vin.draft_token_num == d
+            verify_input = DDTreeVerifyInput(
+                draft_token=vin.draft_token,
+                positions=vin.positions,
+                draft_token_num=d,
+                topk=vin.topk,
+                custom_mask=vin.custom_mask,
+                capture_hidden_mode=CaptureHiddenMode.FULL,
+                retrieve_index=vin.retrieve_index,
+                retrieve_next_token=None if self._unsafe_chain_state else vin.retrieve_next_token,
+                retrieve_next_sibling=None if self._unsafe_chain_state else vin.retrieve_next_sibling,
+            )
         batch.out_cache_loc = draft.window[:, :d].reshape(-1)
         self._seq_lens_pre_verify = batch.seq_lens.clone() if self._need_mamba_verify_commit else None
         cpu_backup, sum_backup = batch.seq_lens_cpu, batch.seq_lens_sum
@@ -360,13 +435,16 @@ class DDTreeWorker(DFlashWorkerV2):
         elif draft_input.reserved_seq_lens_cpu is not None:
             batch.seq_lens_cpu = draft_input.reserved_seq_lens_cpu
             batch.seq_lens_sum = int(draft_input.reserved_seq_lens_sum)
-        verify_fb, can_run_graph = verify_input.prepare_for_verify(batch, self.target_worker)
-        batch.seq_lens_cpu, batch.seq_lens_sum = cpu_backup, sum_backup
-        if can_run_graph:
-            raise RuntimeError("DDTREE tree-verify must not replay a decode CUDA graph (causal mask capture).")
-        out = self.target_worker.forward_batch_generation(
-            batch=None, forward_batch=verify_fb, is_verify=True, skip_attn_backend_init=True
-        )
+        # With graphs on, prepare_for_verify loads the captured verify graph's buffers: the Triton backend
+        # copies vin.custom_mask into its mask buffer and the hybrid backend the retrieve_* links (the
+        # graph was captured with both, see _install_tree_mask_capture); else eager metadata.
+        with record_function("ddtree.verify_forward"):
+            verify_fb, can_run_graph = verify_input.prepare_for_verify(batch, self.target_worker)
+            batch.seq_lens_cpu, batch.seq_lens_sum = cpu_backup, sum_backup
+            out = self.target_worker.forward_batch_generation(
+                batch=None, forward_batch=verify_fb, is_verify=True, skip_attn_backend_init=True
+            )
+        self._verify_used_graph = bool(out.can_run_cuda_graph)
         return tree, vin, out.logits_output
 
     def _tree_accept(self, batch, vin, logits_output):
@@ -447,39 +525,41 @@ class DDTreeWorker(DFlashWorkerV2):
         req_to_token[batch.req_pool_indices.to(torch.int64).unsqueeze(1), cols] = c.window_locs.to(req_to_token.dtype)
 
         if self._need_mamba_verify_commit:
-            backend = self.target_worker.model_runner.attn_backend
-            steps_to_track = None
-            if batch.mamba_track_indices is not None:
-                steps_to_track = mamba_track_steps(
-                    self._seq_lens_pre_verify, new_seq_lens, c.commit_lens,
-                    int(get_exec().mamba.mamba_track_interval), c.accept_slots, c.accept_length,
+            with record_function("ddtree.commit_recurrent_state"):
+                backend = self.target_worker.model_runner.attn_backend
+                steps_to_track = None
+                if batch.mamba_track_indices is not None:
+                    steps_to_track = mamba_track_steps(
+                        self._seq_lens_pre_verify, new_seq_lens, c.commit_lens,
+                        int(get_exec().mamba.mamba_track_interval), c.accept_slots, c.accept_length,
+                    )
+                backend.update_mamba_state_after_mtp_verify(
+                    last_correct_step_indices=recurrent_state_step(c.accept_slots, c.accept_length),
+                    mamba_track_indices=batch.mamba_track_indices,
+                    mamba_steps_to_track=steps_to_track,
+                    model=self.target_worker.model_runner.model,
+                    req_pool_indices=batch.req_pool_indices[:bs],
                 )
-            backend.update_mamba_state_after_mtp_verify(
-                last_correct_step_indices=recurrent_state_step(c.accept_slots, c.accept_length),
-                mamba_track_indices=batch.mamba_track_indices,
-                mamba_steps_to_track=steps_to_track,
-                model=self.target_worker.model_runner.model,
-                req_pool_indices=batch.req_pool_indices[:bs],
-            )
         if on_publish is not None:
             on_publish(new_seq_lens)
 
         hidden = logits_output.hidden_states
         if hidden is None:
             raise RuntimeError("DDTREE verify requires target hidden states, but got None.")
-        self._append_target_hidden_to_draft_kv_by_loc(
-            target_hidden=hidden.index_select(0, c.append_rows),
-            cache_loc=c.append_cache_loc_2d.reshape(-1),
-            cache_loc_2d=c.append_cache_loc_2d,
-            positions=c.append_positions,
-            commit_lens=c.commit_lens,
-        )
+        with record_function("ddtree.commit_draft_kv"):
+            self._append_target_hidden_to_draft_kv_by_loc(
+                target_hidden=hidden.index_select(0, c.append_rows),
+                cache_loc=c.append_cache_loc_2d.reshape(-1),
+                cache_loc_2d=c.append_cache_loc_2d,
+                positions=c.append_positions,
+                commit_lens=c.commit_lens,
+            )
         logits_output.hidden_states = None
         return GenerationBatchResult(
             logits_output=logits_output,
             next_token_ids=c.out_tokens.reshape(-1),
             accept_lens=c.commit_lens,
-            can_run_cuda_graph=False,
+            can_run_cuda_graph=self._verify_used_graph,
             next_draft_input=self._make_next_draft_input_decode(bonus_tokens=c.bonus, new_seq_lens=new_seq_lens),
             speculative_num_draft_tokens=d,
             new_seq_lens=new_seq_lens,

@@ -9,7 +9,11 @@ cannot run on the fleet's torch 2.11.0 hosts; it is tested on CPU only.
 
 from __future__ import annotations
 
+from ..capabilities import load_capabilities as _caps
+
 VERSION = "0.5.23"
+# Whether tree-verify may run under decode CUDA graphs with this release (capabilities.json says it per version).
+TREE_VERIFY_CUDA_GRAPHS = bool(_caps()["per_version"][VERSION].get("tree_verify_cuda_graphs", False))
 
 
 def attention_backends(server_args) -> dict:

@@ -1,0 +1,127 @@
+"""The synthetic language (sglang_ddtree.markov): seeded tables, set probabilities, greedy, and the estimator."""
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from sglang_ddtree import markov  # noqa: E402
+from sglang_ddtree.tree import build_tree_reference  # noqa: E402
+
+
+def test_same_seed_same_language_other_seed_another():
+    a, b, c = markov.make_source(3, vocab=512), markov.make_source(3, vocab=512), markov.make_source(4, vocab=512)
+    for name in ("group", "cls", "cand", "tail"):
+        assert torch.equal(getattr(a, name), getattr(b, name))
+    assert not torch.equal(a.cand, c.cand)
+    xa, ra = a.sample(64, 40, torch.Generator().manual_seed(9))
+    xb, rb = b.sample(64, 40, torch.Generator().manual_seed(9))
+    assert torch.equal(xa, xb) and torch.equal(ra, rb)
+    xc, _ = a.sample(64, 40, torch.Generator().manual_seed(10))
+    assert not torch.equal(xa, xc)
+
+
+def test_text_never_holds_reserved_or_mask_ids_and_candidates_sit_in_their_group():
+    s = markov.make_source(0, vocab=256)
+    x, r = s.sample(256, 64, torch.Generator().manual_seed(1))
+    assert torch.equal(x[:, 0], markov.MARKER_BASE + r)  # the sequence announces its regime
+    assert int(x[:, 1:].min()) >= markov.FIRST_TEXT_TOKEN and int(x.max()) < s.mask_token_id
+    text = torch.tensor(list(s.text_tokens))
+    for j in range(3):
+        assert bool((s.group[s.cand[text, j]] == j).all())
+    sizes = torch.bincount(s.group[text], minlength=3)
+    assert int(sizes.max() - sizes.min()) <= 1  # balanced partition
+
+
+def test_empirical_frequencies_match_the_set_probabilities():
+    s = markov.make_source(1, vocab=512, probs=(0.6, 0.25, 0.1))
+    n = 200_000
+    g = torch.Generator().manual_seed(5)
+    a = torch.randint(markov.FIRST_TEXT_TOKEN, 511, (n,), generator=g)
+    b = torch.randint(markov.FIRST_TEXT_TOKEN, 511, (n,), generator=g)
+    r = torch.randint(0, 3, (n,), generator=g)
+    c = s.sample_next(a, b, r, g)
+    slot = s.slot(a, r)
+    for i, p in enumerate(s.probs):
+        want = s.cand[b, :].gather(1, ((slot + i) % 3).unsqueeze(1)).squeeze(1)
+        freq = float((c == want).float().mean())
+        # a tail token equal to a candidate adds at most tail/n_tail to it
+        assert abs(freq - p) < 0.006 + s.tail_prob / s.tail.shape[1], (i, freq, p)
+    in_tail = (s.tail[b] == c.unsqueeze(1)).any(1)
+    in_cand = (s.cand[b] == c.unsqueeze(1)).any(1)
+    assert abs(float((in_tail & ~in_cand).float().mean()) - s.tail_prob) < 0.01
+    # and the dense distribution agrees with sampling for one fixed context
+    a1, b1, r1 = torch.tensor([17]), torch.tensor([100]), torch.tensor([2])
+    probs = s.next_probs(a1, b1, r1)[0]
+    assert math.isclose(float(probs.sum()), 1.0, rel_tol=1e-9)
+    draws = s.sample_next(a1.expand(50_000), b1.expand(50_000), r1.expand(50_000), torch.Generator().manual_seed(2))
+    emp = torch.bincount(draws, minlength=s.vocab).double() / draws.numel()
+    assert float((emp - probs).abs().max()) < 0.01
+
+
+def test_greedy_continuation_is_the_argmax_and_the_regime_is_recoverable():
+    s = markov.make_source(2, vocab=512)
+    x, r = s.sample(32, 48, torch.Generator().manual_seed(3))
+    cont = s.greedy_continuation(x, r, 20)
+    a, b = x[:, -2], x[:, -1]
+    for t in range(20):
+        assert torch.equal(cont[:, t], s.next_probs(a, b, r).argmax(1))
+        a, b = b, cont[:, t]
+    # the regime changes the greedy choice (it is what makes the target's greedy non-trivial)
+    other = s.greedy_continuation(x, (r + 1) % 3, 20)
+    assert float((other != cont).float().mean()) > 0.9
+    post = s.regime_posterior(x)  # from the text alone: the marker is not needed to know the regime
+    assert float((post.argmax(1) == r).float().mean()) >= 0.9
+
+
+def test_bad_parameters_are_refused():
+    with pytest.raises(ValueError, match="vocab"):
+        markov.make_source(0, vocab=16)
+    with pytest.raises(ValueError, match="probs"):
+        markov.make_source(0, probs=(0.3, 0.5, 0.1))
+    with pytest.raises(ValueError, match="probs"):
+        markov.make_source(0, probs=(0.6, 0.3, 0.2))
+
+
+def test_expected_accept_by_hand():
+    prof = [[0.6, 0.4], [0.6, 0.4]]
+    e = markov.expected_accept(prof, budget=3)
+    assert math.isclose(e["chain"], 1 + 0.6 + 0.36)
+    # best-first: (0) .6, (1) .4, (0,0) .36 -> expected accepted nodes .6 + .4 + .36
+    assert math.isclose(e["tree"], 1 + 0.6 + 0.4 + 0.36)
+    # the truth never at rank 1: the tree's extra node is worth nothing
+    e2 = markov.expected_accept(prof, budget=3, rank_probs=[[1.0, 0.0], [1.0, 0.0]])
+    assert math.isclose(e2["chain"], 3.0) and math.isclose(e2["tree"], 3.0)
+    assert math.isclose(markov.expected_accept(prof, budget=3, block=2)["chain"], 1.6)
+    with pytest.raises(ValueError, match="sorted"):
+        markov.expected_accept([[0.4, 0.6]], budget=2)
+    with pytest.raises(ValueError, match="summing"):
+        markov.expected_accept([[0.9, 0.4]], budget=2)
+
+
+def test_expected_accept_matches_a_simulation_through_the_plugins_tree():
+    """Monte Carlo: draw the truth's rank per depth, build the tree from the profile, walk it."""
+    prof = torch.tensor([[0.8, 0.12, 0.05], [0.6, 0.25, 0.1], [0.5, 0.3, 0.15], [0.45, 0.3, 0.2]])
+    rank_probs = torch.tensor([[0.85, 0.1, 0.04], [0.55, 0.3, 0.1], [0.5, 0.25, 0.15], [0.4, 0.3, 0.2]])
+    budget = 7
+    e = markov.expected_accept(prof, budget, rank_probs=rank_probs)
+    tree = build_tree_reference(torch.log(prof), budget)
+    nodes = {tuple(tree.ranks[s] for s in tree.path(slot)) for slot in range(1, tree.num_nodes + 1)}
+    g = torch.Generator().manual_seed(0)
+    full = torch.cat([rank_probs, (1 - rank_probs.sum(1, keepdim=True))], 1)  # last column: rank >= K
+    n = 40_000
+    draws = torch.stack([torch.multinomial(full[d], n, replacement=True, generator=g) for d in range(4)], 1)
+    chain = tree_acc = 0
+    for row in draws.tolist():
+        k = 0
+        while k < 4 and row[k] == 0:
+            k += 1
+        chain += 1 + k
+        d = 0
+        while d < 4 and tuple(row[: d + 1]) in nodes:
+            d += 1
+        tree_acc += 1 + d
+    assert abs(chain / n - e["chain"]) < 0.03
+    assert abs(tree_acc / n - e["tree"]) < 0.03
+    assert e["tree"] > e["chain"]
