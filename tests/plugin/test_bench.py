@@ -498,3 +498,20 @@ def test_tiny_train_runs_the_kit_on_the_bench_gpu_first(tmp_path, monkeypatch, c
                        "--json", str(tmp_path / "r2.json")])
     assert code == bench.EXIT_FAILED and not (state / "argv.jsonl").exists()
     assert "this plugin has no sglang_ddtree.trainkit" in json.loads((tmp_path / "r2.json").read_text())["error"]
+
+
+def test_reads_what_the_training_kit_writes(tmp_path):
+    """The training kit's own output (its CPU toy preset, seconds): the pair, its block and its held-out prompts."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "kit"
+    r = subprocess.run([sys.executable, "-m", "sglang_ddtree.trainkit", str(out), "--family", "dense", "--device", "cpu",
+                        "--preset", "toy", "--seed", "3"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = bench.resolve_tiny(str(out), "dense")
+    assert got["kind"] == "trained" and got["prompts"] == str(out / "prompts.jsonl")
+    tcfg, dcfg = bench.read_config(got["target"]), bench.read_config(got["drafter"])
+    prompts = bench.load_prompts(got["prompts"], tcfg["vocab_size"])
+    assert prompts and all(0 <= t < tcfg["vocab_size"] for p in prompts for t in p)
+    assert bench.drafter_block(dcfg) == dcfg["dflash_config"]["block_size"] and not bench.is_hybrid(tcfg)
+    assert bench.trainkit_argv(sys.executable, str(out), "dense", 3)[2:] == ["sglang_ddtree.trainkit", str(out), "--seed",
+                                                                          "3", "--family", "dense", "--device", "cuda"]
