@@ -44,7 +44,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from . import modes, values
-from .inventory import Host, Inventory, Service
+from .inventory import Host, Inventory
 from .release import hybrid
 
 REPORT_SCHEMA = "ddtree-bench/1"  # what the plugin's bench module writes
