@@ -44,7 +44,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from . import modes, values
-from .inventory import Host, Inventory, Service
+from .inventory import Host, Inventory
 from .release import hybrid
 
 REPORT_SCHEMA = "ddtree-bench/1"  # what the plugin's bench module writes
@@ -259,7 +259,8 @@ def plan_bench(host: Host, probe: dict, *, gpu: int | None = None, modes_: tuple
                      family_reason=reason, model=model, draft_model=draft, release=probe["current"], plugin=plugin,
                      venv=host.vars["venv"], user=host.vars["service_user"],
                      prefix=f"ddtree-bench-{secrets.token_hex(6)}",
-                     server_args=tuple(server_args) + (tuple(svc.extra_args) if svc is not None and not tiny else ()),
+                     # the service's own extra_args, then --server-args (last, so the operator's word wins)
+                     server_args=(tuple(svc.extra_args) if svc is not None and not tiny else ()) + tuple(server_args),
                      deadline=float(deadline), prompts=prompts, prompts_source=prompts_source,
                      warnings=tuple(warnings))
 
@@ -539,6 +540,12 @@ def resolve_auto(inventory_path: str, hosts: list[Host], plugin_digest: str | No
 
 
 # ----------------------------------------------------------------------------- showing it
+def failure_line(error) -> str:
+    """A failed run's reason on one line: its first line and the last (the server log's, which says why)."""
+    lines = [ln.strip() for ln in str(error or "failed").splitlines() if ln.strip()] or ["failed"]
+    return (lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}")[:300]
+
+
 def rows(report: dict) -> list[dict]:
     """One flat row per run and level (a failed run with no level: one row saying why)."""
     out = []
@@ -547,8 +554,7 @@ def rows(report: dict) -> list[dict]:
             run["mode"], f"{run['mode']} B={run['budget']}")
         label = f"{part} graphs={'on' if run['graphs'] else 'off'}"
         if not run["levels"]:
-            out.append({"label": label, "failed": (run.get("error") or run["status"]).strip().splitlines()[0][:160]
-                        if (run.get("error") or "").strip() else run["status"]})
+            out.append({"label": label, "failed": failure_line(run.get("error") or run["status"])})
         for lv in run["levels"]:
             out.append(dict(lv, label=label))
     return out
@@ -645,14 +651,23 @@ def outcome(res: dict) -> tuple[int, str, dict | None]:
     if failed:
         return EXIT_FAILED, line + "; failed: " + "; ".join(
             f"{r['mode']}{' B=%s' % r['budget'] if r['budget'] else ''} graphs={'on' if r['graphs'] else 'off'}: "
-            f"{(r.get('error') or '').strip().splitlines()[0][:200] if (r.get('error') or '').strip() else 'failed'}"
-            for r in failed[:4]), rep
+            f"{failure_line(r.get('error'))}" for r in failed[:4]), rep
     return EXIT_OK, "ok: " + line, rep
 
 
-def run(inv: Inventory, host: Host, on_plan=None, **kw) -> dict:
+def host_command(plan: BenchPlan) -> list[str]:
+    """The command line the host op will run for `plan` (built by the op's own function, shown by --dry-run)."""
+    from .remote.host.bench import bench_argv
+
+    work = "/tmp/" + plan.prefix + "-op-XXXX"
+    return bench_argv(f"{plan.venv}/bin/python", plan.agent_args(), work + "/report.json", int(plan.deadline) - 15,
+                      work)
+
+
+def run(inv: Inventory, host: Host, on_plan=None, dry_run: bool = False, **kw) -> dict:
     """Plan and run the benchmark on `host`: {plan, result, exit, line, record, saved} (plan None when refused
-    or unreachable); a checked report is kept (save_result) even when some of its runs failed."""
+    or unreachable); a checked report is kept (save_result) even when some of its runs failed. `dry_run`: the
+    read-only probe and the plan only (with the host's command line), nothing started."""
     from .release.rollout import host_args
     from .remote.client import Remote
     from .ssh import run_per_host
@@ -668,6 +683,8 @@ def run(inv: Inventory, host: Host, on_plan=None, **kw) -> dict:
             return None, str(exc)
         if on_plan:
             on_plan(plan)
+        if dry_run:
+            return plan, None
         return plan, remote.call("bench.run", plan.agent_args(), deadline=plan.deadline)
 
     (r,) = run_per_host(inv, [host], one, label="bench")
@@ -676,6 +693,9 @@ def run(inv: Inventory, host: Host, on_plan=None, **kw) -> dict:
     plan, res = r.value
     if plan is None:
         return {"plan": None, "result": None, "exit": EXIT_CANNOT_RUN, "line": f"refused: {res}"}
+    if dry_run:
+        return {"plan": plan.to_json(), "command": host_command(plan), "result": None, "exit": EXIT_OK,
+                "line": "dry run: nothing started", "record": None, "saved": None}
     code, line, rep = outcome(res)
     out = {"plan": plan.to_json(), "result": {k: res.get(k) for k in ("rc", "timed_out", "seconds")},
            "exit": code, "line": line, "record": None, "saved": None}

@@ -68,6 +68,9 @@ def plan_smoke(host: Host, probe: dict, gpu: int | None = None, mode: str | None
     if configured == "auto":  # what the last deploy chose for it (mode auto is resolved at deploy from bench)
         man = probe.get("manifest") if isinstance(probe.get("manifest"), dict) else {}
         configured = ((man.get("services") or {}).get(svc.instance) or {}).get("mode")
+        if not (mode or configured):
+            raise SmokeRefused(f"{svc.instance} has mode auto and no deployed choice yet (fab deploy picks it from "
+                               "fab bench): pass --mode")
     mode = mode or configured
     if mode not in SMOKE_MODES:
         raise SmokeRefused(f"mode {mode!r}: choose one of {', '.join(SMOKE_MODES)}")

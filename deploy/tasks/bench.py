@@ -18,9 +18,10 @@ from invoke import Exit, task
             "tokens": "new tokens a request (default 128)", "requests": "requests a level (default: the prompts)",
             "server_args": "extra SGLang arguments for every bench server (one string; the service's extra_args "
                            "are passed too)",
-            "timeout": "seconds for the whole run on the host (default 3600)", "json": "print the result as JSON"})
+            "timeout": "seconds for the whole run on the host (default 3600)", "json": "print the result as JSON",
+            "dry_run": "probe and plan only: show the plan and the host's command line, start nothing"})
 def bench(c, host, gpu=None, modes=None, budgets=None, concurrency=None, graphs=None, prompts=None, tiny=False,
-          family=None, tokens=None, requests=None, server_args=None, timeout=3600, json=False):
+          family=None, tokens=None, requests=None, server_args=None, timeout=3600, json=False, dry_run=False):
     """Benchmark plain, DFLASH and DDTREE on one GPU with the active release; keep the result for `mode: auto`."""
     from pathlib import Path
 
@@ -59,7 +60,11 @@ def bench(c, host, gpu=None, modes=None, budgets=None, concurrency=None, graphs=
         for w in plan.warnings:
             print(f"[{plan.host}] WARNING {w}", flush=True)
 
-    out = lib.run(inv, inv.hosts[host], on_plan=show, **kw)
+    out = lib.run(inv, inv.hosts[host], on_plan=show, dry_run=bool(dry_run), **kw)
+    if out.get("command") and not json:
+        import shlex
+
+        print(f"[{host}] would run: {shlex.join(out['command'])}")
     rec = out.get("record")
     if rec is not None:
         try:

@@ -63,7 +63,7 @@ def test_plan_takes_the_service_its_models_block_and_extra_args(tmp_path):
     assert p.prefix.startswith("ddtree-bench-") and p.user == "sglang" and p.tiny is None
     assert "share its memory" in p.warnings[0]
     p1 = bench.plan_bench(h, probe(), gpu=1, server_args=("--max-running-requests", "32"))
-    assert p1.server_args == ("--max-running-requests", "32", "--chunked-prefill-size", "4096")
+    assert p1.server_args == ("--chunked-prefill-size", "4096", "--max-running-requests", "32")
     a = p1.agent_args()
     assert a["modes"] == ["plain", "dflash", "tree-verify"] and a["budgets"] == [15, 31, 63] and a["prompts"] is None
     t = bench.plan_bench(h, probe(), tiny=True)
@@ -190,7 +190,8 @@ def test_outcome_lines():
     bad = report()
     bad["runs"][3].update(status="failed", error="RuntimeError: server exited during start-up:\nrefused", levels=[])
     code, line, _ = bench.outcome({"report": bad})
-    assert code == 1 and "3/4 servers measured" in line and "tree-verify B=31 graphs=off: RuntimeError" in line
+    assert code == 1 and "3/4 servers measured" in line
+    assert "tree-verify B=31 graphs=off: RuntimeError: server exited during start-up: ... refused" in line
     code, line, _ = bench.outcome({"report": report(schema="evil")})
     assert code == 1 and line.startswith("the host's report was refused: schema is 'evil'")
 
@@ -418,3 +419,14 @@ def test_host_op_command_line_is_what_the_plugins_parser_reads():
     ns = pb.parse_args(hostbench.bench_argv("/py", t, "/r", 60, "/w")[3:])
     assert (ns.tiny_train, ns.family, ns.model) == (True, "dense", None)
     assert copy.deepcopy(a) == a  # check_args changed nothing
+
+
+def test_smoke_of_an_auto_service_runs_the_mode_the_last_deploy_chose(tmp_path):
+    from deploy.smoke import SmokeRefused, plan_smoke
+
+    h = inventory(tmp_path).hosts["h"]
+    pr = probe(manifest={"services": {"gpu1": {"mode": "linear", "auto": "linear: 500.0 tok/s ..."}}})
+    assert plan_smoke(h, pr, gpu=1).mode == "linear"
+    assert plan_smoke(h, pr, gpu=1, mode="plain").mode == "plain"
+    with pytest.raises(SmokeRefused, match="gpu1 has mode auto and no deployed choice yet"):
+        plan_smoke(h, probe(manifest=None), gpu=1)

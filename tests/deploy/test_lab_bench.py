@@ -25,7 +25,7 @@ def deployed(lab, tmp_path_factory, fab):
     none = fab("bench", HOST, inventory=inv)
     r = fab("deploy", "--yes", inventory=inv)
     assert r.returncode == 0, r.stdout + r.stderr
-    yield {"inv": inv, "tmp": tmp, "before_deploy": none}
+    yield {"inv": inv, "tmp": tmp, "before_deploy": none, "lab": lab}
     ssh(lab, HOST, CLEAN + f"; {lab.hosts[HOST].vars['venv']}/bin/python -m pip uninstall -y -q sglang-ddtree",
         check=False)
 
@@ -67,6 +67,20 @@ def test_json_and_tiny_say_the_same(deployed, fab):
     assert r.returncode == 2 and out["exit"] == 2 and out["record"] is None
     assert out["plan"]["tiny"] == "dense" and out["plan"]["modes"] == ["plain", "tree-verify"]
     assert out["line"].startswith("cannot run: no GPU device")
+    pf = deployed["tmp"] / "prompts.jsonl"  # prompts travel in the call and are written in the op's private dir
+    pf.write_text('{"input_ids": [1, 2, 3]}\n[4, 5]\n')
+    r = fab("bench", HOST, "--prompts", str(pf), "--modes", "plain", inventory=deployed["inv"])
+    assert r.returncode == 2 and f"prompts {pf}" in r.stdout and "cannot run: no GPU device" in r.stderr
+    assert ssh(deployed["lab"], HOST, "ls /tmp | grep -c ddtree-bench || true").stdout.strip() == "0"
+    pf.write_text('[1, 2]\n[3, "x"]\n')
+    r = fab("bench", HOST, "--prompts", str(pf), inventory=deployed["inv"])
+    assert r.returncode == 2 and f"{pf}:2: a prompt is" in r.stderr
+    r = fab("bench", HOST, "--dry-run", "--budgets", "15,31", inventory=deployed["inv"])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (f"[{HOST}] would run: /opt/sglang/venv/bin/python -m sglang_ddtree.bench --gpu 0 --modes "
+            "plain,dflash,tree-verify --budgets 15,31 --concurrency 1,4,16 --graphs both --block 16") in r.stdout
+    assert "--launcher systemd-run --unit-prefix ddtree-bench-" in r.stdout and "--user sglang" in r.stdout
+    assert "--model /models/Qwen3-8B --draft-model /models/Qwen3-8B-DFlash-b16" in r.stdout
     r = fab("bench", HOST, "--gpu", "3", inventory=deployed["inv"])
     assert r.returncode == 2 and f"{HOST} has no GPU 3 (its GPUs: 0)" in r.stderr
     r = fab("bench", HOST, "--server-args", "--host 0.0.0.0", inventory=deployed["inv"])

@@ -310,10 +310,12 @@ def test_table_has_a_line_per_run_and_level_and_says_what_failed():
     assert "NVIDIA H200" in lines[0] and "64 new tokens" in lines[0]
     assert lines[1].split()[:4] == ["run", "conc", "req", "tok/s"]
     body = [ln for ln in lines[3:]]
-    assert len(body) == 5
+    assert len(body) == 6
     assert body[0].startswith("plain graphs=off") and body[0].split()[2:4] == ["1", "1"]
     assert "150.0" in body[2] and "tree-verify B=15 graphs=off" in body[2]
-    assert "FAILED" in body[4] and "server exited during start-up" in body[4]
+    assert body[4].split()[:4] == ["tree-verify", "B=15", "graphs=on", "-"] and "FAILED" in body[4]
+    assert body[5] == ("FAILED tree-verify B=15 graphs=on: RuntimeError: server exited during start-up: ... "
+                       "DDTREE tree-verify needs ...")
 
 
 def _png_size(path):
@@ -414,6 +416,8 @@ def test_a_whole_run_on_stand_in_servers_one_at_a_time(tmp_path, monkeypatch, ca
     assert tv[tv.index("--speculative-num-draft-tokens") + 1] == "8" and "--skip-tokenizer-init" in tv
     assert argvs[1][argvs[1].index("--speculative-num-draft-tokens") + 1] == "4"  # the drafter's own block
     assert "tree-verify B=7 graphs=on" in table and "FAILED" in table and "dflash blk=4 graphs=off" in table
+    assert ("FAILED tree-verify B=7 graphs=on: RuntimeError: server exited during start-up: ... ValueError: DDTREE "
+            "tree-verify needs --cuda-graph-backend-decode disabled") in table  # the server's own reason
     assert sorted(os.listdir(out / "logs")) == sorted(f"{k:02d}-{m}.log" for k, m in enumerate(
         ["plain-0-e", "dflash-4-e", "tree-verify-7-e", "plain-0-g", "dflash-4-g", "tree-verify-7-g"]))
     if (out / "bench.png").exists():
@@ -486,6 +490,7 @@ def test_tiny_train_runs_the_kit_on_the_bench_gpu_first(tmp_path, monkeypatch, c
     assert doc["model"]["source"] == "tiny-trained" and doc["model"]["target"].endswith("/tiny/dense-target")
     assert doc["settings"]["prompts"]["source"].endswith("/tiny/prompts.jsonl")
     assert doc["runs"][0]["levels"][0]["requests"] == 2 and doc["runs"][0]["block"] == 4
+    assert doc["settings"]["tiny_train_s"] is not None
     assert not os.path.exists(os.path.dirname(doc["model"]["target"]))  # the private work dir is gone
     (state / "no-kit").touch()  # a plugin without the training kit: said plainly, nothing started
     (state / "argv.jsonl").unlink()
@@ -493,3 +498,20 @@ def test_tiny_train_runs_the_kit_on_the_bench_gpu_first(tmp_path, monkeypatch, c
                        "--json", str(tmp_path / "r2.json")])
     assert code == bench.EXIT_FAILED and not (state / "argv.jsonl").exists()
     assert "this plugin has no sglang_ddtree.trainkit" in json.loads((tmp_path / "r2.json").read_text())["error"]
+
+
+def test_reads_what_the_training_kit_writes(tmp_path):
+    """The training kit's own output (its CPU toy preset, seconds): the pair, its block and its held-out prompts."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "kit"
+    r = subprocess.run([sys.executable, "-m", "sglang_ddtree.trainkit", str(out), "--family", "dense", "--device", "cpu",
+                        "--preset", "toy", "--seed", "3"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = bench.resolve_tiny(str(out), "dense")
+    assert got["kind"] == "trained" and got["prompts"] == str(out / "prompts.jsonl")
+    tcfg, dcfg = bench.read_config(got["target"]), bench.read_config(got["drafter"])
+    prompts = bench.load_prompts(got["prompts"], tcfg["vocab_size"])
+    assert prompts and all(0 <= t < tcfg["vocab_size"] for p in prompts for t in p)
+    assert bench.drafter_block(dcfg) == dcfg["dflash_config"]["block_size"] and not bench.is_hybrid(tcfg)
+    assert bench.trainkit_argv(sys.executable, str(out), "dense", 3)[2:] == ["sglang_ddtree.trainkit", str(out), "--seed",
+                                                                          "3", "--family", "dense", "--device", "cuda"]

@@ -11,7 +11,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import tempfile
 
 from . import proc

@@ -471,6 +471,14 @@ def rows(doc: dict) -> List[dict]:
     return out
 
 
+def failure_summary(error) -> str:
+    """A failed run's reason on one line: its first line and, when the server's log follows, the log's last line
+    (where SGLang or the plugin says why it refused to start)."""
+    lines = [ln.strip() for ln in str(error or "failed").splitlines() if ln.strip()] or ["failed"]
+    text = lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"
+    return text[:300]
+
+
 def _f(v, nd=1) -> str:
     return "-" if v is None else f"{v:.{nd}f}"
 
@@ -478,11 +486,11 @@ def _f(v, nd=1) -> str:
 def format_table(doc: dict) -> str:
     """The report as a fixed-width text table (one line per mode/budget/graphs and concurrency)."""
     head = ("run", "conc", "req", "tok/s", "accept", "ttft p50", "ttft p99", "itl p50", "itl p99")
-    lines = []
+    lines, notes = [], []
     for r in rows(doc):
         if "failed" in r:
-            reason = str(r["failed"]).strip().splitlines()[0][:100] if str(r["failed"]).strip() else "failed"
-            lines.append((r["label"], "-", "-", "FAILED", reason, "", "", "", ""))
+            lines.append((r["label"], "-", "-", "FAILED", "", "", "", "", ""))
+            notes.append(f"FAILED {r['label']}: {failure_summary(r['failed'])}")
             continue
         lines.append((r["label"], str(r["concurrency"]), f"{r['requests']}" + (f" ({r['errors']} err)" if r["errors"] else ""),
                       _f(r["output_tok_s"]), _f(r["accept_length"], 2), _f(r["ttft_ms"]["p50"]),
@@ -492,7 +500,7 @@ def format_table(doc: dict) -> str:
     m = doc.get("model") or {}
     title = (f"{m.get('target')} (drafter {m.get('drafter')}), GPU {(doc.get('gpu') or {}).get('name')}, "
              f"{(doc.get('settings') or {}).get('max_new_tokens')} new tokens a request; ms for latencies")
-    return "\n".join([title, fmt(head), fmt(tuple("-" * w for w in widths))] + [fmt(x) for x in lines])
+    return "\n".join([title, fmt(head), fmt(tuple("-" * w for w in widths))] + [fmt(x) for x in lines] + notes)
 
 
 def write_plot(doc: dict, path: str) -> str:
@@ -778,7 +786,7 @@ def main(argv=None) -> int:
     if a.user and logdir != workdir:
         shutil.chown(logdir, user=a.user)
     old = signal.signal(signal.SIGTERM, _on_sigterm)
-    code = EXIT_FAILED
+    code, train_s = EXIT_FAILED, None
     try:
         if a.tiny_random:
             from . import tiny
@@ -806,7 +814,7 @@ def main(argv=None) -> int:
                 r = subprocess.run(argv, stdout=kit_out, env=env, timeout=max(60, a.runtime_max))
                 if r.returncode:
                     raise RuntimeError(f"the training kit exited {r.returncode}")
-                doc["settings"]["tiny_train_s"] = round(time.time() - t0, 1)
+                train_s = round(time.time() - t0, 1)
                 if a.user:
                     for dirpath, _, files in os.walk(out):
                         shutil.chown(dirpath, user=a.user)
@@ -836,7 +844,7 @@ def main(argv=None) -> int:
                            "warmup_tokens": a.warmup_tokens, "server_args": a.server_args,
                            "prompts": {"source": psrc, "count": len(prompts),
                                        "mean_len": round(sum(map(len, prompts)) / len(prompts), 1)},
-                           "launcher": a.launcher}
+                           "launcher": a.launcher, "tiny_train_s": train_s}
         a.requests = a.requests or len(prompts)
         log(f"bench: {len(runs)} server(s) one after another on GPU {a.gpu} ({doc['gpu']['name']}), "
             f"concurrency {a.concurrency}, {a.max_new_tokens} new tokens, {len(prompts)} prompts ({psrc})")
