@@ -413,6 +413,24 @@ def facts_coherence(venv: dict | None, machine: str | None, glibc: str | None) -
             "native": native.as_dict() if native else None, "reasons": reasons}
 
 
+def tree_graph_refusal(venv: dict | None, caps: dict, graph_services: list) -> list[str]:
+    """Tree-verify services rendered with decode CUDA graphs need an SGLang whose plugin adapter captures the
+    target's verify graph with the tree mask (``per_version[V].tree_verify_cuda_graphs`` in the plugin's
+    capabilities.json); with another the server refuses to start, so the plan refuses the host first."""
+    if not graph_services:
+        return []
+    dists = ((venv or {}).get("collected") or {}).get("distributions") or []
+    have = next((d.get("version") for d in dists if canonicalize_name(d.get("name") or "") == "sglang"), None)
+    per = (caps.get("per_version") or {}) if isinstance(caps, dict) else {}
+    if have is None or not isinstance(per.get(have), dict) or per[have].get("tree_verify_cuda_graphs") is True:
+        return []  # no SGLang / an unsupported one: deploy_refusals says so
+    gpus = ", ".join(s.instance for s in graph_services)
+    return [f"coherence: tree-verify under decode CUDA graphs ({gpus}) is not supported by the plugin with SGLang "
+            f"{have} (capabilities.json: tree_verify_cuda_graphs is false); set cuda_graphs: false for these "
+            "services, or run an SGLang whose adapter captures the tree mask "
+            f"({', '.join(v for v, d in sorted(per.items()) if isinstance(d, dict) and d.get('tree_verify_cuda_graphs'))})"]
+
+
 def deploy_refusals(venv: dict | None, caps: dict) -> tuple[list[str], list[str]]:
     """(refusals, warnings) of the deploy preflight for one host, from fresh venv facts (deploy/facts.py)
     and the capabilities of the plugin being deployed: the SGLang version the plugin must support, the pins

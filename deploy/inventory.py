@@ -83,6 +83,9 @@ VARS: dict[str, tuple] = {
     "budget": (_in_range(modes.BUDGET_MIN, modes.BUDGET_MAX), f"an integer in [{modes.BUDGET_MIN}, {modes.BUDGET_MAX}]"),
     "block_size": (_in_range(modes.BLOCK_SIZE_MIN, modes.BLOCK_SIZE_MAX),
                    f"an integer in [{modes.BLOCK_SIZE_MIN}, {modes.BLOCK_SIZE_MAX}]"),
+    # decode CUDA graphs (SGLang's own); in tree-verify only where the plugin's adapter for the host's SGLang
+    # captures the verify graph with the tree mask (capabilities.json tree_verify_cuda_graphs; the plan checks)
+    "cuda_graphs": (lambda v: isinstance(v, bool), "true or false"),
     "base_port": (_is_port, "a TCP port (1-65535)"),
     "extra_args": (_each(values.extra_arg, "a list of strings"), "a list of strings"),
     "env": (_env_map, "a mapping of names to strings"),
@@ -104,12 +107,13 @@ VARS: dict[str, tuple] = {
 }
 SERVICE_KEYS = {"port": (_is_port, "a TCP port (1-65535)"), "enabled": (lambda v: isinstance(v, bool), "true or false")}
 SERVICE_VARS = ("model", "draft_model", "served_model_name", "mode", "budget", "block_size", "extra_args", "env",
-                "concurrency")
+                "concurrency", "cuda_graphs")
 DEFAULT_VARS = {
     "venv": "/opt/sglang/venv",
     "mode": modes.DEFAULTS["mode"],
     "budget": modes.DEFAULTS["budget"],
     "block_size": modes.DEFAULTS["block_size"],
+    "cuda_graphs": True,
     "base_port": 30000,
     "extra_args": [],
     "env": {},
@@ -159,6 +163,7 @@ class Service:
     listen: str = "127.0.0.1"  # --host: the host's listen_address
     concurrency: int | None = None  # the concurrent requests it is sized for (mode auto picks for it)
     auto: str | None = None  # set by `fab deploy` when the mode and budget came from `mode: auto`: why (bench)
+    cuda_graphs: bool = True  # SGLang's decode CUDA graphs (tree-verify: where the plugin's adapter supports them)
 
     @property
     def instance(self) -> str:
@@ -473,5 +478,5 @@ def _services(c: _Checker, h: PosDict, where: str, hname: str, gpus, resolved: d
         out.append(Service(hname, gpu, port, v.get("model"), v.get("draft_model"), v.get("served_model_name"),
                            v["mode"], v["budget"], v["block_size"], tuple(v["extra_args"]),
                            tuple(sorted((k, str(x)) for k, x in v["env"].items())), o.get("enabled", True),
-                           resolved["listen_address"], v.get("concurrency")))
+                           resolved["listen_address"], v.get("concurrency"), cuda_graphs=v["cuda_graphs"]))
     return tuple(out)

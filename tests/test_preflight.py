@@ -265,3 +265,24 @@ def test_a_probe_without_a_venv_or_torch_has_no_native_report(tmp_path):
     f = F.build_facts("x", raw)
     assert f["venv"]["collected"]["distributions"] == [] and f["coherence"]["ok"] is True
     assert json.dumps(f["coherence"]["native"]["warnings"]) == '["torch is not installed: no native extension to check"]'
+
+
+def test_tree_verify_under_graphs_is_refused_where_the_adapter_cannot_capture_the_tree_mask():
+    """The plugin's capabilities say per SGLang version whether tree-verify runs under decode CUDA graphs;
+    a host whose SGLang says no is refused at the plan (naming the services and the fix), one that says yes
+    is not, and services rendered without graphs never are."""
+    from types import SimpleNamespace as NS
+
+    from deploy import coherence as C
+
+    caps = {"per_version": {"0.5.17": {"tree_verify_cuda_graphs": True}, "0.5.23": {"tree_verify_cuda_graphs": False}}}
+    svc = [NS(instance="gpu0"), NS(instance="gpu3")]
+
+    def venv(v):
+        return {"collected": {"distributions": [{"name": "SGLang", "version": v}, {"name": "torch", "version": "2.11.0"}]}}
+
+    assert C.tree_graph_refusal(venv("0.5.17"), caps, svc) == []
+    (msg,) = C.tree_graph_refusal(venv("0.5.23"), caps, svc)
+    assert "gpu0, gpu3" in msg and "SGLang 0.5.23" in msg and "cuda_graphs: false" in msg and "(0.5.17)" in msg
+    assert C.tree_graph_refusal(venv("0.5.23"), caps, []) == []
+    assert C.tree_graph_refusal({}, caps, svc) == []  # no SGLang: deploy_refusals refuses it already

@@ -93,9 +93,12 @@ def server_args(svc: Service) -> list[str]:
     args += ["--speculative-algorithm", ALGORITHM[svc.mode], "--speculative-draft-model-path", svc.draft_model,
              "--speculative-dflash-block-size", str(svc.block_size)]
     if svc.mode == "tree-verify":
-        # D = B + 1 verify tokens; SGLang 0.5.23 captures the DFlash-family verify graph with a causal mask,
-        # so the plugin requires decode CUDA graphs off in tree-verify (it refuses otherwise).
-        args += ["--speculative-num-draft-tokens", str(svc.budget + 1), "--cuda-graph-backend-decode", "disabled"]
+        # D = B + 1 verify tokens. The plugin's SGLang 0.5.17 adapter captures the target's verify graph with the
+        # tree mask (it ran so on an H200); with other versions it refuses graphs, and the plan refuses the host
+        # first (coherence.tree_graph_refusal) unless the service says cuda_graphs: false.
+        args += ["--speculative-num-draft-tokens", str(svc.budget + 1)]
+    if not svc.cuda_graphs:
+        args += ["--cuda-graph-backend-decode", "disabled"]
     # shadow-linear commits through the DFlash chain: D stays the block size; B travels in the budget env.
     for a in svc.extra_args:  # no secrets, no flag the deploy tool sets (the inventory loader says file:line)
         if problem := values.extra_arg(a):

@@ -351,6 +351,9 @@ def coherence_preflight(host: Host, state: dict, caps: dict) -> tuple[list[str],
         return ["coherence: not checked (the host's probe returned no facts)"], [], {}
     facts = factsmod.build_facts(host.name, raw)
     refused, warnings = coherence.deploy_refusals(facts.get("venv"), caps)
+    refused += coherence.tree_graph_refusal(facts.get("venv"), caps,
+                                            [s for s in host.services if s.enabled and s.mode == "tree-verify"
+                                             and render.decode_cuda_graphs(s)])
     summary = {"refused": refused, "warnings": warnings, "pip_check": (facts.get("coherence") or {}).get("pip_check"),
                "sglang": (facts.get("packages") or {}).get("sglang"),
                "gpu_archs": sorted({g["sm"] for g in ((facts.get("nvidia") or {}).get("gpus") or []) if g.get("sm")})}

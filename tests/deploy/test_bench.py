@@ -328,7 +328,13 @@ def test_resolve_auto_gives_the_service_its_mode_or_refuses_the_host(tmp_path):
     gf = lambda svc, mode: render.decode_cuda_graphs(svc.__class__(**{**svc.__dict__, "mode": mode}))  # noqa: E731
     hosts, refused, notes = bench.resolve_auto(inv.path, [h], DIGEST, gf)
     assert hosts == [] and "gpu1: mode auto: no bench result for host h" in refused["h"][0]
-    bench.save_result(inv.path, record())
+    # measured as the deploy renders it: tree-verify with decode CUDA graphs (0.5.17's adapter captures the mask)
+    graphs_on = [("plain", None, None, True, [(1, 100), (4, 380), (16, 1200)]),
+                 ("dflash", None, 16, True, [(1, 150), (4, 500), (16, 1300)]),
+                 ("tree-verify", 15, None, True, [(1, 210), (4, 520), (16, 1000)]),
+                 ("tree-verify", 31, None, True, [(1, 230), (4, 505), (16, 800)]),
+                 ("tree-verify", 15, None, False, [(1, 900), (4, 900), (16, 900)])]  # not how it deploys: ignored
+    bench.save_result(inv.path, record(report(graphs_on)))
     hosts, refused, notes = bench.resolve_auto(inv.path, [h], DIGEST, gf)
     s0, s1 = hosts[0].services
     assert refused == {} and (s0.mode, s0.budget, s0.auto) == ("tree-verify", 16, None)
@@ -341,7 +347,8 @@ def test_resolve_auto_gives_the_service_its_mode_or_refuses_the_host(tmp_path):
 def test_render_says_which_modes_run_decode_graphs(tmp_path):
     s = inventory(tmp_path).hosts["h"].services[0]
     rep = lambda **kw: s.__class__(**{**s.__dict__, **kw})  # noqa: E731
-    assert render.decode_cuda_graphs(rep(mode="tree-verify")) is False
+    assert render.decode_cuda_graphs(rep(mode="tree-verify")) is True
+    assert render.decode_cuda_graphs(rep(mode="tree-verify", cuda_graphs=False)) is False
     assert render.decode_cuda_graphs(rep(mode="linear")) is True
     assert render.decode_cuda_graphs(rep(mode="shadow-linear")) is True
     assert render.decode_cuda_graphs(rep(mode="linear", extra_args=("--cuda-graph-backend-decode", "disabled"))) is False

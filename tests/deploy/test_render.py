@@ -44,7 +44,11 @@ def test_argv_per_mode(seed):
         assert a[a.index("--speculative-dflash-block-size") + 1] == "16"
     tv = render.server_args(svc(seed, mode="tree-verify", budget=32))
     assert tv[tv.index("--speculative-num-draft-tokens") + 1] == "33"  # D = B + 1
-    assert tv[tv.index("--cuda-graph-backend-decode") + 1] == "disabled"
+    assert "--cuda-graph-backend-decode" not in tv  # graphs on: the 0.5.17 adapter captures the tree mask
+    off = render.server_args(svc(seed, mode="tree-verify", budget=32, cuda_graphs=False))
+    assert off[off.index("--cuda-graph-backend-decode") + 1] == "disabled"
+    lin_off = render.server_args(svc(seed, mode="linear", cuda_graphs=False))
+    assert lin_off[lin_off.index("--cuda-graph-backend-decode") + 1] == "disabled"
     assert "--speculative-num-draft-tokens" not in render.server_args(svc(seed, mode="shadow-linear"))
 
 
@@ -229,15 +233,21 @@ def test_execstart_and_env_pass_the_plugins_own_resolver(seed, sglang_parser, mo
     s = dataclasses.replace(h.services[2], mode=mode, budget=budget)
     ns = sglang_parser.parse_args(render.service_argv(h, s)[3:])
     env = dict(render.service_env(s, CAPS))
-    cfg = plugin.resolve_ddtree_config(ns, env)
+    # graphs on: what the 0.5.17 adapter resolves (it captures the tree mask); an adapter that cannot refuses
+    cfg = plugin.resolve_ddtree_config(ns, env, tree_verify_cuda_graphs=True)
     assert cfg.mode == mode and cfg.budget == budget
+    if mode == "tree-verify":
+        with pytest.raises(plugin.DDTreeConfigError, match="cuda-graph-backend-decode disabled"):
+            plugin.resolve_ddtree_config(ns, env, tree_verify_cuda_graphs=False)
+        off = sglang_parser.parse_args(render.service_argv(h, dataclasses.replace(s, cuda_graphs=False))[3:])
+        assert plugin.resolve_ddtree_config(off, env, tree_verify_cuda_graphs=False).budget == budget
     if mode == "tree-verify":
         assert ns.speculative_num_draft_tokens == budget + 1
     # and a mistake the plugin refuses: budget env disagreeing with D
     bad = dict(env, SGLANG_DDTREE_BUDGET=str(budget + 5))
     if mode == "tree-verify":
         with pytest.raises(plugin.DDTreeConfigError):
-            plugin.resolve_ddtree_config(ns, bad)
+            plugin.resolve_ddtree_config(ns, bad, tree_verify_cuda_graphs=True)
 
 
 def test_sglang_parser_catches_a_flag_typo(seed, sglang_parser):
