@@ -1,9 +1,11 @@
 """Each adapter's worker calls its SGLang release through the names below: check
 them against the INSTALLED SGLang source (AST), for whichever supported version
 this interpreter has (the main venv: 0.5.23; .venv-sglang-0.5.17: 0.5.17 - both
-run in CI, see tests/test_plugin_sglang_versions.py).  On 0.5.17 the worker module
-also imports on a CPU host, and every attribute it reads is checked on the real
-class hierarchy."""
+run in CI, see tests/test_plugin_sglang_versions.py).  A version's worker is two
+files: the shared step (adapters/worker.py, class DDTreeWorkerBase) and that
+version's hooks and overrides (adapters/v<version>_worker.py, class DDTreeWorker);
+every check reads both.  On 0.5.17 the worker modules also import on a CPU host,
+and every attribute they read is checked on the real class hierarchy."""
 
 import ast
 import importlib
@@ -20,7 +22,9 @@ pytestmark = pytest.mark.sglang_api
 ROOT = Path(sglang.__file__).parent
 SGLANG = version("sglang")
 ADAPTERS = Path(sglang_ddtree.__file__).parent / "adapters"
-WORKER = ADAPTERS / f"v{SGLANG.replace('.', '_')}_worker.py"
+SHARED = ADAPTERS / "worker.py"  # the step, written once (DDTreeWorkerBase)
+VERSIONED = ADAPTERS / f"v{SGLANG.replace('.', '_')}_worker.py"  # this version's DDTreeWorker
+WORKER_FILES = (SHARED, VERSIONED)
 
 
 def _mod(rel):
@@ -84,6 +88,7 @@ VERSIONS = {
                           "capture_hidden_mode"},
         "overrides": {"__init__", "init_cuda_graphs", "_maybe_build_draft_sampler",
                       "_greedy_sample_from_vocab_parallel_head", "forward_batch_generation"},
+        "draft_input_fields": {"bonus_tokens", "reserved_seq_lens_cpu", "reserved_seq_lens_sum"},
         # the sgl_kernel ops the sampling path imports, as SGLang 0.5.17 itself imports them
         "sgl_kernel_names": ("top_k_renorm_prob", "top_p_renorm_prob", "tree_speculative_sampling_target_only"),
         "triton_per_forward_width": "num_draft_tokens = int(spec_info.draft_token_num)",
@@ -127,6 +132,7 @@ VERSIONS = {
         "overrides": {"__init__", "init_cuda_graphs", "_maybe_build_draft_sampler",
                       "_update_target_mamba_state_after_verify", "_greedy_sample_from_vocab_parallel_head",
                       "_accept_block", "forward_batch_generation"},
+        "draft_input_fields": {"bonus_tokens", "nxt_kv_lens_cpu", "nxt_kv_lens_sum"},
         "sgl_kernel_names": (),
         "triton_per_forward_width": "return spec_info.num_tokens_per_req",
     },
@@ -145,6 +151,8 @@ def test_dataclass_fields_the_worker_sets():
     assert V["forward_batch_fields"] <= fb
     vi = _fields(_find(_mod("srt/speculative/dflash_info.py"), "DFlashVerifyInput"))
     assert V["verify_fields"] <= vi
+    di = _fields(_find(_mod("srt/speculative/dflash_info_v2.py"), "DFlashDraftInputV2"))
+    assert V["draft_input_fields"] <= di, sorted(V["draft_input_fields"] - di)
     gr = _fields(_find(_mod("srt/managers/utils.py"), "GenerationBatchResult"))
     assert {"logits_output", "next_token_ids", "accept_lens", "can_run_cuda_graph", "next_draft_input",
             "speculative_num_draft_tokens", "new_seq_lens", "cap_lens"} <= gr
@@ -174,9 +182,11 @@ def test_sgl_kernel_names_sglang_imports_too():
         assert n in text, n
 
 
-def test_worker_imports_resolve_in_sglang_source():
-    """Every `from sglang... import X` in the worker names something defined in that module."""
-    tree = ast.parse(WORKER.read_text())
+@pytest.mark.parametrize("worker_file", WORKER_FILES, ids=[f.name for f in WORKER_FILES])
+def test_worker_imports_resolve_in_sglang_source(worker_file):
+    """Every `from sglang... import X` in the worker (shared and this version's) names something
+    defined in that module."""
+    tree = ast.parse(worker_file.read_text())
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("sglang."):
             try:  # a real import where this host can (0.5.17 imports on CPU) ...
@@ -197,19 +207,58 @@ def test_worker_imports_resolve_in_sglang_source():
                         or f"import {n}" in text or f" {n}," in text or f"{n}\n" in text), (node.module, n)
 
 
+def _worker_classes():
+    """The AST class nodes of this version's worker: the shared DDTreeWorkerBase and the version's
+    DDTreeWorker, checked to be DFlashWorkerV2 <- DDTreeWorkerBase <- DDTreeWorker."""
+    for f in WORKER_FILES:
+        compile(f.read_text(), f.name, "exec")
+    shared = _find(ast.parse(SHARED.read_text()), "DDTreeWorkerBase")
+    versioned = _find(ast.parse(VERSIONED.read_text()), "DDTreeWorker")
+    assert [ast.unparse(b) for b in shared.bases] == ["DFlashWorkerV2"]
+    assert [ast.unparse(b) for b in versioned.bases] == ["DDTreeWorkerBase"]
+    return shared, versioned
+
+
+def _methods(cls_node) -> dict:
+    return {f.name: f for f in cls_node.body if isinstance(f, ast.FunctionDef)}
+
+
 def test_worker_overrides_match_base_signatures():
-    src = WORKER.read_text()
-    compile(src, WORKER.name, "exec")
-    cls = _find(ast.parse(src), "DDTreeWorker")
-    own = {f.name for f in cls.body if isinstance(f, ast.FunctionDef)}
+    classes = _worker_classes()
+    own = set().union(*(_methods(c) for c in classes))
     base = _find(_mod("srt/speculative/dflash_worker_v2.py"), "DFlashWorkerV2")
     base_names = {f.name for f in base.body if isinstance(f, ast.FunctionDef)}
     overrides = own & base_names
     assert overrides == V["overrides"]
     for name in overrides - {"__init__"}:
-        mine = _params(next(f for f in cls.body if isinstance(f, ast.FunctionDef) and f.name == name))
         theirs = _params(next(f for f in base.body if isinstance(f, ast.FunctionDef) and f.name == name))
-        assert mine == theirs, name
+        for cls in classes:  # every definition of it, shared or this version's
+            if name in _methods(cls):
+                assert _params(_methods(cls)[name]) == theirs, (cls.name, name)
+
+
+def test_every_hook_the_shared_worker_calls_is_this_versions():
+    """The shared step reaches the version only through `self._ddtree_*` names: each one it reads
+    is defined by this version's DDTreeWorker (or by the shared class itself), also where the
+    worker cannot be imported (0.5.23 on CPU); the tree-mask capture hooks exist exactly where the
+    adapter's capability allows tree-verify CUDA graphs."""
+    from sglang_ddtree.capabilities import load_capabilities
+
+    shared, versioned = _worker_classes()
+    hooks = {a for a in _self_attrs_read(shared) if a.startswith("_ddtree_")}
+    defined = set(_methods(shared)) | set(_methods(versioned)) | _self_attrs_set(versioned) | {
+        t.id for n in versioned.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+    graphs = load_capabilities()["per_version"][SGLANG]["tree_verify_cuda_graphs"]
+    # called only where the capability allows graphs (the shared step checks it first)
+    capture = {"_ddtree_install_tree_mask_capture", "_ddtree_tree_mask_capture_installed"}
+    assert capture <= hooks
+    required = hooks if graphs else hooks - capture
+    assert not sorted(required - defined), sorted(required - defined)
+    assert (capture <= set(_methods(versioned))) is graphs
+    assert not capture & set(_methods(shared))
+    adapter = [ast.unparse(n.value) for n in versioned.body if isinstance(n, ast.Assign)
+               and any(isinstance(t, ast.Name) and t.id == "_ddtree_adapter" for t in n.targets)]
+    assert adapter == [f"v{SGLANG.replace('.', '_')}"]  # this version's adapter module, not another's
 
 
 def _self_attrs_read(cls_node) -> set:
@@ -236,19 +285,22 @@ def test_0517_worker_imports_and_every_attribute_it_reads_exists():
     `self.X` it reads is set by DFlashWorkerV2.__init__ / BaseSpecWorker, set by the
     DDTree worker itself, or is a method/property of the real class hierarchy."""
     mod = importlib.import_module("sglang_ddtree.adapters.v0_5_17_worker")
+    shared_mod = importlib.import_module("sglang_ddtree.adapters.worker")
     from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
 
+    assert issubclass(mod.DDTreeWorker, shared_mod.DDTreeWorkerBase)
     assert issubclass(mod.DDTreeWorker, DFlashWorkerV2)
-    cls = _find(ast.parse(WORKER.read_text()), "DDTreeWorker")
+    classes = _worker_classes()
     base_src = ast.parse((ROOT / "srt/speculative/dflash_worker_v2.py").read_text())
     base_set = _self_attrs_set(_find(base_src, "DFlashWorkerV2"))
-    known = base_set | _self_attrs_set(cls) | {n for k in mod.DDTreeWorker.__mro__ for n in vars(k)}
+    known = base_set | set().union(*(_self_attrs_set(c) for c in classes)) | {
+        n for k in mod.DDTreeWorker.__mro__ for n in vars(k)}
     # DFlashWorkerV2.__getattr__ delegates the rest to the target worker: name those explicitly
     delegated = {"target_worker"}
-    missing = sorted(_self_attrs_read(cls) - known - delegated)
+    missing = sorted(set().union(*(_self_attrs_read(c) for c in classes)) - known - delegated)
     assert not missing, missing
     # the verify input carries the tree links the hybrid backend reads
-    fields = {f for f in mod.DDTreeVerifyInput.__dataclass_fields__}
+    fields = {f for f in shared_mod.DDTreeVerifyInput.__dataclass_fields__}
     assert {"retrieve_index", "retrieve_next_token", "retrieve_next_sibling", "custom_mask", "topk"} <= fields
 
 
@@ -272,6 +324,7 @@ def test_0517_tree_verify_graph_capture_carries_the_tree_mask():
     from sglang.srt.speculative import dflash_utils
 
     mod = importlib.import_module("sglang_ddtree.adapters.v0_5_17_worker")
+    shared_mod = importlib.import_module("sglang_ddtree.adapters.worker")
     triton_like = type("TritonAttnBackend", (), {})()
     hybrid_like = type("HybridLinearAttnBackend", (), {"full_attn_backend": triton_like})()
     original = dflash_utils.resolve_dflash_verify_mask_policy
@@ -282,7 +335,7 @@ def test_0517_tree_verify_graph_capture_carries_the_tree_mask():
         patched = dflash_utils.resolve_dflash_verify_mask_policy
         assert patched(hybrid_like) == ("TritonAttnBackend", True)
         assert patched.__wrapped__ is original
-        assert mod._full_attn_backend(hybrid_like) is triton_like
+        assert shared_mod._full_attn_backend(hybrid_like) is triton_like
     finally:
         dflash_utils.resolve_dflash_verify_mask_policy = original
         mod._TREE_MASK_CAPTURE["installed"] = False

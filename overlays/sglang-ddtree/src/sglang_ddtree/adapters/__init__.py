@@ -8,8 +8,12 @@ resolves server arguments) lives in one adapter module per version:
   to torch 2.11.0 (what the fleet runs);
 * :mod:`sglang_ddtree.adapters.v0_5_23` - SGLang 0.5.23 (torch 2.14.1).
 
-Each adapter module imports on a CPU host (registration glue only); its worker
-lives in a sibling ``*_worker`` module imported when SGLang builds the worker.
+Each adapter module imports on a CPU host (registration glue only).  The worker
+is written once, :mod:`sglang_ddtree.adapters.worker` (the tree-verify step, the
+CUDA-graph check, the phase ranges and accept counters); each version's sibling
+``*_worker`` module, imported when SGLang builds the worker, holds only that
+release's differences (the names that moved, its KV index handling, TP sync,
+the signatures its overrides must match) as a thin subclass of it.
 Any other SGLang version is refused with a message naming the supported ones
 (``capabilities.json`` says per version what is supported).
 """

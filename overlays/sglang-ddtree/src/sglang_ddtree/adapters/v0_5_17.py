@@ -1,4 +1,5 @@
-"""SGLang 0.5.17 adapter: registration glue (CPU-safe; the worker is in
+"""SGLang 0.5.17 adapter: registration glue (CPU-safe; the worker is the shared
+:mod:`sglang_ddtree.adapters.worker` with 0.5.17's hooks in
 :mod:`sglang_ddtree.adapters.v0_5_17_worker`).
 
 0.5.17 specifics: server arguments are plain attributes (``resolved_view``

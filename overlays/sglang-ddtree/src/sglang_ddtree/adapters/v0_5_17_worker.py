@@ -1,87 +1,43 @@
-"""DDTree worker for SGLang 0.5.17: a subclass of its ``DFlashWorkerV2``.
+"""DDTree worker for SGLang 0.5.17: what differs from 0.5.23, over the shared
+worker (:mod:`sglang_ddtree.adapters.worker`, which has the step itself).
 
-Prefill, idle batches and (in shadow-linear mode) the committing decode step are
-DFlash's own.  The tree-verify decode step is four methods, each a thin layer
-over SGLang 0.5.17's forwards and kernels with every index computation in
-:mod:`sglang_ddtree.step` (pure, CPU-tested):
+This is the version that served on the NVIDIA H200.  Per version here, because
+0.5.17's internals are what they are:
 
-1. :meth:`DDTreeWorker._tree_draft` - the drafter's block ``[bonus, mask*(blk-1)]``
-   at its own width ``blk`` into the step's KV window, and the per-depth
-   global top-K of the target LM head on its hidden states;
-2. :meth:`DDTreeWorker._tree_verify` - the tree (best-first, budget ``B``),
-   compiled to ``D = B + 1`` verify tokens with depth positions, the ancestor
-   mask and the ``retrieve_*`` links, verified in one target forward
-   (Triton attention with the custom mask; the hybrid linear-attention backend
-   takes its tree path because ``speculative_eagle_topk >= 2``, so each node
-   starts from its parent's conv window and SSM state);
-3. :meth:`DDTreeWorker._tree_accept` - SGLang's tree accept: the
-   ``verify_tree_greedy`` kernel (greedy) or ``tree_speculative_sampling_target_only``
-   with zero draft probabilities (lossless sampling, in bounded-memory groups);
-4. :meth:`DDTreeWorker._tree_commit` - the accepted path becomes the sequence:
-   ``req_to_token[prefix : prefix + D]`` is permuted so the path's KV slots come
-   first, the recurrent state of the deepest accepted node is committed, the
-   accepted hidden states go into the drafter's KV, and the result has DFlash's
-   shape with stride ``D``.
-
-Requests tree-verify cannot serve are rejected at admission
-(:mod:`sglang_ddtree.admission`); should one reach a batch anyway, the step
-serves it greedily/with its plain sampling parameters and logs why instead of
-raising (an exception here would stop the scheduler loop for every request).
+* the tree-verify CUDA-graph capture: 0.5.17's decode graph runner asks
+  ``dflash_utils.resolve_dflash_verify_mask_policy`` whether to capture the
+  target's verify graph with the Triton backend's mask buffer;
+  :func:`_install_tree_mask_capture` answers yes in a DDTREE tree-verify
+  process (capability ``tree_verify_cuda_graphs`` in ``capabilities.json``);
+* names that moved in 0.5.23: ``get_tp_group`` / ``ps.tp_rank``,
+  ``eagle_utils.verify_tree_greedy_func``, the ``sgl_kernel`` sampling ops,
+  ``get_exec().mamba`` (the track interval), the draft input's
+  ``reserved_seq_lens_*``;
+* one KV location space (no KV index translator): the drafter writes the
+  target's own locations; the drafter block embeds with the target's input
+  embeddings; the recurrent-state commit calls the hybrid backend directly;
+* the signatures of ``forward_batch_generation`` (no ``pp_proxy_tensors``) and
+  shadow-linear's step: DFlash's chain step commits, then the tree from the same
+  drafter distributions is walked with the chain verify's greedy predictions
+  (host counters every step).
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
 import logging
-import os
-from dataclasses import dataclass
-from typing import Optional
 
 import torch
-from torch.profiler import record_function
 
-from sglang.kernels.ops.speculative.cache_locs import assign_extend_cache_locs_func
 from sglang.srt.distributed import get_tp_group
-from sglang.srt.managers.scheduler import GenerationBatchResult
-from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 from sglang.srt.runtime_context import get_exec
-from sglang.srt.speculative.dflash_info import DFlashVerifyInput
-from sglang.srt.speculative.dflash_info_v2 import DFlashDraftInputV2
-from sglang.srt.speculative.dflash_utils import parse_dflash_draft_config
-from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
-from sglang.srt.speculative.draft_worker_common import build_block_pos_offsets, make_draft_block_spec_info
 from sglang.srt.speculative.eagle_utils import _verify_coins, verify_tree_greedy_func
-from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-from ..admission import tree_verify_rejection
-from ..compile import FULL_MASK, compile_tree
-from ..config import SHADOW_LINEAR, TREE_VERIFY, resolve_ddtree_config
-from ..indexing import recurrent_state_step
-from ..step import (
-    ShadowStats,
-    TreeAcceptStats,
-    tree_accept_counts,
-    build_tree_from_candidates,
-    commit_from_accept,
-    draft_topk_candidates,
-    mamba_track_steps,
-    merge_vocab_shards,
-    shadow_tree_accept,
-)
-from ..tree_sampling import max_bytes_from_env, sample_tree_accept
-from . import common
-from .v0_5_17 import TREE_VERIFY_CUDA_GRAPHS, attention_backends
+from ..step import build_tree_from_candidates, shadow_tree_accept
+from . import v0_5_17
+from .worker import DDTreeWorkerBase
 
 logger = logging.getLogger(__name__)
-
-SHADOW_LOG_EVERY_ENV = "SGLANG_DDTREE_SHADOW_LOG_EVERY"
-# Tree-verify accept counters (accepted tokens off the first branch, accepted-depth histogram), logged as
-# one "DDTREE accept stats {json}" line every this many steps (one host sync each time).
-STATS_EVERY_ENV = "SGLANG_DDTREE_STATS_EVERY"
-# For the leak demonstration only (ddtree_checks.serve_matrix): the recurrent layers get no tree
-# links, so they process the verify slots in chain order and a node starts from the previous
-# slot's state (often a sibling), not its parent's. Wrong on purpose; refused unless spelled out.
-UNSAFE_CHAIN_STATE_ENV = "SGLANG_DDTREE_UNSAFE_CHAIN_STATE"
 
 
 # Tree-verify under CUDA graphs. SGLang 0.5.17 captures the target's DFlash-family verify graph with
@@ -112,128 +68,38 @@ def _install_tree_mask_capture() -> None:
     _TREE_MASK_CAPTURE["installed"] = True
 
 
-def _full_attn_backend(backend):
-    """The full-attention backend inside a hybrid wrapper (what holds the verify mask)."""
-    for _ in range(4):
-        inner = getattr(backend, "full_attn_backend", None)
-        if inner is None:
-            return backend
-        backend = inner
-    return backend
+class DDTreeWorker(DDTreeWorkerBase):
+    """DFlash v2 worker (SGLang 0.5.17) with DDTree tree verify; see the shared worker."""
 
+    _ddtree_adapter = v0_5_17
+    _ddtree_verify_tree_greedy = staticmethod(verify_tree_greedy_func)
 
-@dataclass
-class DDTreeVerifyInput(DFlashVerifyInput):
-    """DFlash verify input carrying the tree links: SGLang's hybrid
-    linear-attention backend reads ``spec_info.retrieve_next_token`` /
-    ``retrieve_next_sibling`` in TARGET_VERIFY when ``topk > 1``."""
+    # ----- entry (0.5.17's signature) ---------------------------------------------
+    def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None):
+        return self._ddtree_forward(batch, on_publish, grammar_barrier=grammar_barrier)
 
-    retrieve_index: Optional[torch.Tensor] = None
-    retrieve_next_token: Optional[torch.Tensor] = None
-    retrieve_next_sibling: Optional[torch.Tensor] = None
-
-
-@dataclass
-class _Draft:
-    window: torch.Tensor  # [bs, w] KV locations req_to_token[prefix : prefix + w]
-    cand_logprobs: torch.Tensor  # [bs, blk-1, K] float64
-    cand_ids: torch.Tensor  # [bs, blk-1, K] int64
-
-
-class DDTreeWorker(DFlashWorkerV2):
-    """DFlash v2 worker (SGLang 0.5.17) with DDTree tree verify; see the module docstring."""
-
-    def __init__(self, server_args, gpu_id, ps, nccl_port, target_worker):
-        super().__init__(server_args, gpu_id, ps, nccl_port, target_worker)
-        self.ddtree = resolve_ddtree_config(server_args, os.environ, backends=attention_backends(server_args),
-                                            tree_verify_cuda_graphs=TREE_VERIFY_CUDA_GRAPHS)
-        common.set_active_mode(self.ddtree.mode)
-        self._vocab_size = int(self.model_runner.model_config.vocab_size)
-        self._sampling_bytes = max_bytes_from_env()
-        self.shadow_stats = ShadowStats()
-        self._shadow_log_every = int(os.environ.get(SHADOW_LOG_EVERY_ENV, "200") or 200)
-        self._shadow_armed = False
-        self._shadow_cands = None
-        self._warned_unsupported = False
-        self._verify_used_graph = False
-        self.accept_stats = None
-        self._graph_widths = None
-        self._unsafe_chain_state = os.environ.get(UNSAFE_CHAIN_STATE_ENV) == "1"
-        if self._unsafe_chain_state:
-            logger.warning("DDTREE: %s=1 - recurrent state is processed in CHAIN order (siblings leak into each "
-                           "other). Outputs are WRONG on hybrid models; for the leak demonstration only.",
-                           UNSAFE_CHAIN_STATE_ENV)
+    # ----- init ---------------------------------------------------------------------
+    def _ddtree_check_supported(self) -> None:
         if self.use_compact_draft_cache:
             raise ValueError("DDTREE does not support --speculative-draft-window-size (compact drafter cache).")
-        if self.ddtree.mode == TREE_VERIFY:
-            self._init_tree_verify()
-            _install_tree_mask_capture()
-            self.accept_stats = TreeAcceptStats(int(self.block_size) - 1,
-                                                int(os.environ.get(STATS_EVERY_ENV, "50") or 50))
-        logger.info("DDTreeWorker (SGLang 0.5.17 adapter): %s, drafter block %d", self.ddtree, int(self.block_size))
 
-    # ----- init -------------------------------------------------------------
-    def _init_tree_verify(self) -> None:
-        d = self.ddtree.num_draft_tokens
-        # DFlash sized its block by --speculative-num-draft-tokens (= D, the tree width here);
-        # the drafter keeps its own trained block width blk.
-        blk = self.ddtree.drafter_block_size
-        if blk is None:
-            cfg = parse_dflash_draft_config(draft_hf_config=self.draft_model_runner.model_config.hf_config)
-            blk = cfg.resolve_block_size(default=None)
+    def _ddtree_drafter_block(self, cfg):
+        blk = cfg.resolve_block_size(default=None)
         if blk is None:
             blk = getattr(self.draft_model, "block_size", None)
-        if blk is None:
-            raise ValueError(
-                "DDTREE tree-verify needs the drafter's block width: set --speculative-dflash-block-size "
-                "or use a drafter whose config declares block_size."
-            )
-        blk = int(blk)
-        if not 2 <= blk <= 2 * d:
-            raise ValueError(
-                f"DDTREE drafter block {blk} must be in [2, 2*D = {2 * d}]: the scheduler reserves 2*D KV slots "
-                "per request and step and the drafter writes its whole block there."
-            )
-        self.block_size = blk
-        self._block_pos_offsets = build_block_pos_offsets(length=blk, device=self.device)
-        self._draft_block_spec_info = make_draft_block_spec_info(draft_token_num=blk, device=self.device)
-        self.speculative_num_draft_tokens = d
+        return blk
 
-    def init_cuda_graphs(self):
-        super().init_cuda_graphs()
-        # The scheduler captured the target's graphs before this call (after __init__, which installed
-        # the tree-mask capture policy). Check that the captured verify graph reads the tree mask: a
-        # graph captured causal would verify the tree as a chain (silently wrong), so refuse to serve.
-        if self.ddtree.mode == TREE_VERIFY and getattr(self.model_runner, "decode_cuda_graph_runner", None):
-            backend = _full_attn_backend(self.model_runner.attn_backend)
-            if getattr(backend, "verify_mask", None) is None or not _TREE_MASK_CAPTURE["installed"]:
-                raise RuntimeError(
-                    "DDTREE tree-verify found a target decode CUDA graph captured without the tree-mask buffer "
-                    f"({type(backend).__name__}); run with --cuda-graph-backend-decode disabled."
-                )
-            self._graph_widths = (int(self.model_runner.decode_cuda_graph_runner.captured_req_width),
-                                  getattr(getattr(self.draft_model_runner, "decode_cuda_graph_runner", None),
-                                          "captured_req_width", None))
-            logger.info("DDTREE tree-verify: target verify graphs captured with the tree mask (width %d); "
-                        "drafter graphs width %s, drafter block %d (%s)", self._graph_widths[0],
-                        self._graph_widths[1], int(self.block_size),
-                        "replayed" if self._graph_widths[1] == int(self.block_size) else "eager: widths differ")
+    def _ddtree_set_drafter_block(self, blk: int) -> None:
+        pass  # 0.5.17's DFlash drafter has no layer built from its block width (no set_block_size)
 
-    def _maybe_build_draft_sampler(self):
-        # DDTREE needs the drafter's hidden states (per-position distributions), not the
-        # greedy ids a sampler folded into the draft graph would produce.
-        return None
+    def _ddtree_install_tree_mask_capture(self) -> None:
+        _install_tree_mask_capture()
 
-    # ----- entry ----------------------------------------------------------------
-    def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None):
-        if batch.forward_mode.is_extend() or batch.is_extend_in_batch or batch.forward_mode.is_idle():
-            return super().forward_batch_generation(batch, on_publish=on_publish, grammar_barrier=grammar_barrier)
-        if self.ddtree.mode == SHADOW_LINEAR:
-            return self._forward_shadow(batch, on_publish, grammar_barrier)
-        return self._forward_tree_verify(batch, on_publish)
+    def _ddtree_tree_mask_capture_installed(self) -> bool:
+        return _TREE_MASK_CAPTURE["installed"]
 
-    # ----- drafter candidates (vocab-parallel safe) ---------------------------
-    def _lm_head(self):
+    # ----- target head, tensor parallelism ------------------------------------------
+    def _ddtree_lm_head(self):
         lm_head = getattr(self.target_worker.model_runner.model, "lm_head", None)
         if lm_head is None or not hasattr(lm_head, "weight"):
             raise RuntimeError("DDTREE requires the target model to expose lm_head with weight.")
@@ -241,45 +107,72 @@ class DDTreeWorker(DFlashWorkerV2):
             raise NotImplementedError("DDTREE needs a dense (unquantized) target lm_head to rank draft tokens.")
         return lm_head
 
-    def _draft_candidates(self, hidden_states: torch.Tensor, lm_head, k: int, chunk: int = 256):
-        """Global-vocab top-``k`` log-probs / ids of the target LM head on the
-        drafter's hidden states ``[R, H]`` -> ``([R, k] float64, [R, k] int64)``."""
-        weight = lm_head.weight
-        shard = getattr(lm_head, "shard_indices", None)
-        if shard is None:
-            start, num_org = 0, min(int(weight.shape[0]), self._vocab_size)
-        else:
-            if int(shard.num_added_elements) != 0:
-                raise NotImplementedError("DDTREE does not support LoRA-added vocabulary in the lm_head.")
-            start, num_org = int(shard.org_vocab_start_index), int(shard.num_org_elements)
+    def _ddtree_head_weight(self, lm_head):
+        return lm_head.weight
+
+    def _ddtree_tp_group(self):
+        return get_tp_group()
+
+    def _ddtree_tp_rank(self) -> int:
+        return self.ps.tp_rank
+
+    # ----- drafter pass --------------------------------------------------------------
+    def _ddtree_reserved_seq_lens(self, draft_input):
+        return draft_input.reserved_seq_lens_cpu, draft_input.reserved_seq_lens_sum
+
+    def _ddtree_kv_loc_plan(self, batch, window, w):
+        return None  # one location space: the window's locations are what every pool writes
+
+    def _ddtree_bind_kv_loc_plan(self, plan, forward_batch, blk) -> None:
+        pass
+
+    def _ddtree_embed(self, block_ids):
+        return self.target_worker.model_runner.model.get_input_embeddings()(block_ids)
+
+    def _ddtree_draft_spec_info(self, batch, bs, blk):
+        return self._draft_block_spec_info
+
+    def _ddtree_draft_batch_extra(self, batch, bs, blk) -> dict:
+        return {}
+
+    def _ddtree_draft_tp(self):
+        return contextlib.nullcontext()
+
+    # ----- verify, accept, commit ----------------------------------------------------
+    def _ddtree_verify_input_extra(self, draft, d) -> dict:
+        return {}
+
+    def _ddtree_finish_verify_logits(self, batch, logits_output):
+        return None  # 0.5.17's verify returns full-vocab logits
+
+    def _ddtree_sampling_ops(self):
+        from sgl_kernel import top_k_renorm_prob, top_p_renorm_prob, tree_speculative_sampling_target_only
+
+        return _verify_coins, tree_speculative_sampling_target_only, top_k_renorm_prob, top_p_renorm_prob
+
+    def _ddtree_sync_greedy(self, target_predict) -> None:
+        pass  # every rank computes the same argmax of the same gathered logits
+
+    def _ddtree_sync_sampled(self, *tensors) -> None:
         tp_group = get_tp_group()
-        tp = int(tp_group.world_size) if shard is not None else 1
-        vals, ids, lses = [], [], []
-        for a in range(0, hidden_states.shape[0], chunk):
-            hs = hidden_states[a : a + chunk].to(weight.dtype)
-            v, i, l = draft_topk_candidates(torch.matmul(hs, weight[:num_org].T), k, vocab_start=start)
-            vals.append(v), ids.append(i), lses.append(l)
-        v, i, l = torch.cat(vals), torch.cat(ids), torch.cat(lses)
-        if tp > 1:
-            gathered = []
-            for t in (v, i, l):
-                g = torch.empty((tp,) + tuple(t.shape), dtype=t.dtype, device=t.device)
-                tp_group.all_gather_into_tensor(g.view(-1), t.contiguous().view(-1))
-                gathered.append(g)
-            v, i, l = gathered
-        else:
-            v, i, l = v.unsqueeze(0), i.unsqueeze(0), l.unsqueeze(0)
-        return merge_vocab_shards(v, i, l, k)
+        if tp_group.world_size > 1:  # ranks may sample differently at float ties; rank 0 decides
+            for t in tensors:
+                tp_group.broadcast(t, src=0)
 
-    # ----- shadow-linear ---------------------------------------------------------
-    def _greedy_sample_from_vocab_parallel_head(self, *, hidden_states, lm_head, chunk_size: int = 256):
-        out = super()._greedy_sample_from_vocab_parallel_head(
-            hidden_states=hidden_states, lm_head=lm_head, chunk_size=chunk_size
-        )
-        if self._shadow_armed:
-            self._shadow_cands = self._draft_candidates(hidden_states, lm_head, min(self.ddtree.budget, self._vocab_size))
-        return out
+    def _ddtree_draft_window_ids(self, draft, window):
+        return window  # the drafter's KV pool shares the target's location ids
 
+    def _ddtree_commit_recurrent_state(self, batch, new_seq_lens, c) -> None:
+        self._commit_tree_recurrent_state(batch, self._seq_lens_pre_verify, new_seq_lens, c.commit_lens,
+                                          c.accept_slots, c.accept_length)
+
+    def _ddtree_mamba_track_interval(self, batch) -> int:
+        return int(get_exec().mamba.mamba_track_interval)
+
+    def _ddtree_result_extra(self, target_out) -> dict:
+        return {}
+
+    # ----- shadow-linear ---------------------------------------------------------------
     def _forward_shadow(self, batch, on_publish, grammar_barrier):
         """DFlash's chain step commits; the tree built from the same drafter
         distributions is walked with the chain verify's greedy predictions and
@@ -311,256 +204,3 @@ class DDTreeWorker(DFlashWorkerV2):
         if self.shadow_stats.steps % self._shadow_log_every == 0 and self.ps.tp_rank == 0:
             logger.info("DDTREE shadow-linear (B=%d): %s", self.ddtree.budget, self.shadow_stats.summary())
         return out
-
-    # ----- tree-verify -------------------------------------------------------------
-    def _unsupported_in_batch(self, batch) -> None:
-        """Admission rejects these; if one got into a batch anyway (an admission path
-        this adapter does not know), serve it with its plain sampling parameters and
-        say so once instead of raising inside the scheduler loop."""
-        if self._warned_unsupported:
-            return
-        for req in batch.reqs:
-            why = tree_verify_rejection(req)
-            if why:
-                self._warned_unsupported = True
-                logger.error("DDTREE: a request reached tree-verify unchecked (%s); serving it without "
-                             "those features.", why)
-                return
-
-    def _forward_tree_verify(self, batch, on_publish):
-        self._unsupported_in_batch(batch)
-        if batch.spec_info is None:
-            batch.spec_info = DFlashDraftInputV2.create_idle_input(device=self.device)
-        batch.seq_lens.record_stream(torch.get_device_module(self.device).current_stream())
-        # record_function ranges name the step's phases in a torch-profiler trace (SGLang's /start_profile;
-        # ddtree_checks.profile_step sums them); without a profiler they cost ~1 us each.
-        with record_function("ddtree.draft"):
-            draft = self._tree_draft(batch)
-        with record_function("ddtree.tree_verify"):
-            tree, vin, logits_output = self._tree_verify(batch, draft)
-        with record_function("ddtree.accept"):
-            predict, accept_index, accept_num = self._tree_accept(batch, vin, logits_output)
-            totals = self.accept_stats.add(tree_accept_counts(tree.ranks, accept_index, accept_num,
-                                                              self.accept_stats.max_depth))
-            if totals is not None and self.ps.tp_rank == 0:
-                logger.info("DDTREE accept stats %s", json.dumps(totals, sort_keys=True))
-        with record_function("ddtree.commit"):
-            return self._tree_commit(batch, draft, vin, logits_output, predict, accept_index, accept_num, on_publish)
-
-    def _tree_draft(self, batch) -> _Draft:
-        draft_input = batch.spec_info
-        device, bs = self.device, len(batch.seq_lens)
-        blk, d = int(self.block_size), int(self.ddtree.num_draft_tokens)
-        w = max(blk, d)
-        prefix = batch.seq_lens
-        req_to_token = self.model_runner.req_to_token_pool.req_to_token
-        # The step's KV window, reserved by the scheduler (2*D slots from the committed prefix).
-        window = assign_extend_cache_locs_func(
-            req_pool_indices=batch.req_pool_indices,
-            req_to_token=req_to_token,
-            start_offset=prefix,
-            end_offset=prefix + w,
-            batch_size=bs,
-            draft_token_num=w,
-            device=device,
-        ).view(bs, w)
-        block_ids = torch.full((bs, blk), int(self._mask_token_id), dtype=torch.long, device=device)
-        block_ids[:, 0].copy_(draft_input.bonus_tokens)
-        positions = (prefix.unsqueeze(1).to(torch.int64) + self._block_pos_offsets).reshape(-1)
-        embeds = self.target_worker.model_runner.model.get_input_embeddings()(block_ids)
-        if batch.seq_lens_cpu is not None:
-            seq_lens_cpu = (batch.seq_lens_cpu + blk).to(torch.int32)
-        elif draft_input.reserved_seq_lens_cpu is not None:
-            seq_lens_cpu = draft_input.reserved_seq_lens_cpu.to(torch.int32)
-        else:
-            seq_lens_cpu = prefix.to("cpu", dtype=torch.int32)
-        fb = ForwardBatch(
-            forward_mode=ForwardMode.TARGET_VERIFY,
-            batch_size=bs,
-            input_ids=block_ids.flatten(),
-            req_pool_indices=batch.req_pool_indices,
-            seq_lens=prefix,
-            out_cache_loc=window[:, :blk].reshape(-1),
-            seq_lens_sum=int(seq_lens_cpu.sum()),
-            seq_lens_cpu=seq_lens_cpu,
-            positions=positions,
-            input_embeds=embeds.view(-1, embeds.shape[-1]),
-            spec_algorithm=SpeculativeAlgorithm.DFLASH,
-            spec_info=self._draft_block_spec_info,
-            capture_hidden_mode=CaptureHiddenMode.NULL,
-        )
-        with torch.inference_mode(), record_function("ddtree.draft_forward"):
-            out = self.draft_model_runner.forward(fb)
-        hidden = out.logits_output.hidden_states
-        if hidden is None:
-            raise RuntimeError("DDTREE: the DFlash draft model returned no hidden states.")
-        hidden = hidden[: bs * blk].view(bs, blk, -1)
-        k = min(self.ddtree.budget, self._vocab_size)
-        with record_function("ddtree.draft_topk"):
-            lp, ids = self._draft_candidates(hidden[:, 1:, :].reshape(-1, hidden.shape[-1]), self._lm_head(), k)
-        return _Draft(window=window, cand_logprobs=lp.view(bs, blk - 1, k), cand_ids=ids.view(bs, blk - 1, k))
-
-    def _tree_verify(self, batch, draft: _Draft):
-        draft_input = batch.spec_info
-        bs, d = len(batch.seq_lens), int(self.ddtree.num_draft_tokens)
-        with record_function("ddtree.tree_build"):
-            tree = build_tree_from_candidates(draft.cand_logprobs, draft.cand_ids, self.ddtree.budget)
-        with record_function("ddtree.compile"):
-            vin = compile_tree(
-                tree,
-                draft_input.bonus_tokens,
-                batch.seq_lens,
-                mask_mode=FULL_MASK,
-                prefix_lens_sum=batch.seq_lens_sum if batch.seq_lens_cpu is not None else None,
-                topk=self.ddtree.topk,
-            )
-            assert vin.draft_token_num == d
-            verify_input = DDTreeVerifyInput(
-                draft_token=vin.draft_token,
-                positions=vin.positions,
-                draft_token_num=d,
-                topk=vin.topk,
-                custom_mask=vin.custom_mask,
-                capture_hidden_mode=CaptureHiddenMode.FULL,
-                retrieve_index=vin.retrieve_index,
-                retrieve_next_token=None if self._unsafe_chain_state else vin.retrieve_next_token,
-                retrieve_next_sibling=None if self._unsafe_chain_state else vin.retrieve_next_sibling,
-            )
-        batch.out_cache_loc = draft.window[:, :d].reshape(-1)
-        self._seq_lens_pre_verify = batch.seq_lens.clone() if self._need_mamba_verify_commit else None
-        cpu_backup, sum_backup = batch.seq_lens_cpu, batch.seq_lens_sum
-        if cpu_backup is not None:
-            batch.seq_lens_cpu = cpu_backup + d  # host bound: committed prefix + the verify width
-            batch.seq_lens_sum = int(batch.seq_lens_cpu.sum())
-        elif draft_input.reserved_seq_lens_cpu is not None:
-            batch.seq_lens_cpu = draft_input.reserved_seq_lens_cpu
-            batch.seq_lens_sum = int(draft_input.reserved_seq_lens_sum)
-        # With graphs on, prepare_for_verify loads the captured verify graph's buffers: the Triton backend
-        # copies vin.custom_mask into its mask buffer and the hybrid backend the retrieve_* links (the
-        # graph was captured with both, see _install_tree_mask_capture); else eager metadata.
-        with record_function("ddtree.verify_forward"):
-            verify_fb, can_run_graph = verify_input.prepare_for_verify(batch, self.target_worker)
-            batch.seq_lens_cpu, batch.seq_lens_sum = cpu_backup, sum_backup
-            out = self.target_worker.forward_batch_generation(
-                batch=None, forward_batch=verify_fb, is_verify=True, skip_attn_backend_init=True
-            )
-        self._verify_used_graph = bool(out.can_run_cuda_graph)
-        return tree, vin, out.logits_output
-
-    def _tree_accept(self, batch, vin, logits_output):
-        bs, d = len(batch.seq_lens), int(vin.draft_token_num)
-        device = self.device
-        candidates = vin.draft_token.view(bs, d)
-        m = vin.max_tree_depth + 1
-        predict = torch.zeros((bs * d,), dtype=torch.int32, device=device)
-        accept_index = torch.full((bs, m), -1, dtype=torch.int32, device=device)
-        accept_num = torch.zeros((bs,), dtype=torch.int32, device=device)
-        si = batch.sampling_info
-        logits = logits_output.next_token_logits
-        if si is None or si.is_all_greedy:
-            target_predict = torch.argmax(logits, dim=-1).view(bs, d).to(torch.int64)
-            predict, accept_index, accept_num = verify_tree_greedy_func(
-                predicts=predict,
-                accept_index=accept_index,
-                accept_token_num=accept_num,
-                candidates=candidates,
-                retrieve_index=vin.retrieve_index,
-                retrieve_next_token=vin.retrieve_next_token,
-                retrieve_next_sibling=vin.retrieve_next_sibling,
-                target_predict=target_predict,
-                topk=vin.topk,
-            )
-        else:
-            from sgl_kernel import top_k_renorm_prob, top_p_renorm_prob, tree_speculative_sampling_target_only
-
-            coins, coins_final = _verify_coins(
-                sampling_info=si, seq_lens=batch.seq_lens, draft_token_num=d, candidates=candidates, device=device
-            )
-            sample_tree_accept(
-                logits=logits,
-                d=d,
-                temperatures=si.temperatures,
-                top_ks=si.top_ks if si.need_top_k_sampling else None,
-                top_ps=si.top_ps if si.need_top_p_sampling else None,
-                min_ps=si.min_ps if si.need_min_p_sampling else None,
-                candidates=candidates,
-                retrieve_index=vin.retrieve_index,
-                retrieve_next_token=vin.retrieve_next_token,
-                retrieve_next_sibling=vin.retrieve_next_sibling,
-                coins=coins,
-                coins_final=coins_final,
-                predicts=predict,
-                accept_index=accept_index,
-                accept_num=accept_num,
-                kernel=tree_speculative_sampling_target_only,
-                top_k_renorm=top_k_renorm_prob,
-                top_p_renorm=top_p_renorm_prob,
-                max_bytes=self._sampling_bytes,
-            )
-            tp_group = get_tp_group()
-            if tp_group.world_size > 1:  # ranks may sample differently at float ties; rank 0 decides
-                for t in (predict, accept_index, accept_num):
-                    tp_group.broadcast(t, src=0)
-        return predict, accept_index, accept_num
-
-    def _tree_commit(self, batch, draft: _Draft, vin, logits_output, predict, accept_index, accept_num, on_publish):
-        bs, d = len(batch.seq_lens), int(vin.draft_token_num)
-        device = self.device
-        prefix = batch.seq_lens
-        window = draft.window[:, :d]
-        c = commit_from_accept(
-            predicts=predict,
-            accept_index=accept_index,
-            accept_token_num=accept_num,
-            d=d,
-            prefix=prefix,
-            window_locs=window,
-            draft_window_ids=window,  # 0.5.17: the drafter's KV pool shares the target's location ids
-            out_width=d,
-        )
-        new_seq_lens = c.new_seq_lens.to(prefix.dtype)
-        # The accepted path becomes the sequence: permute the step's window in req_to_token.
-        req_to_token = self.model_runner.req_to_token_pool.req_to_token
-        cols = prefix.to(torch.int64).unsqueeze(1) + torch.arange(d, device=device).unsqueeze(0)
-        req_to_token[batch.req_pool_indices.to(torch.int64).unsqueeze(1), cols] = c.window_locs.to(req_to_token.dtype)
-
-        if self._need_mamba_verify_commit:
-            with record_function("ddtree.commit_recurrent_state"):
-                backend = self.target_worker.model_runner.attn_backend
-                steps_to_track = None
-                if batch.mamba_track_indices is not None:
-                    steps_to_track = mamba_track_steps(
-                        self._seq_lens_pre_verify, new_seq_lens, c.commit_lens,
-                        int(get_exec().mamba.mamba_track_interval), c.accept_slots, c.accept_length,
-                    )
-                backend.update_mamba_state_after_mtp_verify(
-                    last_correct_step_indices=recurrent_state_step(c.accept_slots, c.accept_length),
-                    mamba_track_indices=batch.mamba_track_indices,
-                    mamba_steps_to_track=steps_to_track,
-                    model=self.target_worker.model_runner.model,
-                    req_pool_indices=batch.req_pool_indices[:bs],
-                )
-        if on_publish is not None:
-            on_publish(new_seq_lens)
-
-        hidden = logits_output.hidden_states
-        if hidden is None:
-            raise RuntimeError("DDTREE verify requires target hidden states, but got None.")
-        with record_function("ddtree.commit_draft_kv"):
-            self._append_target_hidden_to_draft_kv_by_loc(
-                target_hidden=hidden.index_select(0, c.append_rows),
-                cache_loc=c.append_cache_loc_2d.reshape(-1),
-                cache_loc_2d=c.append_cache_loc_2d,
-                positions=c.append_positions,
-                commit_lens=c.commit_lens,
-            )
-        logits_output.hidden_states = None
-        return GenerationBatchResult(
-            logits_output=logits_output,
-            next_token_ids=c.out_tokens.reshape(-1),
-            accept_lens=c.commit_lens,
-            can_run_cuda_graph=self._verify_used_graph,
-            next_draft_input=self._make_next_draft_input_decode(bonus_tokens=c.bonus, new_seq_lens=new_seq_lens),
-            speculative_num_draft_tokens=d,
-            new_seq_lens=new_seq_lens,
-        )

@@ -1,4 +1,5 @@
-"""SGLang 0.5.23 adapter: registration glue (CPU-safe; the worker is in
+"""SGLang 0.5.23 adapter: registration glue (CPU-safe; the worker is the shared
+:mod:`sglang_ddtree.adapters.worker` with 0.5.23's hooks in
 :mod:`sglang_ddtree.adapters.v0_5_23_worker`).
 
 0.5.23 specifics: server arguments resolve through a record (``resolving_view``
