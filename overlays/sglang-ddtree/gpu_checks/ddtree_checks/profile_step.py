@@ -1,6 +1,7 @@
 """Where a speculative decode step's time goes, from a torch-profiler trace of a real SGLang server.
 
-``summarize_trace(trace)`` is pure (tested on a captured trace in tests/plugin/test_profile_step.py);
+``summarize_trace(trace)`` is pure (tests/plugin/test_profile_step.py, on a trace in the Chrome-trace form
+torch.profiler writes);
 ``profile_server(base, out_dir, steps, ...)`` asks a running SGLang 0.5.17 server to profile ``steps``
 scheduler steps (its own ``/start_profile`` endpoint: torch.profiler with CPU and CUDA activities) while a
 request decodes, then summarizes the trace it wrote.

@@ -1,0 +1,62 @@
+"""ddtree_checks.profile_step.summarize_trace on a trace in the Chrome-trace form torch.profiler writes (the
+event categories, names and correlation links of a real SGLang 0.5.17 trace on the H200): nested ranges,
+kernel launches, a CUDA-graph launch, a blocking copy and an aten::item sync."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "overlays" / "sglang-ddtree" / "gpu_checks"))
+
+from ddtree_checks.profile_step import summarize_trace  # noqa: E402
+
+
+def _x(name, cat, ts, dur, tid=1, corr=None, pid=7):
+    e = {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "pid": pid, "tid": tid}
+    if corr is not None:
+        e["args"] = {"correlation": corr}
+    return e
+
+
+def trace(steps=2):
+    ev = []
+    for s in range(steps):
+        t = s * 1000.0
+        ev += [_x("ddtree.draft", "user_annotation", t, 300),
+               _x("ddtree.draft_forward", "user_annotation", t + 10, 100),
+               _x("cudaLaunchKernel", "cuda_runtime", t + 20, 5, corr=s * 10 + 1),
+               _x("cudaLaunchKernel", "cuda_runtime", t + 150, 5, corr=s * 10 + 2),   # draft, outside draft_forward
+               _x("aten::item", "cpu_op", t + 200, 30),
+               _x("cudaStreamSynchronize", "cuda_runtime", t + 210, 15),
+               _x("ddtree.tree_verify", "user_annotation", t + 400, 400),
+               _x("cudaGraphLaunch", "cuda_runtime", t + 410, 8, corr=s * 10 + 3),
+               _x("cudaMemcpyAsync", "cuda_runtime", t + 500, 3, corr=s * 10 + 4),
+               _x("cudaLaunchKernel", "cuda_runtime", t + 2000, 5, tid=2, corr=s * 10 + 5),  # other thread
+               _x("k1", "kernel", t + 30, 40, tid=99, corr=s * 10 + 1),
+               _x("k2", "kernel", t + 160, 10, tid=99, corr=s * 10 + 2),
+               _x("graph_kernel_a", "kernel", t + 420, 200, tid=99, corr=s * 10 + 3),
+               _x("graph_kernel_b", "kernel", t + 620, 100, tid=99, corr=s * 10 + 3),
+               _x("Memcpy HtoD", "gpu_memcpy", t + 505, 2, tid=99, corr=s * 10 + 4),
+               _x("k_other", "kernel", t + 2010, 50, tid=99, corr=s * 10 + 5)]
+    ev.append({"ph": "M", "name": "process_name", "pid": 7})  # metadata events are ignored
+    return {"traceEvents": ev}
+
+
+def test_per_step_figures_by_range():
+    out = summarize_trace(trace(steps=2))
+    assert out["steps"] == 2
+    r = out["ranges"]
+    d, df, tv = r["ddtree.draft"], r["ddtree.draft_forward"], r["ddtree.tree_verify"]
+    assert df["per_step"] == {"host_ms": 0.1, "launches": 1, "graph_launches": 0, "syncs": 0, "gpu_ms": 0.04}
+    # inclusive: the draft range holds its child's launch, its own launch and both host syncs
+    assert d["per_step"]["launches"] == 2 and d["per_step"]["syncs"] == 2
+    assert abs(d["per_step"]["gpu_ms"] - 0.05) < 1e-9
+    # a graph launch counts once, its kernels' GPU time all goes to the range that launched it
+    assert tv["per_step"]["graph_launches"] == 1 and tv["per_step"]["launches"] == 2
+    assert abs(tv["per_step"]["gpu_ms"] - 0.302) < 1e-9
+    # work on another thread belongs to no range, but the trace's GPU total has it
+    assert abs(out["gpu_ms_total"] - 2 * (0.04 + 0.01 + 0.3 + 0.002 + 0.05)) < 1e-9
+
+
+def test_a_trace_without_ranges_is_an_empty_summary():
+    out = summarize_trace({"traceEvents": [_x("k", "kernel", 0, 10, corr=1)]})
+    assert out["steps"] == 0 and out["ranges"] == {} and out["gpu_ms_total"] == 0.01
