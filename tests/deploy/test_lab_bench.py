@@ -108,7 +108,7 @@ def hand_made_result(release: str, digest: str) -> dict:
     """HAND-MADE bench result (this test writes it; no GPU measured it): what `fab bench` keeps, in the shape
     deploy/bench.py reads, for the lab's model pair and the plugin being deployed. At concurrency 4 DDTREE
     tree-verify at B=7 is fastest among the runs the deploy can serve; B=31 and DFLASH are slower; a tree-verify
-    run with CUDA graphs on is faster still but is not what the deploy renders (graphs off), so it must not win."""
+    run with CUDA graphs off is faster still but is not what the deploy renders (graphs on), so it must not win."""
     lv = lambda c, tps: {"concurrency": c, "requests": 16, "errors": 0, "output_tokens": 2048,  # noqa: E731
                          "output_tok_s": tps, "wall_s": 2048 / tps, "accept_length": 3.1,
                          "ttft_ms": {"p50": 12.0, "p99": 30.0}, "itl_ms": {"p50": 3.0, "p99": 9.0}, "first_error": None}
@@ -120,9 +120,9 @@ def hand_made_result(release: str, digest: str) -> dict:
               "versions": {}, "settings": {"max_new_tokens": 128}, "model": {},
               "runs": [run("plain", None, None, True, [(1, 100.0), (4, 300.0)]),
                        run("dflash", None, 16, True, [(1, 150.0), (4, 400.0)]),
-                       run("tree-verify", 7, None, False, [(1, 180.0), (4, 520.0)]),
-                       run("tree-verify", 31, None, False, [(1, 200.0), (4, 450.0)]),
-                       run("tree-verify", 7, None, True, [(1, 400.0), (4, 900.0)])]}
+                       run("tree-verify", 7, None, True, [(1, 180.0), (4, 520.0)]),
+                       run("tree-verify", 31, None, True, [(1, 200.0), (4, 450.0)]),
+                       run("tree-verify", 7, None, False, [(1, 400.0), (4, 900.0)])]}
     rec = {"created": report["created"], "host": HOST, "release": release, "plugin": {"version": "HAND-MADE",
            "source_digest": digest}, "gpu": 0, "instance": "gpu0", "model": "/models/Qwen3-8B",
            "draft_model": "/models/Qwen3-8B-DFlash-b16", "tiny": None, "block": 16, "prompts": "HAND-MADE",
