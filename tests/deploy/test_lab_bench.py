@@ -5,6 +5,7 @@ deploys the mode and budget a bench result picks when there is one."""
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
@@ -146,7 +147,7 @@ def test_deploy_gives_auto_the_mode_the_bench_result_picks(lab, deployed, fab):
     assert new != rel
     env = ssh(lab, HOST, "cat /opt/ddtree/releases/current/env/gpu0.env").stdout
     assert "SGLANG_DDTREE_MODE=tree-verify" in env and "SGLANG_DDTREE_BUDGET=7" in env, env
-    assert "--speculative-num-draft-tokens 8 " in env  # D = B + 1 of the chosen budget, not the inventory's 16
+    assert re.search(r"--speculative-num-draft-tokens 8(\s|$)", env, re.M)  # D = B + 1 of the chosen budget, not the inventory's 16
     man = json.loads(ssh(lab, HOST, "cat /opt/ddtree/releases/current/manifest.json").stdout)
     assert man["services"]["gpu0"]["mode"] == "tree-verify" and man["services"]["gpu0"]["budget"] == 7
     assert man["services"]["gpu0"]["auto"].startswith("tree-verify B=7: 520.0 tok/s")
