@@ -87,7 +87,8 @@ def server_args(svc: Service) -> list[str]:
     args = ["--model-path", svc.model]
     if svc.served_model_name:
         args += ["--served-model-name", svc.served_model_name]
-    args += ["--host", svc.listen, "--port", str(svc.port)]
+    # --enable-metrics: SGLang's Prometheus /metrics, which the drain and `fab status` read
+    args += ["--host", svc.listen, "--port", str(svc.port), "--enable-metrics"]
     if not svc.draft_model:
         raise RenderError(f"{where}: mode {svc.mode} needs a draft model (vars.draft_model)")
     args += ["--speculative-algorithm", ALGORITHM[svc.mode], "--speculative-draft-model-path", svc.draft_model,

@@ -62,13 +62,14 @@ def logs(c, hosts=None, gpus=None, lines=50, since=None):
 
 @task(help={"hosts": "comma-separated hosts or groups (default: all)", "gpus": "comma-separated GPU indices",
             "break_lock": "remove another run's host lock first", "json": "print the summary as JSON",
-            "yes": "accepted for symmetry with deploy: restart never asks (a runbook action, gated per GPU)"})
-def restart(c, yes=False, hosts=None, gpus=None, break_lock=False, json=False):
-    """Restart services of the active release one batch at a time, each through the health gate."""
+            "yes": "accepted for symmetry with deploy: restart never asks (a runbook action, gated per GPU)",
+            "no_drain": "restart without draining the GPUs out of the host's router (in-flight requests are cut)"})
+def restart(c, yes=False, hosts=None, gpus=None, break_lock=False, json=False, no_drain=False):
+    """Restart services of the active release one batch at a time: drained out of the router, gated, put back."""
     from ..release import rollout
     inv, selected = _inv(hosts)
     summary = rollout.restart(inv, selected, _gpus(gpus), break_lock=break_lock,
-                              command=" ".join(["fab"] + sys.argv[1:]))
+                              command=" ".join(["fab"] + sys.argv[1:]), no_drain=no_drain)
     report(summary, json, "restart")
 
 

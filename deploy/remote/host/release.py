@@ -31,6 +31,7 @@ import shutil
 import tarfile
 import time
 
+from . import drain as drainmod
 from . import gate as gatemod
 from . import locks
 from . import server_secrets
@@ -39,7 +40,7 @@ from .fsutil import (Unsafe, append_jsonl, atomic_write, check_path, now_iso, re
                      trusted_dir, trusted_tree, write_json)
 from .proc import run
 from .registry import Failure, op
-from .systemd import journal_lines, unit, unit_states
+from .systemd import journal_lines, named_states, unit, unit_states
 from .wheels import WheelError, check_wheel, normalize
 
 ENV_MODE = 0o600       # env files: root only, from creation (systemd reads them as root)
@@ -135,6 +136,25 @@ def gate_keys(secrets_file, gates):
     return dict((i, keys.get(g.get("api_key_file"))) for i, g in gates.items())
 
 
+ROUTER_UNIT = "sglang-router.service"
+ROUTER_START = 60.0     # s for a (re)started router to answer /liveness
+
+
+def router_state(man, sdir):
+    """The router venvs this host has, and -- when the active release runs a router -- its unit and whether it
+    answers /liveness (what the plan refuses a restart on: no router, no drain)."""
+    rdir = os.path.join(sdir, "router")
+    out = {"venvs": sorted(d for d in os.listdir(rdir) if not d.startswith(".") and not d.endswith(".tmp"))
+           if os.path.isdir(rdir) else [], "expected": False}
+    r = (man or {}).get("router") or {}
+    if r.get("enabled"):
+        st = named_states([ROUTER_UNIT]).get(ROUTER_UNIT, {})
+        ok, detail = drainmod.alive(r)
+        out.update(expected=True, unit=st, alive=ok and st.get("ActiveState") == "active",
+                   detail="%s, /liveness %s" % (st.get("ActiveState") or "unknown", detail))
+    return out
+
+
 def venv_trust(venv):
     try:
         venvmod.check_runnable(venv)
@@ -159,6 +179,7 @@ def _state(ctx, a, health=False):
     if health:
         insts = sorted(set(insts) | set((man or {}).get("services", {})), key=lambda s: (len(s), s))
     out["units"] = unit_states(insts)
+    out["router"] = router_state(man, sdir)
     return out, man, insts
 
 
@@ -383,6 +404,12 @@ class Host(object):
                         atomic_write(orig, open(src, "rb").read(), FILE_MODE)
                 put_file(target_file, open(os.path.join(tdir, "overlays", "new", o["path"]), "rb").read())
             done.append(step)
+            step = "router-venv"
+            rv = spec.get("router_venv")
+            if rv and not os.path.isdir(rv["path"]):
+                self.build_router_venv(rv, target)
+                undo.append(("router-venv", lambda: shutil.rmtree(rv["path"], ignore_errors=True)))
+                done.append(step)
             step = "unit"  # the template unit and the per-GPU drop-ins switch together, with one daemon-reload
             self.put_systemd(self.systemd_files(tdir, man, spec), undo, spec["commands"]["daemon_reload"])
             done.append(step)
@@ -407,12 +434,71 @@ class Host(object):
             raise ActivationFailed(target, step, "%s: %s" % (type(exc).__name__, exc), errors)
         return {"previous": prev, "current": target, "steps": done, "seconds": round(time.monotonic() - t0, 2)}
 
+    def build_router_venv(self, rv, rid):
+        """The router's own venv from the wheel the release carries, built beside its final path and renamed
+        into place: there is a whole venv at rv["path"] or none."""
+        base = os.path.join(self.sdir, "router")
+        path, tmp = rv["path"], rv["path"] + ".tmp"
+        if os.path.dirname(path) != base or not os.path.basename(path).startswith("sglang-router-") or \
+                rv["commands"]["venv"][-1] != tmp:
+            raise RuntimeError("refusing router venv path %r (must be in %s)" % (path, base))
+        wheel = os.path.join(self.root, rid, rv["wheel"])
+        if not os.path.isfile(wheel):
+            raise RuntimeError("the host has no router venv %s and release %s does not carry its wheel; deploy "
+                               "again (the plan sends the wheel to a host that lacks it)" % (path, rid))
+        try:
+            check_wheel(wheel)
+        except WheelError as exc:
+            raise RuntimeError("router wheel refused: %s" % exc)
+        if sha256_file(wheel) != rv["sha256"]:
+            raise RuntimeError("router wheel %s does not have the pinned sha256" % rv["wheel"])
+        trusted_dir(base, create=True)
+        if os.path.lexists(tmp):
+            shutil.rmtree(tmp)
+        try:
+            self.run(rv["commands"]["venv"], "router venv", timeout=300)
+            self.run(rv["commands"]["install"], "router pip install", timeout=600)
+            os.rename(tmp, path)
+        finally:
+            if os.path.lexists(tmp):
+                shutil.rmtree(tmp, ignore_errors=True)
+
+    def router_up(self, spec):
+        """(Re)start the router when what it runs changed (its digest differs from the one it was started with)
+        or it is not running; wait for /liveness. Raises RuntimeError when it does not come up."""
+        rec_path = os.path.join(self.sdir, "router.json")
+        rec = read_json(rec_path, {})
+        st = named_states([ROUTER_UNIT]).get(ROUTER_UNIT, {})
+        if rec.get("digest") == spec["digest"] and st.get("ActiveState") == "active" and drainmod.alive(spec)[0]:
+            return {"restarted": False}
+        t0 = time.monotonic()
+        self.run(spec["reset_failed"], "router reset-failed", check=False)
+        self.run(spec["restart"], "router restart")
+        end = t0 + ROUTER_START
+        while True:
+            ok, detail = drainmod.alive(spec)
+            if ok:
+                break
+            if time.monotonic() > end:
+                raise RuntimeError("sglang-router did not answer /liveness within %.0fs (%s): %s" % (
+                    ROUTER_START, detail, " | ".join(journal_lines(None, 5, unit_name=ROUTER_UNIT))))
+            time.sleep(0.3)
+        write_json(rec_path, {"digest": spec["digest"], "started": now_iso()})
+        res = {"restarted": True, "seconds": round(time.monotonic() - t0, 2)}
+        self.ctx.event("router", phase="restarted", **res)
+        return res
+
     def systemd_files(self, tdir, man, spec):
         """{path: bytes, or None to remove}: the release's template unit, each service's per-GPU drop-in
         (DeviceAllow for its own GPU) and the removal of our drop-ins of instances the release has none for."""
         prefix = self.unit_file.split("@", 1)[0] + "@"
         want = {os.path.join(self.unit_dir, self.unit_file):
                 open(os.path.join(tdir, "systemd", self.unit_file), "rb").read()}
+        r = man.get("router") or {}
+        if r.get("enabled"):
+            if r.get("unit") != ROUTER_UNIT:
+                raise RuntimeError("release %s: refusing router unit %r" % (man.get("release"), r.get("unit")))
+            want[os.path.join(self.unit_dir, ROUTER_UNIT)] = open(os.path.join(tdir, "systemd", ROUTER_UNIT), "rb").read()
         name = spec.get("dropin_name")
         for inst, s in sorted(man.get("services", {}).items()):
             rel = s.get("dropin")
@@ -507,6 +593,34 @@ class Host(object):
         return results
 
     def restart_gate(self, batch, keys):
+        """Drain the batch out of the router (when it has one), reset, restart it together (one systemctl), gate
+        each service with its address and key, warm it up and put it back into the router."""
+        insts = batch["instances"]
+        drain = batch.get("drain")
+        rkey = server_secrets.read_api_key(drain["api_key_file"]) if drain and drain.get("api_key_file") else None
+        drained = {}
+        for i in insts if drain else []:
+            g = batch["gates"][i]
+            try:
+                drained[i] = drainmod.take_out(drain, i, g["port"], rkey, g.get("address") or "127.0.0.1")
+            except RuntimeError as exc:  # the router cannot be asked: restarting now would cut requests
+                return dict((j, {"ok": False, "step": "drain", "detail": str(exc), "port": batch["gates"][j]["port"]})
+                            for j in insts)
+            self.ctx.event("drain", instance=i, **drained[i])
+        results = self.restart_only(batch, keys)
+        for i in insts if drain else []:
+            results[i]["drain"] = drained[i]
+            if not results[i].get("ok"):
+                continue  # a server that failed its gate stays out of the router
+            g = batch["gates"][i]
+            results[i]["warmup"] = drainmod.warm_up(g["port"], keys.get(i), g.get("address") or "127.0.0.1")
+            back = drainmod.put_back(drain, i, rkey)
+            results[i]["router"] = back
+            if not back["ok"]:
+                results[i].update(ok=False, step="router", detail=back["detail"])
+        return results
+
+    def restart_only(self, batch, keys):
         """Reset, restart the batch together (one systemctl), then gate each service with its address and key."""
         insts = batch["instances"]
         self.run(batch["reset_failed"], "reset-failed", check=False)  # a start-limit hit or failed state
@@ -532,7 +646,8 @@ class Host(object):
         gates = {}
         for b in batches:
             self.ctx.step("restart " + ",".join(b["instances"]),
-                          seconds=(self.a["start_timeout"] + self.a["gate_timeout"] + 30) * len(b["instances"]))
+                          seconds=(self.a["start_timeout"] + self.a["gate_timeout"] + 30 + 2 * drainmod.ROUTER_WAIT
+                                   + float((b.get("drain") or {}).get("timeout") or 0)) * len(b["instances"]))
             results = self.restart_batch(b, release)
             gates.update(results)
             touched.extend(b["instances"])
@@ -557,6 +672,8 @@ class Host(object):
         ok, detail = True, ""
         try:
             self.activate(prev)
+            if spec.get("router"):
+                self.router_up(spec["router"])
             pman = manifest_of(self.root, prev["release"])
             gone = [i for i in touched if i not in pman.get("services", {})]
             if gone:
@@ -579,7 +696,7 @@ class Host(object):
         made (rollout.rollback_spec: the control side builds every gate)."""
         units = [unit(i) for i in insts]
         return {"instances": insts, "reset_failed": spec["reset_failed"] + units, "restart": spec["restart"] + units,
-                "gates": dict((i, spec["gates"][i]) for i in insts)}
+                "gates": dict((i, spec["gates"][i]) for i in insts), "drain": spec.get("drain")}
 
     def finish(self, journal, failed_release, failed_why):
         append_jsonl(os.path.join(self.sdir, "journal.jsonl"), dict(journal, time=journal.get("time") or now_iso()))
@@ -634,6 +751,9 @@ def apply(ctx, a):
             res["activate"] = act
             ctx.event("activated", release=act["current"], previous=act["previous"], seconds=act["seconds"],
                       stage_seconds=res.get("stage_seconds"), bundle=(a.get("stage") or {}).get("size"))
+        if a.get("router"):  # before any GPU restarts: the drain goes through it
+            ctx.step("router", seconds=ROUTER_START + 30)
+            res["router"] = h.router_up(a["router"])
         if a.get("stop"):
             ctx.step("stop")
             h.stop(a["stop"]["argv"], a["stop"]["instances"])
