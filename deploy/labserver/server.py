@@ -56,6 +56,8 @@ Misbehaviour on request, from the unit's EnvironmentFile (so gates and automatic
     LABSERVER_CRASH_AFTER=N          the process dies (exit 70) on the N-th request after /health first succeeds
     LABSERVER_WRONG_ALGORITHM=NAME   /server_info reports NAME as speculative_algorithm
     LABSERVER_TOKEN_SECONDS=S        seconds per generated token (default 0.02)
+    LABSERVER_NEVER_DRAINS=1         /metrics always counts one more running request than there is (a stuck
+                                     request: the drain never sees 0 and must give up at its deadline)
 
 Stdlib only: it runs with the lab host's /usr/bin/python3.
 """
@@ -181,6 +183,7 @@ class State:
         self.gen_tokens = {"true": 0, "false": 0}
         self.recent = []  # (monotonic time, tokens) of tokens generated, for gen_throughput
         self.recent_accept = []
+        self.stuck = 1 if os.environ.get("LABSERVER_NEVER_DRAINS") == "1" else 0
         self.args, self.argv = args, argv
         self.started = time.time()
         self.started_mono = time.monotonic()
@@ -236,7 +239,8 @@ class State:
             thr = len(window) / span
             al = (sum(self.recent_accept) / len(self.recent_accept)) if self.recent_accept else 0.0
             rows = [
-                ("sglang:num_running_reqs", "gauge", "The number of running requests.", [(sched, self.running)]),
+                ("sglang:num_running_reqs", "gauge", "The number of running requests.",
+                 [(sched, self.running + self.stuck)]),
                 ("sglang:num_queue_reqs", "gauge", "The number of requests in the waiting queue.",
                  [(sched, self.queued)]),
                 ("sglang:gen_throughput", "gauge", "The generation throughput (token/s).", [(sched, round(thr, 3))]),
@@ -364,7 +368,7 @@ def make_handler(state):
         def _complete(self, prompt, max_new):
             words = ("Paris. It is known for the Eiffel Tower and the Louvre museum along the Seine river "
                      "and many cafes").split()
-            n = max(1, min(int(max_new or 16), 64))
+            n = max(1, min(int(max_new or 16), 1024))
             return [" " + words[i % len(words)] for i in range(n)]
 
         def chunk(self, obj):

@@ -17,22 +17,43 @@ def _gpus(gpus):
 
 
 @task(help={"hosts": "comma-separated hosts or groups (default: all)", "json": "print JSON",
-            "history": "also show the last N audit-journal entries of each host (deploys, rollbacks, restarts)"})
-def status(c, hosts=None, json=False, history=0):
-    """Per host and GPU: unit state, port, health, mode, release, unsafe override, lock, last deploy."""
+            "history": "also show the last N audit-journal entries of each host (deploys, rollbacks, restarts)",
+            "watch": "refresh every --interval seconds until Ctrl-C (tokens/s from the generated-token counter); "
+                     "with --json one JSON document per line",
+            "interval": "seconds between refreshes with --watch (default 2)",
+            "count": "with --watch, stop after this many refreshes (default: until Ctrl-C)"})
+def status(c, hosts=None, json=False, history=0, watch=False, interval=2.0, count=0):
+    """Per host and GPU: unit state, health, the router's view, tokens/s, running/queued, accept length, release."""
+    import time
     from ..release import status as st
     inv, selected = _inv(hosts)
-    gathered = st.gather(inv, selected, journal_n=max(5, int(history)))
-    rows = st.rows(gathered, inv.hosts)
-    if json:
-        print(jsonlib.dumps(rows if not history else {"services": rows, "journal": {
-            g["host"]: (g["state"] or {}).get("journal", [])[-int(history):] for g in gathered}}, indent=1))
-    else:
-        st.print_table(rows)
-        if history:
-            for g in gathered:
-                for j in (g["state"] or {}).get("journal", [])[-int(history):]:
-                    print(st.journal_line(g["host"], j))
+    previous, last_t, n = None, None, 0
+    while True:
+        t = time.monotonic()
+        gathered = st.gather(inv, selected, journal_n=max(5, int(history)))
+        rows = st.rows(gathered, inv.hosts, previous, (t - last_t) if last_t else None)
+        routers = st.routers(gathered)
+        if json:
+            doc = rows if not history and not watch else {"services": rows, "routers": routers, "journal": {
+                g["host"]: (g["state"] or {}).get("journal", [])[-int(history):] for g in gathered}}
+            print(jsonlib.dumps(doc, indent=None if watch else 1), flush=True)
+        else:
+            if watch:
+                print("\033[2J\033[H" + time.strftime("%H:%M:%S") + f"  (every {float(interval):g}s; Ctrl-C stops)")
+            st.print_table(rows, router_rows=routers)
+            if history:
+                for g in gathered:
+                    for j in (g["state"] or {}).get("journal", [])[-int(history):]:
+                        print(st.journal_line(g["host"], j))
+        n += 1
+        if not watch or (count and n >= int(count)):
+            break
+        previous = {(r["host"], r.get("instance")): r for r in rows if not r.get("error")}
+        last_t = t
+        try:
+            time.sleep(max(0.0, float(interval) - (time.monotonic() - t)))
+        except KeyboardInterrupt:
+            break
     down = [r for r in rows if not r.get("error") and r["health"] != "ok"]
     if down and not json:
         print(f"{len(down)} service(s) not healthy: " + ", ".join(f"{r['host']}:{r['instance']}" for r in down),

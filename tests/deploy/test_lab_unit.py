@@ -24,7 +24,9 @@ HOST = "h200"
 KEY = "Kx9fTq2LmZ7wP4sR8vB1nY6hLabOnly"
 KEY_FILE = "/etc/ddtree/api-key.yaml"
 LOCK = "/var/lib/ddtree/lock.json"  # the host lock, in the agent's private state directory
-CLEAN = ("systemctl stop 'sglang-ddtree@*' 2>/dev/null; systemctl reset-failed 'sglang-ddtree@*' 2>/dev/null; "
+CLEAN = ("systemctl stop 'sglang-ddtree@*' sglang-router 2>/dev/null; "
+         "systemctl reset-failed 'sglang-ddtree@*' sglang-router 2>/dev/null; "
+         "rm -f /etc/systemd/system/sglang-router.service /etc/systemd/system/multi-user.target.wants/sglang-router*; "
          "rm -rf /opt/ddtree /etc/systemd/system/sglang-ddtree@.service /etc/systemd/system/sglang-ddtree@*.service.d "
          f"/etc/systemd/system/multi-user.target.wants/sglang-ddtree@* {KEY_FILE} /tmp/pwned; "
          "systemctl daemon-reload")

@@ -232,16 +232,50 @@ def probe(ctx, a):
     return out
 
 
+METRICS_MAX = 1 << 20   # bytes of a server's /metrics text returned (SGLang's is a few tens of KiB)
+
+
+def router_view(man):
+    """The router's own view of its workers, {url: {healthy, load}}, or why it could not be read. With a router key
+    this needs root (the key file is root's): read-only, the key is sent and never returned."""
+    r = (man or {}).get("router") or {}
+    if not r.get("enabled"):
+        return None
+    ok, detail = drainmod.alive(r)
+    view = {"alive": ok, "detail": detail, "port": r["port"], "listen": r.get("listen")}
+    if not ok:
+        return view
+    key = None
+    if r.get("api_key_file"):
+        try:
+            key = server_secrets.read_api_key(r["api_key_file"])
+        except (server_secrets.SecretsError, OSError) as exc:
+            view["error"] = "cannot read the router's key file: %s" % exc
+            return view
+    try:
+        view["workers"] = dict((u, {"healthy": bool(w.get("is_healthy")), "load": w.get("load")})
+                               for u, w in drainmod.workers(r, key).items())
+    except RuntimeError as exc:
+        view["error"] = str(exc)
+    return view
+
+
 @op("release.status")
 def status(ctx, a):
+    """Unit states, /health, each server's /metrics text (parsed by the caller) and the router's view."""
     out, man, insts = _state(ctx, a, health=True)
-    health = {}
+    health, metrics = {}, {}
     for i in insts:
         ms = (man or {}).get("services", {}).get(i) or {}
         port = ms.get("port") or (a.get("ports") or {}).get(i)
-        if port:  # at the address it listens on (the manifest's); /health needs no API key
-            code, _ = gatemod.http(int(port), "GET", "/health", timeout=2, address=ms.get("address") or "127.0.0.1")
+        if port:  # at the address it listens on (the manifest's); /health and /metrics need no API key
+            addr = ms.get("address") or "127.0.0.1"
+            code, _ = gatemod.http(int(port), "GET", "/health", timeout=2, address=addr)
             health[i] = code
+            if code is not None and a.get("metrics", True):
+                mcode, raw = gatemod.http(int(port), "GET", "/metrics", timeout=3, address=addr)
+                metrics[i] = raw[:METRICS_MAX].decode("utf-8", "replace") if mcode == 200 else None
+    out.update(metrics=metrics, router_view=router_view(man))
     out.update(health=health, journal=tail_jsonl(os.path.join(a["state_dir"], "journal.jsonl"), a.get("journal_n", 5)),
                plugin_installed=plugin_version(a["venv"], ((man or {}).get("plugin") or {}).get("dist")
                                                or "sglang-ddtree"))
