@@ -38,8 +38,11 @@ def env(lab, tmp_path_factory):
     ssh(lab, HOST, CLEAN)
     address = lab.hosts[HOST].address
     yield {"tmp": tmp, "lab": lab, "inv": lab_inventory(tmp, keep=[HOST]),
+           # the GPU server itself on the host's address (no router in front: tests/deploy/test_lab_router.py
+           # covers the router's own unit, key and endpoint)
            "keyed": lab_inventory(tmp, "keyed.yaml", keep=[HOST], hosts={HOST: {"vars": {
-               "listen_address": address, "api_key_file": KEY_FILE}}}), "address": address}
+               "listen_address": address, "api_key_file": KEY_FILE, "router": {"enabled": False}}}}),
+           "address": address}
     ssh(lab, HOST, CLEAN + f"; {lab.hosts[HOST].vars['venv']}/bin/python -m pip uninstall -y -q sglang-ddtree",
         check=False)
 
