@@ -215,7 +215,7 @@ def host_files(host: Host, plugin: Plugin, overlays: list[dict]) -> tuple[dict[s
         router = routermod.manifest_entry(host, w, rfiles)
     services = {}
     for s in host.services:
-        env = render.render_env(s, plugin.capabilities)
+        env = render.render_env(s, plugin.capabilities, payload)
         dropin = render.render_dropin(s)
         files[f"env/{s.instance}.env"] = env.encode()
         files[f"systemd/{render.dropin_path(s.instance)}"] = dropin.encode()

@@ -137,6 +137,7 @@ def gate_keys(secrets_file, gates):
 
 
 ROUTER_UNIT = "sglang-router.service"
+CACHE_ROOT = "/var/cache/sglang-ddtree"   # the GPU unit's CacheDirectory= parent (render.CACHE_ROOT)
 ROUTER_START = 60.0     # s for a (re)started router to answer /liveness
 
 
@@ -746,7 +747,28 @@ class Host(object):
             if r not in protect:
                 shutil.rmtree(os.path.join(self.root, r), ignore_errors=True)
                 pruned.append(r)
+        if pruned:
+            self.prune_caches()
         return pruned
+
+    def prune_caches(self, root=CACHE_ROOT):
+        """JIT caches (render.CACHE_ENV: <root>/gpuN/<payload key>/) of payloads no kept release has."""
+        keys = set()
+        for r in list_releases(self.root):
+            d = (manifest_of(self.root, r) or {}).get("payload_digest")
+            if d:
+                keys.add(d[:16])
+        if not keys or not os.path.isdir(root) or os.path.islink(root):
+            return
+        for inst in os.listdir(root):
+            d = os.path.join(root, inst)
+            if os.path.islink(d) or not os.path.isdir(d):
+                continue
+            for k in os.listdir(d):
+                p = os.path.join(d, k)
+                if len(k) == 16 and all(c in "0123456789abcdef" for c in k) and k not in keys \
+                        and os.path.isdir(p) and not os.path.islink(p):
+                    shutil.rmtree(p, ignore_errors=True)
 
 
 @op("release.apply", mutating=True)
