@@ -202,3 +202,56 @@ def test_a_host_whose_router_is_down_is_refused_unless_no_drain(env, fab):
         ssh(lab, "ct129", "systemctl start sglang-router")
     rows = status_json(fab, inv, "ct129")
     assert {row["router"] for row in rows} == {"in/healthy"}
+
+
+def test_a_failed_gate_rolls_back_drained_and_a_killed_server_is_dropped_within_5s(env, fab):
+    """ct129 with 3 GPUs under load: a release whose gpu1 fails at start is rolled back by the host's agent, every
+    restart drained and the failed GPU first back (so two always serve): no request lost. Then gpu2's server is
+    SIGKILLed: it costs at most what it was running, and the router lists it unhealthy within 5 s."""
+    lab = env["lab"]
+    three = lab_inventory(env["tmp"], "three.yaml", keep=["ct129"], hosts={"ct129": {
+        "gpus": 3, "vars": {"listen_address": lab.hosts["ct129"].address, "api_key_file": KEY_FILE}}})
+    bad = lab_inventory(env["tmp"], "bad.yaml", keep=["ct129"], hosts={"ct129": {
+        "gpus": 3, "vars": {"listen_address": lab.hosts["ct129"].address, "api_key_file": KEY_FILE},
+        "services": {1: {"env": {"LABSERVER_FAIL_AT_START": "1"}}}}})
+    r = fab("deploy", "--yes", "--hosts", "ct129", inventory=three)
+    assert r.returncode == 0, r.stdout + r.stderr
+    load = loadgen.Load([(router_url(lab, "ct129"), KEY)], clients=8, total=10000, time_cap=120,
+                        max_new_tokens=40).start()
+    time.sleep(1.5)
+    r = fab("deploy", "--yes", "--hosts", "ct129", "--mode", "shadow-linear", inventory=bad)
+    load.stop()
+    out = strip_ansi(r.stdout)
+    s = loadgen.summary(load.results)
+    print(f"\nfailed deploy + automatic rollback on ct129 (3 GPUs) under 8 streaming clients: {s}")
+    assert r.returncode == 1 and "gpu1 :30001 gate FAILED" in out and "rollback to" in out and " ok in " in out, out
+    rb = out[out.index("rolling back to"):]
+    # the failed one first (it is out of the router already: nothing to drain), then the serving ones
+    assert rb.index("gpu1 not in the router") < rb.index("gpu0 out of the router"), rb
+    # gpu0 (changed, ok) and gpu1 (failed) were touched, gpu2 never: two come back
+    assert rb.count("back in the router") == 2 and s["failed"] == 0 and s["completed"] > 20, (rb, s)
+    # SIGKILL gpu2 under load
+    url = "http://127.0.0.1:30002"
+    load = loadgen.Load([(router_url(lab, "ct129"), KEY)], clients=8, total=10000, time_cap=60,
+                        max_new_tokens=40).start()
+    time.sleep(1.5)
+    running = ssh(lab, "ct129", f"python3 -c \"import urllib.request as u; print(u.urlopen('{url}/metrics').read()"
+                                ".decode())\" | grep '^sglang:num_running_reqs' | cut -d' ' -f2").stdout
+    ssh(lab, "ct129", "kill -9 $(systemctl show -p MainPID --value sglang-ddtree@gpu2)")
+    t0 = time.monotonic()
+    out_after = None
+    while time.monotonic() - t0 < 10:
+        code, body = get(router_url(lab, "ct129") + "/workers", KEY)
+        w = {x["url"]: x for x in json.loads(body)["workers"]}.get(url)
+        if w is None or not w["is_healthy"]:
+            out_after = time.monotonic() - t0
+            break
+        time.sleep(0.1)
+    time.sleep(3)
+    load.stop()
+    s = loadgen.summary(load.results)
+    late = [x for x in load.results if not x.ok and x.start > t0 + 5]
+    print(f"SIGKILL ct129 gpu2 under load: it ran {running.strip()} request(s); router dropped it after "
+          f"{out_after}s; {s}")
+    assert out_after is not None and out_after <= 5.0
+    assert s["failed"] <= int(float(running.strip())) and not late, (s, running)

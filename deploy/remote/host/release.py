@@ -692,7 +692,7 @@ class Host(object):
                     "%s: %s" % (results[i].get("step"), results[i].get("detail")) for i in bad)), bad)
         return gates
 
-    def rollback(self, spec, touched):
+    def rollback(self, spec, touched, failed=()):
         """After a failure past activation: re-activate the previous release, stop what it does not run, restart
         and gate what was touched. Returns {ok, release, seconds, detail}."""
         t0 = time.monotonic()
@@ -713,7 +713,10 @@ class Host(object):
             gone = [i for i in touched if i not in pman.get("services", {})]
             if gone:
                 self.stop(spec["stop"] + [unit(i) for i in gone], gone)
+            # the services that failed their gate first: they are out of the router already, so the others still
+            # serve while those come back (restarting a serving one first would leave the router short of two)
             restart = [i for i in touched if i in pman.get("services", {})]
+            restart = [i for i in restart if i in failed] + [i for i in restart if i not in failed]
             size = max(1, int(spec.get("max_unavailable") or 1))
             batches = [self.batch(spec, restart[i:i + size]) for i in range(0, len(restart), size)]
             self.roll(batches, prev["release"], [])
@@ -833,7 +836,7 @@ def apply(ctx, a):
         if began and not isinstance(exc, ActivationFailed) and a.get("rollback") is not None:
             try:
                 ctx.step("rollback")
-                rb = h.rollback(a["rollback"], list(touched))
+                rb = h.rollback(a["rollback"], list(touched), res.get("failed") or ())
                 res.update(rollback=rb, rolled_back=rb["ok"])
             except locks.LockLost as lexc:
                 res.update(error=res["error"] + "; not rolled back: " + str(lexc), lock_lost=True)
