@@ -495,7 +495,7 @@ def deploy_payload(p: HostPlan, opts: DeployOptions) -> dict:
         "fail_event": "deploy-failed"}
     if p.stop:
         payload["stop"] = stop_spec(p.stop)
-    if not opts.no_drain and (rs := router_spec(p.manifest)):
+    if rs := router_spec(p.manifest):  # also with --no-drain: a changed or stopped router is (re)started
         payload["router"] = rs
     if not p.unchanged:
         payload["stage"] = {"release": p.release, "user": {"name": host.vars["service_user"],
@@ -506,7 +506,7 @@ def deploy_payload(p: HostPlan, opts: DeployOptions) -> dict:
             payload["activate"]["router_venv"] = None  # the host has it: nothing to build (nor to show)
         payload["rollback"] = rollback_spec(host, old, p.manifest)
         if opts.no_drain:
-            payload["rollback"].update(drain=None, router=None)
+            payload["rollback"]["drain"] = None
     return payload
 
 
@@ -693,7 +693,7 @@ def rollback_payload(host: Host, state: dict, to: str | None, out: Printer, no_d
         "mark_failed": False}
     if stop:
         payload["stop"] = stop_spec(stop)
-    if not no_drain and (rs := router_spec(man)):
+    if rs := router_spec(man):
         payload["router"] = rs
     return payload
 

@@ -172,11 +172,13 @@ def print_table(rs: list[dict], console=None, router_rows: list[dict] | None = N
         console.print(router_table(router_rows))
 
 
-def logs(inv: Inventory, hosts: list[Host], gpus: list[int] | None, n: int, since: str | None) -> list:
+def logs(inv: Inventory, hosts: list[Host], gpus: list[int] | None, n: int, since: str | None,
+         router: bool = False) -> list:
     def one(conn, host):
         insts = [s.instance for s in host.services if gpus is None or s.gpu in gpus]
         return Remote(conn, host.name).call("release.logs", host_args(host) | {"instances": insts, "n": n,
-                                                                                "since": since}, deadline=DEADLINE)
+                                                                                "since": since, "router": router},
+                                            deadline=DEADLINE)
     return run_per_host(inv, hosts, one, label="logs")
 
 

@@ -40,6 +40,9 @@ def vendored() -> dict[str, bytes]:
     out = {}
     for name in VENDORED:
         spec = importlib.util.find_spec(name)
+        if spec is None or not spec.origin:
+            raise RuntimeError(f"{name} is not installed on this machine; the agent carries it (scripts/bootstrap "
+                               "installs it with the toolkit)")
         root = Path(spec.origin).parent
         for p in sorted(root.rglob("*.py")):
             rel = p.relative_to(root)

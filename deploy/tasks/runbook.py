@@ -63,13 +63,14 @@ def status(c, hosts=None, json=False, history=0, watch=False, interval=2.0, coun
 
 
 @task(help={"hosts": "comma-separated hosts or groups (default: all)", "gpus": "comma-separated GPU indices",
-            "lines": "journal lines per service (default 50)", "since": "journalctl --since, e.g. '10 min ago'"})
-def logs(c, hosts=None, gpus=None, lines=50, since=None):
-    """Show the journal of the GPU services (prefixed by host and GPU)."""
+            "lines": "journal lines per service (default 50)", "since": "journalctl --since, e.g. '10 min ago'",
+            "router": "also the host's sglang-router journal"})
+def logs(c, hosts=None, gpus=None, lines=50, since=None, router=False):
+    """Show the journal of the GPU services (prefixed by host and GPU; --router: and of the host's router)."""
     from ..release import status as st
     inv, selected = _inv(hosts)
     bad = False
-    for r in st.logs(inv, selected, _gpus(gpus), int(lines), since):
+    for r in st.logs(inv, selected, _gpus(gpus), int(lines), since, router):
         if not r.ok:
             print(f"[{r.host}] {r.kind}: {r.error}", file=sys.stderr)
             bad = True

@@ -129,3 +129,26 @@ def test_metric_names_are_sglang_0_5_17s():
     assert wanted <= declared, wanted - declared
     exported = set(re.findall(r"^# TYPE (sglang:[a-z_]+)", (CAPTURES / "labserver-metrics-idle.txt").read_text(), re.M))
     assert exported <= declared | {n[:-len("_total")] for n in declared}, exported - declared
+
+
+def test_router_down_refusal_and_no_drain_are_pure_plan_decisions(tmp_path):
+    from deploy.release import rollout
+    down = {"router": {"expected": True, "alive": False, "detail": "inactive, /liveness HTTP None"}}
+    why = rollout.router_refusal(down, restarting=True, no_drain=False)
+    assert why.startswith("router: sglang-router.service is down (inactive, /liveness HTTP None)") and "--no-drain" in why
+    assert rollout.router_refusal(down, restarting=False, no_drain=False) is None      # nothing to drain
+    assert rollout.router_refusal(down, restarting=True, no_drain=True) is None        # the operator said so
+    assert rollout.router_refusal({"router": {"expected": True, "alive": True}}, True, False) is None
+    assert rollout.router_refusal({"router": {"expected": False}}, True, False) is None  # no router yet: first deploy
+    h = host(tmp_path)
+    man = {"release": "r1", "router": {"enabled": True, "address": "127.0.0.1", "port": 8000, "drain_timeout": 30,
+                                       "api_key_file": None, "digest": "d", "unit": "sglang-router.service"},
+           "services": {"gpu0": {"gpu": 0, "port": 30000, "enabled": True, "digest": "x", "model": "/m",
+                                 "algorithm": "DDTREE"},
+                        "gpu1": {"gpu": 1, "port": 30001, "enabled": True, "digest": "y", "model": "/m",
+                                 "algorithm": "DDTREE"}}}
+    state = {"manifest": man, "current": "r1"}
+    drained = rollout.restart_payload(h, state, None)
+    assert [b["drain"]["workers"]["gpu1"] for b in drained["batches"]] == ["http://127.0.0.1:30001"] * 2
+    assert drained["batches"][0]["drain"]["timeout"] == 30 and "router" not in drained  # a restart leaves it be
+    assert [b["drain"] for b in rollout.restart_payload(h, state, None, no_drain=True)["batches"]] == [None, None]

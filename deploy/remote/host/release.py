@@ -285,7 +285,10 @@ def status(ctx, a):
 
 @op("release.logs")
 def logs(ctx, a):
-    return dict((i, journal_lines(i, a.get("n", 50), a.get("since"))) for i in a["instances"])
+    out = dict((i, journal_lines(i, a.get("n", 50), a.get("since"))) for i in a["instances"])
+    if a.get("router"):
+        out["router"] = journal_lines(None, a.get("n", 50), a.get("since"), unit_name=ROUTER_UNIT)
+    return out
 
 
 @op("release.outcome")
