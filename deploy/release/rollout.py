@@ -131,6 +131,9 @@ def activation(host: Host, manifest: dict, previous: dict | None) -> dict:
     r = manifest.get("router") or {}
     if r.get("enabled"):
         enabled.append(r["unit"])
+    elif ((previous or {}).get("router") or {}).get("enabled"):
+        # router switched off: stopped and disabled with the activation (the GPUs then listen on listen_address)
+        disabled.append(previous["router"]["unit"])
     return {"release": rid, "dropin_name": render.GPU_DROPIN, "router_venv": router_venv(manifest, root),
             "commands": {
         "install_plugin": commands.pip_install(py, [f"{root}/{rid}/{manifest['plugin']['wheel']}"]),

@@ -152,3 +152,17 @@ def test_router_down_refusal_and_no_drain_are_pure_plan_decisions(tmp_path):
     assert [b["drain"]["workers"]["gpu1"] for b in drained["batches"]] == ["http://127.0.0.1:30001"] * 2
     assert drained["batches"][0]["drain"]["timeout"] == 30 and "router" not in drained  # a restart leaves it be
     assert [b["drain"] for b in rollout.restart_payload(h, state, None, no_drain=True)["batches"]] == [None, None]
+
+
+def test_switching_the_router_off_stops_and_disables_it_with_the_activation(tmp_path):
+    from deploy.release import rollout
+    h = host(tmp_path)
+    on = {"release": "r1", "router": {"enabled": True, "unit": "sglang-router.service", "venv": "/opt/ddtree/router/v",
+                                      "wheel": {"path": "wheels/w.whl", "sha256": "0" * 64}},
+          "plugin": {"wheel": "wheels/p.whl", "dist": "p"}, "services": {}}
+    off = dict(on, release="r2", router={"enabled": False})
+    act = rollout.activation(h, off, on)
+    assert act["commands"]["disable"] == ["systemctl", "disable", "--now", "--quiet", "sglang-router.service"]
+    assert act["router_venv"] is None
+    back = rollout.activation(h, on, off)
+    assert "sglang-router.service" in back["commands"]["enable"] and back["commands"]["disable"] is None
