@@ -61,35 +61,61 @@ def server_load(port, address="127.0.0.1"):
     return n, "no sglang:num_running_reqs/num_queue_reqs" if n is None else "%d in flight" % n
 
 
-def take_out(spec, inst, port, key=None, address="127.0.0.1"):
-    """Remove `inst`'s worker from the router and wait for the server to finish what it holds. Returns
-    {removed, in_flight_at_start, in_flight, seconds, drained, timed_out, detail}; raises RuntimeError only when the
-    router cannot be asked (the caller stops: restarting then would cut requests)."""
-    t0 = time.monotonic()
+def remove(spec, inst, key=None):
+    """Take `inst`'s worker out of the router; True when it was listed. Raises RuntimeError only when the router
+    cannot be asked or keeps listing it (the caller stops: restarting then would cut requests)."""
     url = spec["workers"][inst]
     listed = workers(spec, key)
-    res = {"removed": False, "url": url, "timed_out": False}
-    if url in listed:
-        code, _d, raw = _router(spec, "DELETE", "/workers/%s" % listed[url].get("id"), key=key)
-        if code not in (200, 202, 204):
-            raise RuntimeError("the router refused to remove %s (HTTP %s %s)" % (
-                url, code, raw[:120].decode("utf-8", "replace")))
-        end = time.monotonic() + ROUTER_WAIT
-        while url in workers(spec, key):
-            if time.monotonic() > end:
-                raise RuntimeError("the router still lists %s %.0fs after removing it" % (url, ROUTER_WAIT))
-            time.sleep(POLL)
-        res["removed"] = True
-    first, detail = server_load(port, address)
-    res["in_flight_at_start"] = first
-    n = first
-    deadline = time.monotonic() + float(spec.get("timeout") or 0)
-    while n and time.monotonic() < deadline:
+    if url not in listed:
+        return False
+    code, _d, raw = _router(spec, "DELETE", "/workers/%s" % listed[url].get("id"), key=key)
+    if code not in (200, 202, 204):
+        raise RuntimeError("the router refused to remove %s (HTTP %s %s)" % (
+            url, code, raw[:120].decode("utf-8", "replace")))
+    end = time.monotonic() + ROUTER_WAIT
+    while url in workers(spec, key):
+        if time.monotonic() > end:
+            raise RuntimeError("the router still lists %s %.0fs after removing it" % (url, ROUTER_WAIT))
         time.sleep(POLL)
+    return True
+
+
+def wait_idle(spec, servers, t0=None):
+    """Wait until every server of {inst: (port, address)} holds no request, for at most spec["timeout"] s from
+    `t0`. Returns {inst: {in_flight_at_start, in_flight, seconds, drained, timed_out, detail}}."""
+    t0 = time.monotonic() if t0 is None else t0
+    deadline = t0 + float(spec.get("timeout") or 0)
+    out, left = {}, dict(servers)
+    for inst, (port, address) in servers.items():
         n, detail = server_load(port, address)
-    res.update(in_flight=n, detail=detail, seconds=round(time.monotonic() - t0, 2), drained=n == 0,
-               timed_out=bool(n) and time.monotonic() >= deadline)
-    return res
+        out[inst] = {"in_flight_at_start": n, "in_flight": n, "detail": detail}
+    while True:
+        for inst in list(left):
+            if out[inst]["in_flight"] == 0 or out[inst]["in_flight"] is None:
+                out[inst].update(seconds=round(time.monotonic() - t0, 2), drained=out[inst]["in_flight"] == 0,
+                                 timed_out=False)
+                del left[inst]
+        if not left:
+            return out
+        if time.monotonic() >= deadline:
+            for inst in left:
+                out[inst].update(seconds=round(time.monotonic() - t0, 2), drained=False, timed_out=True)
+            return out
+        time.sleep(POLL)
+        for inst, (port, address) in left.items():
+            out[inst]["in_flight"], out[inst]["detail"] = server_load(port, address)
+
+
+def take_out(spec, servers, key=None):
+    """Remove every server of {inst: (port, address)} from the router first, then wait for all of them together
+    (one deadline for the batch). Returns {inst: {removed, url, in_flight_at_start, in_flight, seconds, drained,
+    timed_out, detail}}."""
+    t0 = time.monotonic()
+    removed = dict((inst, remove(spec, inst, key)) for inst in servers)
+    out = wait_idle(spec, servers, t0)
+    for inst in servers:
+        out[inst].update(removed=removed[inst], url=spec["workers"][inst])
+    return out
 
 
 def warm_up(port, key=None, address="127.0.0.1", timeout=60.0):

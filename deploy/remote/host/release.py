@@ -637,14 +637,16 @@ class Host(object):
         drain = batch.get("drain")
         rkey = server_secrets.read_api_key(drain["api_key_file"]) if drain and drain.get("api_key_file") else None
         drained = {}
-        for i in insts if drain else []:
-            g = batch["gates"][i]
+        if drain:  # the whole batch out of the router first, then one wait (one deadline) for all of it
             try:
-                drained[i] = drainmod.take_out(drain, i, g["port"], rkey, g.get("address") or "127.0.0.1")
+                drained = drainmod.take_out(drain, dict(
+                    (i, (batch["gates"][i]["port"], batch["gates"][i].get("address") or "127.0.0.1")) for i in insts),
+                    rkey)
             except RuntimeError as exc:  # the router cannot be asked: restarting now would cut requests
                 return dict((j, {"ok": False, "step": "drain", "detail": str(exc), "port": batch["gates"][j]["port"]})
                             for j in insts)
-            self.ctx.event("drain", instance=i, **drained[i])
+            for i in insts:
+                self.ctx.event("drain", instance=i, **drained[i])
         results = self.restart_only(batch, keys)
         for i in insts if drain else []:
             results[i]["drain"] = drained[i]
@@ -684,8 +686,8 @@ class Host(object):
         gates = {}
         for b in batches:
             self.ctx.step("restart " + ",".join(b["instances"]),
-                          seconds=(self.a["start_timeout"] + self.a["gate_timeout"] + 30 + 2 * drainmod.ROUTER_WAIT
-                                   + float((b.get("drain") or {}).get("timeout") or 0)) * len(b["instances"]))
+                          seconds=(self.a["start_timeout"] + self.a["gate_timeout"] + 30 + 2 * drainmod.ROUTER_WAIT)
+                          * len(b["instances"]) + float((b.get("drain") or {}).get("timeout") or 0))
             results = self.restart_batch(b, release)
             gates.update(results)
             touched.extend(b["instances"])
