@@ -13,6 +13,7 @@ past it, say so and go on. put_back: one warm-up request to the server itself, t
 the router reports it healthy. Read-only towards everything but the router. Stdlib only (and metrics.py).
 """
 import json
+import re
 import time
 
 from . import metrics as metricsmod
@@ -20,6 +21,7 @@ from .gate import http
 
 ROUTER_WAIT = 15.0      # s for the router to apply a queued removal or report an added worker healthy
 POLL = 0.2
+WORKER_ID_RE = re.compile(r"[A-Za-z0-9-]{1,64}")   # the router's worker ids are UUIDs
 
 
 def _router(spec, method, path, body=None, key=None, timeout=5.0):
@@ -68,7 +70,10 @@ def remove(spec, inst, key=None):
     listed = workers(spec, key)
     if url not in listed:
         return False
-    code, _d, raw = _router(spec, "DELETE", "/workers/%s" % listed[url].get("id"), key=key)
+    wid = listed[url].get("id")
+    if not isinstance(wid, str) or not WORKER_ID_RE.fullmatch(wid):  # a host's answer: checked before it is a path
+        raise RuntimeError("the router lists %s with a worker id that is not one (%r)" % (url, str(wid)[:40]))
+    code, _d, raw = _router(spec, "DELETE", "/workers/%s" % wid, key=key)
     if code not in (200, 202, 204):
         raise RuntimeError("the router refused to remove %s (HTTP %s %s)" % (
             url, code, raw[:120].decode("utf-8", "replace")))
