@@ -115,8 +115,15 @@ def router_refusal(state: dict, restarting: bool, no_drain: bool) -> str | None:
             "again with --no-drain to restart without draining (requests in flight are cut)")
 
 
-def stop_spec(insts: list[str]) -> dict:
-    return {"instances": insts, "argv": SYSTEMCTL_STOP + [render.unit_name(i) for i in insts]}
+def stop_spec(insts: list[str], manifest: dict | None = None, old: dict | None = None, drain: bool = True) -> dict:
+    """Stop services a release no longer runs; with the new release's router, drained out of it first (their
+    ports are the `old` release's)."""
+    spec = {"instances": insts, "argv": SYSTEMCTL_STOP + [render.unit_name(i) for i in insts]}
+    gone = {i: (old or {}).get("services", {}).get(i) for i in insts}
+    if drain and manifest and all(gone.values()) and (d := routermod.drain_spec(manifest, gone)):
+        spec["drain"] = d
+        spec["servers"] = {i: [s["port"], s.get("address") or "127.0.0.1"] for i, s in gone.items()}
+    return spec
 
 
 def activation(host: Host, manifest: dict, previous: dict | None) -> dict:
@@ -257,6 +264,8 @@ def event_printer(host: str, out: Printer, kind: str):
                           f"healthy in {g['router'].get('seconds', 0):.1f}s)")
         elif e == "drain":
             out(host, drain_line(ev))
+        elif e == "note" and ev.get("message") == "drain-failed":
+            out(host, f"WARNING could not drain before stopping ({ev.get('detail')}): stopping anyway")
         elif e == "router" and ev.get("phase") == "restarted":
             out(host, f"sglang-router (re)started in {ev.get('seconds', 0):.1f}s")
         elif e == "note" and ev.get("message") == "nothing-restarted":
@@ -497,7 +506,7 @@ def deploy_payload(p: HostPlan, opts: DeployOptions) -> dict:
                     "unsafe": p.manifest.get("unsafe", {}), "unchanged": p.unchanged},
         "fail_event": "deploy-failed"}
     if p.stop:
-        payload["stop"] = stop_spec(p.stop)
+        payload["stop"] = stop_spec(p.stop, p.manifest, old, drain=not opts.no_drain)
     if rs := router_spec(p.manifest):  # also with --no-drain: a changed or stopped router is (re)started
         payload["router"] = rs
     if not p.unchanged:
@@ -695,7 +704,7 @@ def rollback_payload(host: Host, state: dict, to: str | None, out: Printer, no_d
         "journal": {"event": "rollback", "previous": cur, "release": target}, "fail_event": "rollback",
         "mark_failed": False}
     if stop:
-        payload["stop"] = stop_spec(stop)
+        payload["stop"] = stop_spec(stop, man, old, drain=not no_drain)
     if rs := router_spec(man):
         payload["router"] = rs
     return payload

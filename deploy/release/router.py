@@ -93,20 +93,20 @@ def worker_url(port: int) -> str:
     return f"http://127.0.0.1:{port}"
 
 
-def router_args(host: Host) -> list[str]:
+def router_args(host: Host, workers: bool = True) -> list[str]:
     """The router's command line (sglang-router 0.3.2 flags), without the API key (the launcher sets it)."""
     r = settings(host)
     listen = host.vars.get("listen_address", "127.0.0.1")
     if problem := values.listen_address(listen):
         raise render.RenderError(f"{host.name}: listen_address: {problem}")
-    workers = [worker_url(s.port) for s in host.services if s.enabled]
+    urls = [worker_url(s.port) for s in host.services if s.enabled] if workers else []
     args = ["--host", listen, "--port", str(r["port"]), "--policy", r["policy"],
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(r["metrics_port"]),
             "--health-check-interval-secs", str(HEALTH_INTERVAL), "--health-failure-threshold", str(HEALTH_FAILURES),
             "--health-check-timeout-secs", "2", "--shutdown-grace-period-secs", str(SHUTDOWN_GRACE),
             "--log-level", "info"]
-    if workers:
-        args += ["--worker-urls", *workers]
+    if urls:
+        args += ["--worker-urls", *urls]
     for a in args:
         if not values.ARG_RE.fullmatch(a):
             raise render.RenderError(f"{host.name}: router argument {a!r} has characters systemd would interpret")
@@ -136,7 +136,9 @@ def files(host: Host, w: Wheel) -> dict[str, bytes]:
 
 def manifest_entry(host: Host, w: Wheel, router_files: dict[str, bytes]) -> dict:
     """The manifest's `router`: where it listens, how the agent reaches it from the host, the drain deadline, its
-    venv and wheel, and the digest that decides whether it restarts (unit, arguments, launcher, wheel)."""
+    venv and wheel, and the digest that decides whether it restarts (unit, arguments, launcher, wheel). The worker
+    list is not in the digest: a GPU added or removed is added to or drained out of the running router through
+    its API (a restart would cut every request it holds); router.env keeps the list for its next start."""
     r = settings(host)
     listen = host.vars.get("listen_address", "127.0.0.1")
     return {"enabled": True, "unit": UNIT, "listen": listen, "address": values.connect_address(listen),
@@ -144,15 +146,16 @@ def manifest_entry(host: Host, w: Wheel, router_files: dict[str, bytes]) -> dict
             "policy": r["policy"], "api_key_file": host.vars.get("api_key_file"), "venv": venv_path(host, w),
             "wheel": {"name": w.name, "version": w.version, "sha256": w.sha256, "path": f"wheels/{w.name}"},
             "digest": render.sha256("\0".join([router_files[f"systemd/{UNIT}"].decode(),
-                                               router_files[ENV_FILE].decode(),
+                                               " ".join(router_args(host, workers=False)),
                                                render.sha256(router_files["bin/router_launch.py"]), w.sha256]))}
 
 
-def drain_spec(manifest: dict) -> dict | None:
-    """What the agent needs to take a GPU out of its host's router and put it back; None without a router."""
+def drain_spec(manifest: dict, services: dict | None = None) -> dict | None:
+    """What the agent needs to take a GPU out of its host's router and put it back; None without a router.
+    `services` (default: the manifest's) name the workers: a stopped GPU's are the previous release's."""
     r = manifest.get("router") or {}
     if not r.get("enabled"):
         return None
+    services = manifest["services"] if services is None else services
     return {"address": r["address"], "port": r["port"], "api_key_file": r.get("api_key_file"),
-            "timeout": r["drain_timeout"],
-            "workers": {i: worker_url(s["port"]) for i, s in manifest["services"].items()}}
+            "timeout": r["drain_timeout"], "workers": {i: worker_url(s["port"]) for i, s in services.items()}}

@@ -255,3 +255,24 @@ def test_a_failed_gate_rolls_back_drained_and_a_killed_server_is_dropped_within_
           f"{out_after}s; {s}")
     assert out_after is not None and out_after <= 5.0
     assert s["failed"] <= int(float(running.strip())) and not late, (s, running)
+
+
+def test_a_gpu_removed_from_the_inventory_is_drained_out_of_the_running_router(env, fab):
+    """ct129 goes from 3 GPU services (the previous test's) to 2 under load: the router is not restarted (its worker
+    list is not in its digest), gpu2 is drained out of it and then stopped, nothing is lost."""
+    lab, inv = env["lab"], env["ct129"]
+    pid = ssh(lab, "ct129", "systemctl show -p MainPID --value sglang-router").stdout.strip()
+    load = loadgen.Load([(router_url(lab, "ct129"), KEY)], clients=8, total=10000, time_cap=60,
+                        max_new_tokens=40).start()
+    time.sleep(1.5)
+    r = fab("deploy", "--yes", "--hosts", "ct129", inventory=inv)
+    load.stop()
+    out = strip_ansi(r.stdout)
+    s = loadgen.summary(load.results)
+    assert r.returncode == 0 and "stop: gpu2" in out, out
+    assert re.search(r"gpu2 out of the router; drained \d+ in-flight", out) and "sglang-router (re)started" not in out
+    assert out.index("gpu2 out of the router") < out.index("stopped gpu2")
+    assert s["failed"] == 0 and s["completed"] > 10, s
+    assert ssh(lab, "ct129", "systemctl show -p MainPID --value sglang-router").stdout.strip() == pid
+    code, body = get(router_url(lab, "ct129") + "/workers", KEY)
+    assert sorted(w["url"] for w in json.loads(body)["workers"]) == ["http://127.0.0.1:30000", "http://127.0.0.1:30001"]

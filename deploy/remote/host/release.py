@@ -605,7 +605,18 @@ class Host(object):
 
     # ---- services
 
-    def stop(self, argv, insts):
+    def stop(self, argv, insts, spec=None):
+        """Stop services; with a drain spec (the release's router), take them out of the router and wait for them
+        first. A router that cannot be asked does not stop the stop: their health checks fail within seconds."""
+        drain = (spec or {}).get("drain")
+        if drain:
+            try:
+                key = server_secrets.read_api_key(drain["api_key_file"]) if drain.get("api_key_file") else None
+                done = drainmod.take_out(drain, dict((i, tuple(v)) for i, v in spec["servers"].items()), key)
+                for i in insts:
+                    self.ctx.event("drain", instance=i, **done[i])
+            except (RuntimeError, server_secrets.SecretsError, OSError) as exc:
+                self.ctx.event("note", message="drain-failed", detail=str(exc))
         self.run(argv, "stop", check=False)
         self.ctx.event("stopped", instances=insts)
 
@@ -820,7 +831,7 @@ def apply(ctx, a):
             res["router"] = h.router_up(a["router"])
         if a.get("stop"):
             ctx.step("stop")
-            h.stop(a["stop"]["argv"], a["stop"]["instances"])
+            h.stop(a["stop"]["argv"], a["stop"]["instances"], a["stop"])
         batches = a.get("batches") or []
         if not batches:
             ctx.event("note", message="nothing-restarted")
