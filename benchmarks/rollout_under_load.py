@@ -176,8 +176,9 @@ def main():
           f"started more than 5 s after the kill: {len(late)}")
     if failed:
         print(f"  errors: {sorted({r.error for r in failed})[:3]}")
-    for h in HOSTS:
-        ssh(inv, h, CLEAN + f"; rm -f {KEY_FILE}", check=False)
+    for h in HOSTS:  # the lab as it was: no release, no router, no key, no plugin in the managed venv
+        ssh(inv, h, CLEAN + f"; rm -f {KEY_FILE}; {inv.hosts[h].vars['venv']}/bin/python -m pip uninstall -y -q "
+                            "sglang-ddtree", check=False)
     return 0 if all_ok else 1
 
 
