@@ -67,6 +67,34 @@ def _api_key_file(v):
     return None if v is None else values.abs_path(v)
 
 
+ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
+# The host's router (sglang-router.service): its keys, each with its check and description. A scope's `router`
+# mapping is merged key by key over the wider scopes' (fleet < groups < host), not replaced whole.
+ROUTER_KEYS = {
+    "enabled": (lambda v: isinstance(v, bool), "true or false"),
+    "port": (_is_port, "a TCP port (1-65535)"),
+    "metrics_port": (_is_port, "a TCP port (1-65535)"),
+    "drain_timeout": (_in_range(0, 7200), "seconds, an integer in [0, 7200]"),
+    "policy": (lambda v: v in ROUTER_POLICIES, "one of " + ", ".join(ROUTER_POLICIES)),
+}
+DEFAULT_ROUTER = {"enabled": True, "port": 8000, "metrics_port": 29000, "drain_timeout": 300,
+                  "policy": "cache_aware"}
+
+
+def _router_map(v):
+    if not isinstance(v, dict):
+        return f"must be a mapping with keys {', '.join(ROUTER_KEYS)}, got {v!r}"
+    out = []
+    for k, x in v.items():
+        if k not in ROUTER_KEYS:
+            out.append((k, f"{k}: unknown key (allowed: {', '.join(sorted(ROUTER_KEYS))})"))
+            continue
+        check, desc = ROUTER_KEYS[k]
+        if not check(x):
+            out.append((k, f"{k}: must be {desc}, got {x!r}"))
+    return out
+
+
 # key -> (check, description). A check returns True/None (fine), False (must be <description>), a message,
 # or a list of (item index or key, message) for list and mapping items. Shared variables may appear in fleet,
 # group, host and service scope. Every string that is rendered into a unit, an environment file or argv, or
@@ -104,6 +132,8 @@ VARS: dict[str, tuple] = {
     "listen_address": (values.listen_address, "an IP address"),
     # the host's root-only 0600 file holding `api-key: KEY` (SGLang --config YAML), or null for no key
     "api_key_file": (_api_key_file, "an absolute path or null"),
+    # the host's one endpoint: sglang-router on listen_address in front of its GPU services (then on loopback)
+    "router": (_router_map, "a mapping"),
 }
 SERVICE_KEYS = {"port": (_is_port, "a TCP port (1-65535)"), "enabled": (lambda v: isinstance(v, bool), "true or false")}
 SERVICE_VARS = ("model", "draft_model", "served_model_name", "mode", "budget", "block_size", "extra_args", "env",
@@ -128,6 +158,7 @@ DEFAULT_VARS = {
     "server": "sglang",
     "listen_address": "127.0.0.1",
     "api_key_file": None,
+    "router": DEFAULT_ROUTER,
 }
 SSH_KEYS = {
     "user": (values.ssh_user, "a user name"),
@@ -375,16 +406,24 @@ def parse_inventory(doc, path: str) -> Inventory:
             elif g not in member_of:
                 groups[g] = groups.get(g, ()) + (hname,)
                 member_of += (g,)
-        resolved = dict(DEFAULT_VARS) | fleet_vars
+        resolved = _merged(dict(DEFAULT_VARS), fleet_vars)
         for g in groups_node:  # file order, so later groups win
             if g in member_of:
-                resolved |= group_vars.get(g, {})
-        resolved |= _vars(c, h.get("vars"), f"{where}.vars", h.line_of("vars"))
+                resolved = _merged(resolved, group_vars.get(g, {}))
+        resolved = _merged(resolved, _vars(c, h.get("vars"), f"{where}.vars", h.line_of("vars")))
         _check_exposure(c, resolved, [(h.get("vars"), f"{where}.vars")]
                         + [(groups_node[g].get("vars"), f"groups.{g}.vars") for g in reversed(list(groups_node))
                            if g in member_of and isinstance(groups_node[g], dict)] + [(doc.get("vars"), "vars")],
                         hline, hname)
         services = _services(c, h, where, hname, gpus, resolved, hline)
+        router = resolved["router"]
+        if router["enabled"]:
+            taken = {s.port: f"GPU {s.gpu}" for s in services}
+            for key in ("port", "metrics_port"):
+                if router[key] in taken:
+                    c.err(hline, f"{where}.router.{key}", f"port {router[key]} is also used by {taken[router[key]]} "
+                                                          f"on {hname}")
+                taken[router[key]] = f"router.{key}"
         hosts[hname] = Host(hname, address, user, port, gpus, resolved, services, member_of)
 
     ref = doc.get("reference")
@@ -396,6 +435,12 @@ def parse_inventory(doc, path: str) -> Inventory:
     if c.problems:
         raise InventoryError(c.problems)
     return Inventory(path, fleet, ref, hosts, groups, ssh, settings)
+
+
+def service_listen(resolved: dict) -> str:
+    """Where a GPU server listens: loopback when the host's router is its one endpoint (the router listens on
+    listen_address), else listen_address."""
+    return "127.0.0.1" if (resolved.get("router") or {}).get("enabled") else resolved["listen_address"]
 
 
 def _check_exposure(c: _Checker, resolved: dict, scopes: list, hline: int, hname: str) -> None:
@@ -411,6 +456,15 @@ def _check_exposure(c: _Checker, resolved: dict, scopes: list, hline: int, hname
                   "0600 file on the host holding `api-key: KEY`), or listen on 127.0.0.1")
             return
     c.err(hline, f"hosts.{hname}", "listen_address is not loopback and no api_key_file is set")
+
+
+def _merged(resolved: dict, scope: dict) -> dict:
+    """`scope`'s variables over `resolved`'s; `router` key by key (a host's `router: {port: 8001}` keeps the
+    fleet's other router settings)."""
+    out = resolved | scope
+    if "router" in scope:
+        out["router"] = dict(resolved.get("router") or {}) | scope["router"]
+    return out
 
 
 def _vars(c: _Checker, node, where: str, line: int) -> dict:
@@ -478,5 +532,5 @@ def _services(c: _Checker, h: PosDict, where: str, hname: str, gpus, resolved: d
         out.append(Service(hname, gpu, port, v.get("model"), v.get("draft_model"), v.get("served_model_name"),
                            v["mode"], v["budget"], v["block_size"], tuple(v["extra_args"]),
                            tuple(sorted((k, str(x)) for k, x in v["env"].items())), o.get("enabled", True),
-                           resolved["listen_address"], v.get("concurrency"), cuda_graphs=v["cuda_graphs"]))
+                           service_listen(resolved), v.get("concurrency"), cuda_graphs=v["cuda_graphs"]))
     return tuple(out)

@@ -92,6 +92,19 @@ def drift(ref: dict | None, facts: dict) -> dict[str, str]:
     return out
 
 
+def endpoint(host) -> str:
+    """Where clients reach a host, from the inventory: its router (sglang-router on listen_address:port, the GPU
+    servers on loopback behind it), or the GPU servers themselves."""
+    if host is None:
+        return "-"
+    listen = host.vars.get("listen_address", "127.0.0.1")
+    r = host.vars.get("router") or {}
+    if r.get("enabled"):
+        return f"router {listen}:{r['port']} (drain {r['drain_timeout']}s)"
+    ports = [s.port for s in host.services if s.enabled]
+    return f"GPUs {listen}:{min(ports)}-{max(ports)}" if ports else f"GPUs {listen}"
+
+
 def inventory_table(inv, facts_by_host: dict[str, dict], errors: dict[str, tuple[str, str]]) -> Table:
     """Every value from a host or the inventory is a rich Text (plain text): `[...]` in a host's output or error
     is shown as is, never read as markup (a stray `[/x]` would crash the table, `[green]` would fake a style)."""
@@ -102,6 +115,7 @@ def inventory_table(inv, facts_by_host: dict[str, dict], errors: dict[str, tuple
     for col in COLUMNS:
         table.add_column(col, overflow="fold")
     table.add_column("age")
+    table.add_column("endpoint")
     for name, facts in facts_by_host.items():
         label = Text(name + (" ★" if name == inv.reference_name else ""))
         vals = row_values(facts)
@@ -113,10 +127,10 @@ def inventory_table(inv, facts_by_host: dict[str, dict], errors: dict[str, tuple
             if col == "coherent" and vals[col] not in (None, "ok"):
                 style = "bold red"
             cells.append(Text(v + (" (ABI≠ref)" if marks.get(col) == "abi" else ""), style=style))
-        table.add_row(label, *cells, Text(_age(facts)))
+        table.add_row(label, *cells, Text(_age(facts)), Text(endpoint(getattr(inv, "hosts", {}).get(name))))
     for name, (kind, err) in errors.items():
         table.add_row(Text(name, style="bold red"), Text(f"{kind}: {err}", style="red"),
-                      *[Text("")] * (len(COLUMNS) - 1), Text(""))
+                      *[Text("")] * (len(COLUMNS) - 1), Text(""), Text(endpoint(getattr(inv, "hosts", {}).get(name))))
     return table
 
 

@@ -12,6 +12,7 @@ import pytest
 from deploy import values
 from deploy.inventory import InventoryError, load_inventory
 from deploy.release import render
+from deploy.release.router import render_env as render_router_env
 
 from test_inventory import GOOD, errors, write  # noqa: E402 (tests/ is on sys.path)
 
@@ -120,6 +121,10 @@ def test_listen_address_default_and_api_key_file(tmp_path):
     text = GOOD.replace("    vars: {budget: 8}\n",
                         "    vars: {budget: 8, listen_address: 10.0.0.2, api_key_file: /etc/ddtree/api-key.yaml}\n")
     inv = load_inventory(write(tmp_path, text))
+    # with the host's router (the default) the router listens there and the GPU servers on loopback only
+    assert [s.listen for s in inv.hosts["b"].services] == ["127.0.0.1"] * 3
+    assert "--host 10.0.0.2 " in render_router_env(inv.hosts["b"])
+    inv = load_inventory(write(tmp_path, text.replace("{budget: 8, ", "{budget: 8, router: {enabled: false}, ")))
     assert [s.listen for s in inv.hosts["b"].services] == ["10.0.0.2"] * 3
     assert inv.hosts["a"].vars["listen_address"] == "127.0.0.1"
     # the problem is reported where the address was set: here the group's vars
@@ -152,3 +157,22 @@ def test_reserved_flag_prefixes_against_sglangs_real_parser():
                 assert f in values.OWN_FLAGS or dest[f] == dest[r], (f, r)
     for own in values.OWN_FLAGS:
         assert own in dest and values.extra_arg(own) is None
+
+
+def test_router_settings_merge_per_key_and_are_checked_with_file_lines(tmp_path):
+    text = GOOD.replace("  budget: 16\n", "  budget: 16\n  router: {port: 8100, drain_timeout: 45}\n").replace(
+        "    vars: {budget: 8}\n", "    vars: {budget: 8, router: {policy: round_robin}}\n")
+    inv = load_inventory(write(tmp_path, text))
+    assert inv.hosts["a"].vars["router"] == {"enabled": True, "port": 8100, "metrics_port": 29000,
+                                             "drain_timeout": 45, "policy": "cache_aware"}
+    assert inv.hosts["b"].vars["router"]["policy"] == "round_robin" and inv.hosts["b"].vars["router"]["port"] == 8100
+    path = tmp_path / "inv.yaml"
+    bad = GOOD.replace("  budget: 16\n", "  budget: 16\n  router:\n    port: 70000\n    drain_timeout: -1\n"
+                                          "    policy: fastest\n    enabled: 'yes'\n    colour: red\n")
+    p = errors(tmp_path, bad)
+    assert has(p, path, 8, "vars.router: port: must be a TCP port") and has(p, path, 9, "drain_timeout: must be seconds")
+    assert has(p, path, 10, "policy: must be one of cache_aware") and has(p, path, 11, "enabled: must be true or false")
+    assert has(p, path, 12, "colour: unknown key"), p
+    # the router's port may not be a GPU service's
+    p = errors(tmp_path, GOOD.replace("  budget: 16\n", "  budget: 16\n  router: {port: 30001}\n"))
+    assert has(p, path, 13, "hosts.a.router.port: port 30001 is also used by GPU 1 on a"), p

@@ -3,12 +3,18 @@ op registry, and a hung command reported once within one deadline -- all run for
 from __future__ import annotations
 
 import os
+import io
 import time
 from pathlib import Path
+
+import pytest
 
 from agenthelpers import call, result
 from deploy.remote import zipapp
 from deploy.remote.host import envelope, main, proc
+
+
+CAPTURES = Path(__file__).resolve().parent / "captures"
 
 
 def test_envelope_round_trip_ignores_noise():
@@ -64,7 +70,7 @@ def test_zipapp_is_built_once_when_every_host_thread_asks_at_once(monkeypatch):
 
 def test_every_op_area_has_its_module_and_host_code_is_stdlib_only():
     """One line in main.OP_MODULES adds an area; the host package imports nothing outside the standard library
-    (it runs on the hosts' system python3)."""
+    (it runs on the hosts' system python3) but what the zipapp itself carries (zipapp.VENDORED)."""
     import ast
     import sys
     ops = main.load_ops()
@@ -78,7 +84,36 @@ def test_every_op_area_has_its_module_and_host_code_is_stdlib_only():
             else:
                 continue
             for m in mods:
-                assert m.split(".")[0] in sys.stdlib_module_names, (f.name, m)
+                assert m.split(".")[0] in sys.stdlib_module_names or m.split(".")[0] in zipapp.VENDORED, (f.name, m)
+
+
+def test_the_zipapp_carries_prometheus_client_and_the_unpacked_agent_parses_with_it(tmp_path):
+    """The drain parses /metrics on the host with prometheus_client's own parser: the zipapp carries the package
+    (vendor/), the loader unpacks it (and nothing outside plain identifiers), and the agent run the way the loader
+    runs it (-I -S: no site-packages) imports it from there."""
+    import subprocess
+    import sys
+    import zipfile
+    from deploy.remote.host import loader
+    z = zipapp.build()
+    names = zipfile.ZipFile(io.BytesIO(z.data)).namelist()
+    assert "ddtree_agent/vendor/prometheus_client/parser.py" in names and "ddtree_agent/metrics.py" in names
+    assert not [n for n in names if "/twisted/" in n or "/django/" in n]
+    up = tmp_path / "agent"
+    loader.unpack(z.data, str(up))
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from ddtree_agent import metrics; "
+            "print(metrics.text_string_to_metric_families.__module__); "
+            "print(metrics.serving(open(sys.argv[2]).read()))")
+    r = subprocess.run([sys.executable, "-I", "-S", "-c", code, str(up), str(CAPTURES / "labserver-metrics-busy.txt")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[0] == "ddtree_agent.vendor.prometheus_client.parser"
+    assert "'running': 3.0" in r.stdout
+    bad = io.BytesIO()
+    with zipfile.ZipFile(bad, "w") as zf:
+        zf.writestr("ddtree_agent/vendor/x/../../evil.py", b"")
+    with pytest.raises(Exception, match="zipapp member"):
+        loader.unpack(bad.getvalue(), str(tmp_path / "bad"))
 
 
 def test_a_deadline_kills_the_whole_process_group(tmp_path):

@@ -13,6 +13,30 @@ answers the endpoints the deploy gate uses, with the JSON shapes of SGLang 0.5.2
     GET  /server_info, /get_server_info         resolved args incl. speculative_algorithm, internal_states,
                                                 version "0.5.23"
     GET  /model_info, /get_model_info
+    GET  /get_load                              [{"dp_rank": 0, "num_reqs": N, "num_waiting_reqs": Q, ...}]
+    GET  /metrics                               Prometheus text (only with --enable-metrics, as SGLang), below
+    POST /generate, /v1/completions with "stream": true   server-sent events as SGLang streams them
+                                                (cumulative text per chunk for /generate, deltas for
+                                                /v1/completions, then `data: [DONE]`)
+
+Generation takes real time (LABSERVER_TOKEN_SECONDS per token, default 0.02: 50 tokens/s per request), so
+requests are really in flight while a deploy drains a GPU, and the counters below count them as they run.
+
+/metrics, with --enable-metrics, carries the names SGLang 0.5.17 exports (taken from its
+sglang/srt/observability/metrics_collector.py: SchedulerMetricsCollector labels model_name, engine_type,
+tp_rank, pp_rank, moe_ep_rank; TokenizerMetricsCollector labels model_name, engine_type, and is_streaming on the
+token counters):
+
+    sglang:num_running_reqs, sglang:num_queue_reqs       gauges: requests generating now / waiting for a slot
+                                                          (--max-running-requests, default 64, bounds the first)
+    sglang:gen_throughput                                gauge: generated tokens/s over the last 5 s
+    sglang:spec_accept_length                            gauge: mean accept length of the last requests
+    sglang:prompt_tokens_total, sglang:generation_tokens_total   counters (by is_streaming)
+    sglang:num_requests_total                            counter: finished requests
+
+The real sglang-router (PyPI sglang-router 0.3.2) runs against it on the lab: it asks a worker for /health,
+/server_info (or /get_server_info), /model_info (or /get_model_info) and /get_load, probes HTTP/2 prior
+knowledge first (answered 505, as http.server does) and then routes /generate and /v1/* to it.
 
 Like SGLang it listens on --host (the inventory's listen_address) and, given an API key (`--api-key`, or
 `api-key:` in the YAML file of `--config FILE`, which is how the unit passes it), answers every endpoint but
@@ -31,6 +55,9 @@ Misbehaviour on request, from the unit's EnvironmentFile (so gates and automatic
     LABSERVER_LOAD_SECONDS=S         /health is 503 for the first S seconds (model loading)
     LABSERVER_CRASH_AFTER=N          the process dies (exit 70) on the N-th request after /health first succeeds
     LABSERVER_WRONG_ALGORITHM=NAME   /server_info reports NAME as speculative_algorithm
+    LABSERVER_TOKEN_SECONDS=S        seconds per generated token (default 0.02)
+    LABSERVER_NEVER_DRAINS=1         /metrics always counts one more running request than there is (a stuck
+                                     request: the drain never sees 0 and must give up at its deadline)
 
 Stdlib only: it runs with the lab host's /usr/bin/python3.
 """
@@ -146,8 +173,20 @@ def parse_args(argv):
 
 class State:
     def __init__(self, args, argv):
+        self.token_seconds = float(os.environ.get("LABSERVER_TOKEN_SECONDS", "0.02") or 0)
+        self.max_running = int(args.get("max_running_requests") or 64)
+        self.slots = threading.BoundedSemaphore(self.max_running)
+        self.running = 0
+        self.queued = 0
+        self.finished = 0
+        self.prompt_tokens = {"true": 0, "false": 0}
+        self.gen_tokens = {"true": 0, "false": 0}
+        self.recent = []  # (monotonic time, tokens) of tokens generated, for gen_throughput
+        self.recent_accept = []
+        self.stuck = 1 if os.environ.get("LABSERVER_NEVER_DRAINS") == "1" else 0
         self.args, self.argv = args, argv
         self.started = time.time()
+        self.started_mono = time.monotonic()
         self.load = float(os.environ.get("LABSERVER_LOAD_SECONDS", "0") or 0)
         self.never_ready = os.environ.get("LABSERVER_NEVER_READY") == "1"
         self.crash_after = int(os.environ.get("LABSERVER_CRASH_AFTER", "0") or 0)
@@ -158,6 +197,68 @@ class State:
         self.lock = threading.Lock()
         self.verify_ct = 0
         self.accepted = 0
+
+    # ---- what /metrics counts: each generating request holds one of max_running slots; the others queue
+
+    def begin(self):
+        with self.lock:
+            self.queued += 1
+        self.slots.acquire()
+        with self.lock:
+            self.queued -= 1
+            self.running += 1
+
+    def token(self, streaming):
+        now = time.monotonic()
+        with self.lock:
+            self.gen_tokens[streaming] += 1
+            self.recent.append(now)
+            while self.recent and self.recent[0] < now - 5.0:
+                self.recent.pop(0)
+
+    def end(self, prompt_tokens, streaming, accept_length):
+        with self.lock:
+            self.running -= 1
+            self.finished += 1
+            self.prompt_tokens[streaming] += prompt_tokens
+            if accept_length is not None:
+                self.recent_accept = (self.recent_accept + [accept_length])[-50:]
+        self.slots.release()
+
+    def metrics(self):
+        """Prometheus text exposition of the SGLang 0.5.17 names in the module docstring."""
+        def esc(v):
+            return str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+        model = esc(self.served)
+        sched = 'model_name="%s",engine_type="unified",tp_rank="0",pp_rank="0",moe_ep_rank="0"' % model
+        tok = 'model_name="%s",engine_type="unified"' % model
+        now = time.monotonic()
+        with self.lock:
+            window = [t for t in self.recent if t >= now - 5.0]
+            span = min(5.0, max(0.001, now - self.started_mono))
+            thr = len(window) / span
+            al = (sum(self.recent_accept) / len(self.recent_accept)) if self.recent_accept else 0.0
+            rows = [
+                ("sglang:num_running_reqs", "gauge", "The number of running requests.",
+                 [(sched, self.running + self.stuck)]),
+                ("sglang:num_queue_reqs", "gauge", "The number of requests in the waiting queue.",
+                 [(sched, self.queued)]),
+                ("sglang:gen_throughput", "gauge", "The generation throughput (token/s).", [(sched, round(thr, 3))]),
+                ("sglang:spec_accept_length", "gauge", "Mean acceptance length of speculative decoding (accepted "
+                 "drafts + bonus token per forward).", [(sched, round(al, 4))]),
+                ("sglang:prompt_tokens_total", "counter", "Number of prefill tokens processed.",
+                 [(tok + ',is_streaming="%s"' % k, v) for k, v in sorted(self.prompt_tokens.items())]),
+                ("sglang:generation_tokens_total", "counter", "Number of generation tokens processed.",
+                 [(tok + ',is_streaming="%s"' % k, v) for k, v in sorted(self.gen_tokens.items())]),
+                ("sglang:num_requests_total", "counter", "The number of requests.", [(tok, self.finished)]),
+            ]
+        out = []
+        for name, kind, doc, samples in rows:
+            base = name[:-len("_total")] if kind == "counter" else name
+            out += ["# HELP %s %s" % (base, doc), "# TYPE %s %s" % (base, kind)]
+            for labels, v in samples:
+                out.append("%s{%s} %s" % (name if kind != "counter" else base + "_total", labels, float(v)))
+        return ("\n".join(out) + "\n").encode()
 
     def ready(self):
         return not self.never_ready and time.time() - self.started >= self.load
@@ -221,6 +322,16 @@ def make_handler(state):
             p = self.path.split("?", 1)[0]
             if self.denied(p):
                 return
+            if p == "/metrics":  # SGLang serves it from the start, only with --enable-metrics
+                if not state.args.get("enable_metrics"):
+                    return self.send(404, {"detail": "Not Found"})
+                body = state.metrics()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+                return
             if p in ("/health", "/health_generate", "/ready"):
                 if not state.ready():
                     return self.send(503)
@@ -240,6 +351,11 @@ def make_handler(state):
                                                      "type": "invalid_request_error", "param": "model",
                                                      "code": "model_not_found"}})
                 return self.send(200, card)
+            if p == "/get_load":
+                with state.lock:
+                    running, queued = state.running, state.queued
+                return self.send(200, [{"dp_rank": 0, "num_reqs": running + queued, "num_waiting_reqs": queued,
+                                        "num_tokens": 0, "num_pending_tokens": 0, "ts_tic": time.perf_counter()}])
             if p in ("/server_info", "/get_server_info"):
                 return self.send(200, state.server_info())
             if p in ("/model_info", "/get_model_info"):
@@ -252,9 +368,42 @@ def make_handler(state):
         def _complete(self, prompt, max_new):
             words = ("Paris. It is known for the Eiffel Tower and the Louvre museum along the Seine river "
                      "and many cafes").split()
-            n = max(1, min(int(max_new or 16), 64))
-            text = " " + " ".join(words[i % len(words)] for i in range(n))
-            return text, n
+            n = max(1, min(int(max_new or 16), 1024))
+            return [" " + words[i % len(words)] for i in range(n)]
+
+        def chunk(self, obj):
+            """One server-sent event in one HTTP/1.1 chunk."""
+            data = b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n\n"
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+            self.wfile.flush()
+
+        def generate(self, pieces, streaming, prompt_tokens, on_piece):
+            """Generate `pieces` at LABSERVER_TOKEN_SECONDS each, counted as running (or queued) meanwhile;
+            `on_piece(i)` is called after each token (a stream sends it). Returns the accept length."""
+            tag = "true" if streaming else "false"
+            al = state.accept_length() if state.algorithm else None
+            state.begin()
+            try:
+                for i in range(len(pieces)):
+                    if state.token_seconds:
+                        time.sleep(state.token_seconds)
+                    state.token(tag)
+                    on_piece(i)
+            finally:
+                state.end(prompt_tokens, tag, al)
+            return al
+
+        def start_stream(self):
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Cache-Control", "no-cache")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+
+        def end_stream(self):
+            self.chunk(b"[DONE]")
+            self.wfile.write(b"0\r\n\r\n")
+            self.wfile.flush()
 
         def do_POST(self):
             p = self.path.split("?", 1)[0]
@@ -267,30 +416,53 @@ def make_handler(state):
             if not isinstance(req, dict):
                 return self.send(400, {"error": "invalid JSON body"})
             t0 = time.time()
+            rid = req.get("rid") or uuid.uuid4().hex
+            stream = bool(req.get("stream"))
             if p == "/generate":
                 sp = req.get("sampling_params") or {}
-                text, n = self._complete(req.get("text"), sp.get("max_new_tokens"))
-                al = state.accept_length()
-                verify = max(1, int(round(n / al)))
-                meta = {"id": req.get("rid") or uuid.uuid4().hex, "finish_reason": {"type": "length", "length": n},
-                        "prompt_tokens": len(str(req.get("text") or "").split()), "weight_version": "default",
-                        "num_retractions": 0, "reasoning_tokens": 0, "completion_tokens": n, "cached_tokens": 0,
-                        "e2e_latency": round(time.time() - t0, 6)}
-                if state.algorithm:
-                    meta.update(spec_verify_ct=verify, spec_accept_length=round(n / verify, 3))
-                return self.send(200, {"text": text, "output_ids": list(range(100, 100 + n)), "meta_info": meta})
+                pieces = self._complete(req.get("text"), sp.get("max_new_tokens"))
+                n, ptoks = len(pieces), len(str(req.get("text") or "").split())
+
+                def meta(k, al):
+                    m = {"id": rid, "finish_reason": {"type": "length", "length": k} if k == n else None,
+                         "prompt_tokens": ptoks, "weight_version": "default", "num_retractions": 0,
+                         "reasoning_tokens": 0, "completion_tokens": k, "cached_tokens": 0,
+                         "e2e_latency": round(time.time() - t0, 6)}
+                    if al:
+                        verify = max(1, int(round(k / al)))
+                        m.update(spec_verify_ct=verify, spec_accept_length=round(k / verify, 3))
+                    return m
+                if stream:  # SGLang's /generate stream: cumulative text and ids in every chunk
+                    self.start_stream()
+                    al0 = state.accept_length() if state.algorithm else None
+                    self.generate(pieces, True, ptoks, lambda i: self.chunk(
+                        {"text": "".join(pieces[:i + 1]), "output_ids": list(range(100, 101 + i)),
+                         "meta_info": meta(i + 1, al0)}))
+                    return self.end_stream()
+                al = self.generate(pieces, False, ptoks, lambda i: None)
+                return self.send(200, {"text": "".join(pieces), "output_ids": list(range(100, 100 + n)),
+                                       "meta_info": meta(n, al)})
             if p == "/v1/completions":
                 if req.get("model") not in (None, state.served):
                     return self.send(404, {"object": "error", "message": "The model `%s` does not exist." %
                                            req.get("model"), "type": "NotFoundError", "param": None, "code": 404})
-                text, n = self._complete(req.get("prompt"), req.get("max_tokens"))
-                return self.send(200, {"id": uuid.uuid4().hex, "object": "text_completion", "created": int(t0),
+                pieces = self._complete(req.get("prompt"), req.get("max_tokens"))
+                n, ptoks = len(pieces), len(str(req.get("prompt")).split())
+                cid = uuid.uuid4().hex
+                if stream:  # OpenAI completion chunks: one text delta each, finish_reason on the last
+                    self.start_stream()
+                    self.generate(pieces, True, ptoks, lambda i: self.chunk(
+                        {"id": cid, "object": "text_completion", "created": int(t0), "model": state.served,
+                         "choices": [{"index": 0, "text": pieces[i], "logprobs": None,
+                                      "finish_reason": "length" if i == n - 1 else None, "matched_stop": None}]}))
+                    return self.end_stream()
+                self.generate(pieces, False, ptoks, lambda i: None)
+                return self.send(200, {"id": cid, "object": "text_completion", "created": int(t0),
                                        "model": state.served,
-                                       "choices": [{"index": 0, "text": text, "logprobs": None,
+                                       "choices": [{"index": 0, "text": "".join(pieces), "logprobs": None,
                                                     "finish_reason": "length", "matched_stop": None}],
-                                       "usage": {"prompt_tokens": len(str(req.get("prompt")).split()),
-                                                 "completion_tokens": n,
-                                                 "total_tokens": n + len(str(req.get("prompt")).split())}})
+                                       "usage": {"prompt_tokens": ptoks, "completion_tokens": n,
+                                                 "total_tokens": n + ptoks}})
             return self.send(404, {"detail": "Not Found"})
 
     return H

@@ -30,6 +30,7 @@ import yaml
 from .. import values
 from ..inventory import Host
 from . import render
+from . import router as routermod
 
 REPO = render.REPO
 DEFAULT_PLUGIN_DIR = REPO / "overlays" / "sglang-ddtree"
@@ -203,9 +204,18 @@ def host_files(host: Host, plugin: Plugin, overlays: list[dict]) -> tuple[dict[s
         files["labserver/server.py"] = LABSERVER.read_bytes()
     for o in overlays:
         files[f"overlays/new/{o['path']}"] = o["data"]
+    router = {"enabled": False}
+    if routermod.enabled(host):
+        try:
+            w = routermod.wheel()
+        except routermod.RouterError as exc:
+            raise render.RenderError(f"{host.name}: router: {exc}") from None
+        rfiles = routermod.files(host, w)
+        files.update(rfiles)
+        router = routermod.manifest_entry(host, w, rfiles)
     services = {}
     for s in host.services:
-        env = render.render_env(s, plugin.capabilities)
+        env = render.render_env(s, plugin.capabilities, payload)
         dropin = render.render_dropin(s)
         files[f"env/{s.instance}.env"] = env.encode()
         files[f"systemd/{render.dropin_path(s.instance)}"] = dropin.encode()
@@ -218,13 +228,14 @@ def host_files(host: Host, plugin: Plugin, overlays: list[dict]) -> tuple[dict[s
             "api_key_file": host.vars.get("api_key_file"), "dropin": render.dropin_path(s.instance),
             "auto": s.auto,  # mode auto: what bench measured (None: the inventory's own mode)
             "digest": render.service_digest(unit, env, payload, dropin)}
-    return files, {"services": services, "payload_digest": payload}
+    return files, {"services": services, "payload_digest": payload, "router": router}
 
 
 def make_manifest(release_id: str, host: Host, plugin: Plugin, overlays: list[dict], files: dict[str, bytes],
                   svc: dict, command: str, params: dict) -> dict:
+    router = svc.get("router") or {"enabled": False}
     content = render.sha256("\0".join(sorted(f"{k}={v['digest']}" for k, v in svc["services"].items()))
-                            + svc["payload_digest"])
+                            + svc["payload_digest"] + (router.get("digest") or ""))
     return {
         "release": release_id, "host": host.name, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "created_by": f"{getpass.getuser()}@{socket.gethostname()}", "toolkit": git_commit(), "command": command,
@@ -232,7 +243,8 @@ def make_manifest(release_id: str, host: Host, plugin: Plugin, overlays: list[di
         "plugin": {"dist": plugin.dist, "version": plugin.version, "wheel": f"wheels/{plugin.wheel.name}",
                    "source_digest": plugin.source_digest, "capabilities": plugin.capabilities},
         "overlays": [{k: o[k] for k in ("package", "version", "path", "sha256", "new_sha256")} for o in overlays],
-        "services": svc["services"], "payload_digest": svc["payload_digest"], "content_digest": content,
+        "services": svc["services"], "router": router, "payload_digest": svc["payload_digest"],
+        "content_digest": content,
         "files": {k: hashlib.sha256(v).hexdigest() for k, v in sorted(files.items())},
         "venv": host.vars["venv"], "service_user": host.vars["service_user"], "server": host.vars.get("server"),
         "allow_hybrid_unsafe": False, "unsafe": {},

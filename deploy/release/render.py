@@ -45,8 +45,18 @@ BUDGET_ENV = "SGLANG_DDTREE_BUDGET"  # the node budget B
 ALGORITHM = {"linear": "DFLASH", "shadow-linear": "DDTREE", "tree-verify": "DDTREE"}
 
 SECRET_KEY_RE = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|CREDENTIAL|PRIVATE_KEY)", re.I)
+# JIT caches: under the unit's CacheDirectory (/var/cache/sglang-ddtree/gpuN, kept by systemd across restarts),
+# one folder per payload (plugin source + overlays + launcher: what a release changes in the code that compiles),
+# so a restart or a rollback to the same payload finds its kernels compiled, and a new payload never picks up
+# another's. Names from the sources: Triton's TRITON_CACHE_DIR, FlashInfer's FLASHINFER_WORKSPACE_BASE (its JIT
+# cache is $BASE/.cache/flashinfer), SGLang 0.5.17's SGLANG_CACHE_DIR and SGLANG_DG_CACHE_DIR
+# (sglang/srt/environ.py), torch's TORCHINDUCTOR_CACHE_DIR.
+CACHE_ROOT = "/var/cache/sglang-ddtree"
+CACHE_ENV = (("TRITON_CACHE_DIR", "triton"), ("FLASHINFER_WORKSPACE_BASE", "flashinfer"),
+             ("SGLANG_CACHE_DIR", "sglang"), ("SGLANG_DG_CACHE_DIR", "deep_gemm"),
+             ("TORCHINDUCTOR_CACHE_DIR", "inductor"))
 RESERVED_ENV = {"CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "SGLANG_ARGS", "SGLANG_HOST", "SGLANG_PORT",
-                "SGLANG_PLUGINS", "PYTHONPATH", MODE_ENV, BUDGET_ENV}
+                "SGLANG_PLUGINS", "PYTHONPATH", MODE_ENV, BUDGET_ENV} | {k for k, _d in CACHE_ENV}
 
 
 class RenderError(ValueError):
@@ -87,7 +97,8 @@ def server_args(svc: Service) -> list[str]:
     args = ["--model-path", svc.model]
     if svc.served_model_name:
         args += ["--served-model-name", svc.served_model_name]
-    args += ["--host", svc.listen, "--port", str(svc.port)]
+    # --enable-metrics: SGLang's Prometheus /metrics, which the drain and `fab status` read
+    args += ["--host", svc.listen, "--port", str(svc.port), "--enable-metrics"]
     if not svc.draft_model:
         raise RenderError(f"{where}: mode {svc.mode} needs a draft model (vars.draft_model)")
     args += ["--speculative-algorithm", ALGORITHM[svc.mode], "--speculative-draft-model-path", svc.draft_model,
@@ -137,15 +148,24 @@ def plugin_contract(caps: dict | None) -> dict:
             "mode_env": caps.get("mode_env") or MODE_ENV, "budget_env": caps.get("budget_env") or BUDGET_ENV}
 
 
-def service_env(svc: Service, caps: dict | None = None) -> list[tuple[str, str]]:
+def cache_dirs(svc: Service, cache_key: str) -> list[tuple[str, str]]:
+    """The JIT cache variables of one service for one payload (see CACHE_ENV)."""
+    base = f"{CACHE_ROOT}/{svc.instance}/{cache_key[:16]}"
+    return [(k, f"{base}/{d}") for k, d in CACHE_ENV]
+
+
+def service_env(svc: Service, caps: dict | None = None, cache_key: str | None = None) -> list[tuple[str, str]]:
     """The per-GPU EnvironmentFile, in order. Inventory `env` comes last; secrets are refused.
 
-    `caps` is the plugin's capabilities.json: its entry-point name, mode and budget variables are used."""
+    `caps` is the plugin's capabilities.json: its entry-point name, mode and budget variables are used;
+    `cache_key` (the payload digest) names the JIT cache folder."""
     where = f"{svc.host} gpu{svc.gpu}"
     c = plugin_contract(caps)
     # PCI_BUS_ID: CUDA numbers GPUs as nvidia-smi does, so index N is /dev/nvidiaN (the unit's device drop-in)
     env = [("CUDA_DEVICE_ORDER", "PCI_BUS_ID"), ("CUDA_VISIBLE_DEVICES", str(svc.gpu)),
            ("SGLANG_HOST", svc.listen), ("SGLANG_PORT", str(svc.port)), ("SGLANG_ARGS", " ".join(server_args(svc)))]
+    if cache_key:
+        env += cache_dirs(svc, cache_key)
     if svc.mode != "linear":
         env += [(c["allowlist_env"], c["plugin"]), (c["mode_env"], svc.mode)]
         if c["budget_env"]:
@@ -206,9 +226,9 @@ def render_dropin(svc: Service) -> str:
                                                          host=svc.host, gpu=svc.gpu, devices=gpu_devices(svc))
 
 
-def render_env(svc: Service, caps: dict | None = None) -> str:
-    return _jinja().get_template(ENV_TEMPLATE).render(host=svc.host, instance=svc.instance, env=service_env(svc, caps),
-                                                      secrets_file=SECRETS_FILE)
+def render_env(svc: Service, caps: dict | None = None, cache_key: str | None = None) -> str:
+    return _jinja().get_template(ENV_TEMPLATE).render(host=svc.host, instance=svc.instance,
+                                                      env=service_env(svc, caps, cache_key), secrets_file=SECRETS_FILE)
 
 
 def state_dir(host: Host) -> str:

@@ -27,12 +27,15 @@ from ..remote.client import AgentError, LinkLost, Remote
 from ..remote.client import lock_holder as holder  # noqa: F401 (rollout.holder: tests use it)
 from ..ssh import open_checked, run_per_host
 from . import build, hybrid, render
+from . import router as routermod
 
 PROBE_DEADLINE = 120.0
 SILENCE = 45.0          # heartbeats come every 10 s: this long without a word means the link is gone
 SYSTEMCTL_RESTART = commands.systemctl("restart", (), "--no-block")
 SYSTEMCTL_RESET = commands.systemctl("reset-failed")
 SYSTEMCTL_STOP = commands.systemctl("stop")
+NO_DRAIN_WARNING = ("WARNING --no-drain: GPUs restart WITHOUT draining them out of the router: requests in flight on "
+                    "a restarting GPU are cut")
 
 
 def host_args(host: Host) -> dict:
@@ -69,12 +72,14 @@ def changed_services(new: dict, old: dict | None, units: dict, recorded: dict) -
 
 # ---------------------------------------------------------------- commands, built pure
 
-def restart_batch(manifest: dict, insts: list[str]) -> dict:
+def restart_batch(manifest: dict, insts: list[str], drain: bool = True) -> dict:
     """One batch: the systemctl commands that restart `insts` together and what each one's gate expects: where
-    the service listens and the host's API-key file (the agent reads the key there; the key never travels)."""
+    the service listens and the host's API-key file (the agent reads the key there; the key never travels); with
+    the host's router (and `drain`), how the agent takes them out of it first and puts them back after."""
     units = [render.unit_name(i) for i in insts]
     return {"instances": list(insts), "reset_failed": SYSTEMCTL_RESET + units, "restart": SYSTEMCTL_RESTART + units,
-            "gates": {i: gate(manifest["services"][i]) for i in insts}}
+            "gates": {i: gate(manifest["services"][i]) for i in insts},
+            "drain": routermod.drain_spec(manifest) if drain else None}
 
 
 def gate(svc: dict) -> dict:
@@ -84,13 +89,41 @@ def gate(svc: dict) -> dict:
             "address": svc.get("address"), "api_key_file": svc.get("api_key_file")}
 
 
-def restart_batches(host: Host, manifest: dict, insts: list[str]) -> list[dict]:
+def restart_batches(host: Host, manifest: dict, insts: list[str], drain: bool = True) -> list[dict]:
     """`insts` in batches of the host's max_unavailable (what deploy, rollback and restart send)."""
-    return [restart_batch(manifest, b) for b in batches(insts, host.vars["max_unavailable"])]
+    return [restart_batch(manifest, b, drain) for b in batches(insts, host.vars["max_unavailable"])]
 
 
-def stop_spec(insts: list[str]) -> dict:
-    return {"instances": insts, "argv": SYSTEMCTL_STOP + [render.unit_name(i) for i in insts]}
+def router_spec(manifest: dict | None) -> dict | None:
+    """What brings the manifest's router up before any GPU restarts (the agent restarts it only when its digest
+    differs from the one it runs, or it is down): None without one."""
+    r = (manifest or {}).get("router") or {}
+    if not r.get("enabled"):
+        return None
+    return {"digest": r["digest"], "address": r["address"], "port": r["port"],
+            "reset_failed": SYSTEMCTL_RESET + [r["unit"]], "restart": commands.systemctl("restart", [r["unit"]])}
+
+
+def router_refusal(state: dict, restarting: bool, no_drain: bool) -> str | None:
+    """A host whose router should be running but is not cannot drain its GPUs: refused at the plan (unless
+    --no-drain, or nothing restarts)."""
+    r = state.get("router") or {}
+    if not restarting or no_drain or not r.get("expected") or r.get("alive"):
+        return None
+    return (f"router: sglang-router.service is down ({r.get('detail')}): its GPUs cannot be drained before they "
+            "restart. Start it (`systemctl start sglang-router` on the host; `fab logs` says why it stopped), or run "
+            "again with --no-drain to restart without draining (requests in flight are cut)")
+
+
+def stop_spec(insts: list[str], manifest: dict | None = None, old: dict | None = None, drain: bool = True) -> dict:
+    """Stop services a release no longer runs; with the new release's router, drained out of it first (their
+    ports are the `old` release's)."""
+    spec = {"instances": insts, "argv": SYSTEMCTL_STOP + [render.unit_name(i) for i in insts]}
+    gone = {i: (old or {}).get("services", {}).get(i) for i in insts}
+    if drain and manifest and all(gone.values()) and (d := routermod.drain_spec(manifest, gone)):
+        spec["drain"] = d
+        spec["servers"] = {i: [s["port"], s.get("address") or "127.0.0.1"] for i, s in gone.items()}
+    return spec
 
 
 def activation(host: Host, manifest: dict, previous: dict | None) -> dict:
@@ -102,12 +135,32 @@ def activation(host: Host, manifest: dict, previous: dict | None) -> dict:
     disabled = [render.unit_name(i) for i, s in manifest["services"].items() if not s.get("enabled", True)]
     undo = (commands.pip_install(py, [f"{root}/{previous['release']}/{previous['plugin']['wheel']}"]) if previous
             else commands.pip_uninstall(py, [manifest["plugin"]["dist"]]))
-    return {"release": rid, "dropin_name": render.GPU_DROPIN, "commands": {
+    r = manifest.get("router") or {}
+    if r.get("enabled"):
+        enabled.append(r["unit"])
+    elif ((previous or {}).get("router") or {}).get("enabled"):
+        # router switched off: stopped and disabled with the activation (the GPUs then listen on listen_address)
+        disabled.append(previous["router"]["unit"])
+    return {"release": rid, "dropin_name": render.GPU_DROPIN, "router_venv": router_venv(manifest, root),
+            "commands": {
         "install_plugin": commands.pip_install(py, [f"{root}/{rid}/{manifest['plugin']['wheel']}"]),
         "undo_plugin": undo,
         "daemon_reload": commands.systemctl("daemon-reload"),
         "enable": commands.systemctl("enable", enabled, "--quiet") if enabled else None,
         "disable": commands.systemctl("disable", disabled, "--now", "--quiet") if disabled else None}}
+
+
+def router_venv(manifest: dict, root: str) -> dict | None:
+    """How the agent builds the router's venv when the host has none for this wheel (from the wheel the release
+    carries then: make_plan adds it)."""
+    r = manifest.get("router") or {}
+    if not r.get("enabled"):
+        return None
+    tmp = r["venv"] + ".tmp"
+    return {"path": r["venv"], "wheel": r["wheel"]["path"], "sha256": r["wheel"]["sha256"],
+            "commands": {"venv": [render.SYSTEM_PYTHON, "-m", "venv", tmp],
+                         "install": commands.pip_install(commands.venv_python(tmp),
+                                                         [f"{root}/{manifest['release']}/{r['wheel']['path']}"])}}
 
 
 def rollback_spec(host: Host, previous: dict | None, current: dict) -> dict:
@@ -117,7 +170,8 @@ def rollback_spec(host: Host, previous: dict | None, current: dict) -> dict:
     return {"activate": activation(host, previous, current) if previous else None, "stop": SYSTEMCTL_STOP,
             "reset_failed": SYSTEMCTL_RESET, "restart": SYSTEMCTL_RESTART,
             "max_unavailable": host.vars["max_unavailable"],
-            "gates": {i: gate(s) for i, s in (previous or {}).get("services", {}).items()}}
+            "gates": {i: gate(s) for i, s in (previous or {}).get("services", {}).items()},
+            "drain": routermod.drain_spec(previous) if previous else None, "router": router_spec(previous)}
 
 
 def apply_commands(payload: dict) -> list[list[str]]:
@@ -126,7 +180,11 @@ def apply_commands(payload: dict) -> list[list[str]]:
     act = payload.get("activate")
     if act:
         c = act["commands"]
+        if act.get("router_venv"):  # only where the host has no venv for the router's wheel yet
+            out += [act["router_venv"]["commands"]["venv"], act["router_venv"]["commands"]["install"]]
         out += [c["install_plugin"], c["daemon_reload"]] + [c[k] for k in ("enable", "disable") if c.get(k)]
+    if payload.get("router"):  # only when what the router runs changed, or it is down
+        out.append(payload["router"]["restart"])
     if payload.get("stop"):
         out.append(payload["stop"]["argv"])
     for b in payload.get("batches") or []:
@@ -140,7 +198,8 @@ def _timeouts(host: Host) -> dict:
 
 def apply_deadline(host: Host, payload: dict) -> float:
     """A bound on one release.apply: the bundle, pip, each batch's gates -- twice when it may roll back."""
-    per = host.vars["start_timeout"] + host.vars["gate_timeout"] + 30
+    drain = (host.vars.get("router") or {}).get("drain_timeout", 0) if routermod.enabled(host) else 0
+    per = host.vars["start_timeout"] + host.vars["gate_timeout"] + 60 + drain
     restarts = sum(len(b["instances"]) for b in payload.get("batches") or [])
     once = 900 + per * max(1, restarts) + (payload.get("stage") or {}).get("size", 0) / 1e6
     return 120 + once * (2 if payload.get("rollback") else 1)
@@ -175,6 +234,17 @@ def gate_line(inst: str, port: int, g: dict) -> str:
     return out + "".join(f"\n      | {ln}" for ln in tail)
 
 
+def drain_line(ev: dict) -> str:
+    inst, first, n = ev["instance"], ev.get("in_flight_at_start"), ev.get("in_flight")
+    where = "out of the router" if ev.get("removed") else "not in the router"
+    if ev.get("timed_out"):
+        return (f"{inst} {where}; DRAIN DEADLINE passed after {ev.get('seconds', 0):.1f}s with {n} request(s) still "
+                f"in flight: restarting anyway (they are cut)")
+    if n is None:
+        return f"{inst} {where}; in-flight requests unknown ({ev.get('detail')}): restarting"
+    return f"{inst} {where}; drained {first or 0} in-flight request(s) in {ev.get('seconds', 0):.1f}s"
+
+
 def event_printer(host: str, out: Printer, kind: str):
     """Turn the agent's events into the run's lines."""
     def on_event(ev: dict) -> None:
@@ -188,6 +258,16 @@ def event_printer(host: str, out: Printer, kind: str):
             out(host, f"stopped {', '.join(ev['instances'])} (removed or disabled)")
         elif e == "gate":
             out(host, gate_line(ev["instance"], ev["port"], ev["gate"]))
+            g = ev["gate"]
+            if g.get("ok") and g.get("router"):
+                out(host, f"{ev['instance']} back in the router (warm-up {g.get('warmup', {}).get('seconds', 0):.2f}s, "
+                          f"healthy in {g['router'].get('seconds', 0):.1f}s)")
+        elif e == "drain":
+            out(host, drain_line(ev))
+        elif e == "note" and ev.get("message") == "drain-failed":
+            out(host, f"WARNING could not drain before stopping ({ev.get('detail')}): stopping anyway")
+        elif e == "router" and ev.get("phase") == "restarted":
+            out(host, f"sglang-router (re)started in {ev.get('seconds', 0):.1f}s")
         elif e == "note" and ev.get("message") == "nothing-restarted":
             out(host, "all services up to date; nothing restarted" if kind != "rollback"
                 else "no service differs between the releases; nothing restarted")
@@ -296,6 +376,7 @@ class DeployOptions:
     command: str = "fab deploy"
     plugin_dir: Path = build.DEFAULT_PLUGIN_DIR
     overlay_spec: Path | None = build.DEFAULT_OVERLAY_SPEC
+    no_drain: bool = False
 
 
 @dataclass
@@ -363,6 +444,10 @@ def coherence_preflight(host: Host, state: dict, caps: dict) -> tuple[list[str],
 def make_plan(host, plugin, overlays, release, opts, state, rendered: tuple | None = None) -> HostPlan:
     """The pure plan of one host from what its probe saw."""
     files, svc = rendered or build.host_files(host, plugin, overlays)
+    r = svc.get("router") or {}
+    if r.get("enabled") and Path(r["venv"]).name not in (state.get("router") or {}).get("venvs", []):
+        # the host has no venv for this router wheel: this release carries the wheel (once per host and version)
+        files = dict(files, **{r["wheel"]["path"]: routermod.wheel().path.read_bytes()})
     params = {"mode_override": opts.mode, "services": {s.instance: s.mode for s in host.services},
               "auto": {s.instance: s.auto for s in host.services if s.auto}}
     manifest = build.make_manifest(release, host, plugin, overlays, files, svc, opts.command, params)
@@ -404,6 +489,10 @@ def make_plan(host, plugin, overlays, release, opts, state, rendered: tuple | No
     if old:
         p.stop = [i for i, s in old.get("services", {}).items()
                   if i not in p.manifest["services"] or not p.manifest["services"][i].get("enabled", True)]
+    if why := router_refusal(state, bool(p.restart), opts.no_drain):
+        p.refused.append(why)
+    elif opts.no_drain and p.restart:
+        p.warnings.append(NO_DRAIN_WARNING)
     p.payload = deploy_payload(p, opts)
     return p
 
@@ -415,18 +504,25 @@ def deploy_payload(p: HostPlan, opts: DeployOptions) -> dict:
     payload = host_args(host) | _timeouts(host) | {
         "expect_current": p.current, "keep": host.vars["releases_keep"],
         "protect": [x for x in (p.current,) if x],
-        "batches": restart_batches(host, p.manifest, todo),
+        "batches": restart_batches(host, p.manifest, todo, drain=not opts.no_drain),
         "journal": {"event": "deploy-noop" if p.unchanged and not p.restart else "deploy", "release": p.release,
                     "previous": p.current, "by": p.manifest.get("created_by"), "command": p.manifest.get("command"),
                     "unsafe": p.manifest.get("unsafe", {}), "unchanged": p.unchanged},
         "fail_event": "deploy-failed"}
     if p.stop:
-        payload["stop"] = stop_spec(p.stop)
+        payload["stop"] = stop_spec(p.stop, p.manifest, old, drain=not opts.no_drain)
+    if rs := router_spec(p.manifest):  # also with --no-drain: a changed or stopped router is (re)started
+        payload["router"] = rs
     if not p.unchanged:
         payload["stage"] = {"release": p.release, "user": {"name": host.vars["service_user"],
                                                            "useradd": commands.useradd(host.vars["service_user"])}}
         payload["activate"] = activation(host, p.manifest, old)
+        rv = payload["activate"]["router_venv"]
+        if rv and Path(rv["path"]).name in (p.probe.get("router") or {}).get("venvs", []):
+            payload["activate"]["router_venv"] = None  # the host has it: nothing to build (nor to show)
         payload["rollback"] = rollback_spec(host, old, p.manifest)
+        if opts.no_drain:
+            payload["rollback"]["drain"] = None
     return payload
 
 
@@ -570,7 +666,7 @@ def rollback_target(current: str | None, releases: list[str], failed: list[str],
 
 
 def _runbook(inv: Inventory, hosts: list[Host], kind: str, plan_one, command: str, break_lock: bool,
-             out: Printer, manifests: bool = False) -> dict:
+             out: Printer, manifests: bool = False, no_drain: bool = False) -> dict:
     """rollback and restart: probe (read-only) -> pure payload -> one release.apply per host. `manifests`: the
     probe reads every kept release's manifest (a rollback chooses among them; a restart needs the current one)."""
     lock = dict(holder(command), mode="once", **({"break": True} if break_lock else {}))
@@ -591,6 +687,11 @@ def _runbook(inv: Inventory, hosts: list[Host], kind: str, plan_one, command: st
             return res
         refused = secrets_refusals(state, [g.get("api_key_file") for b in payload.get("batches") or []
                                            for g in b["gates"].values()])
+        restarting = any(b["instances"] for b in payload.get("batches") or [])
+        if why := router_refusal(state, restarting, no_drain):
+            refused.append(why)
+        elif no_drain and restarting:
+            out(host.name, NO_DRAIN_WARNING)
         if refused:
             for msg in refused:
                 out(host.name, f"REFUSED {msg}")
@@ -610,7 +711,7 @@ def _runbook(inv: Inventory, hosts: list[Host], kind: str, plan_one, command: st
     return _finish_summary(summary, t0)
 
 
-def rollback_payload(host: Host, state: dict, to: str | None, out: Printer) -> dict:
+def rollback_payload(host: Host, state: dict, to: str | None, out: Printer, no_drain: bool = False) -> dict:
     cur, rels = state.get("current"), state.get("releases") or []
     target = rollback_target(cur, rels, state.get("failed"), to, host.name)
     out(host.name, f"rollback {cur} -> {target}")
@@ -623,35 +724,37 @@ def rollback_payload(host: Host, state: dict, to: str | None, out: Printer) -> d
     payload = host_args(host) | _timeouts(host) | {
         "expect_current": cur, "keep": host.vars["releases_keep"], "protect": [x for x in (cur,) if x],
         "activate": activation(host, man, old or None),
-        "batches": restart_batches(host, man, todo),
+        "batches": restart_batches(host, man, todo, drain=not no_drain),
         "journal": {"event": "rollback", "previous": cur, "release": target}, "fail_event": "rollback",
         "mark_failed": False}
     if stop:
-        payload["stop"] = stop_spec(stop)
+        payload["stop"] = stop_spec(stop, man, old, drain=not no_drain)
+    if rs := router_spec(man):
+        payload["router"] = rs
     return payload
 
 
 def rollback(inv: Inventory, hosts: list[Host], to: str | None = None, break_lock: bool = False,
-             command: str = "fab rollback", out: Printer | None = None) -> dict:
-    """Re-activate the previous (or named) release on each host through the same gated restart."""
-    return _runbook(inv, hosts, "rollback", lambda h, st, o: rollback_payload(h, st, to, o), command, break_lock,
-                    out or Printer(), manifests=True)
+             command: str = "fab rollback", out: Printer | None = None, no_drain: bool = False) -> dict:
+    """Re-activate the previous (or named) release on each host through the same gated, drained restart."""
+    return _runbook(inv, hosts, "rollback", lambda h, st, o: rollback_payload(h, st, to, o, no_drain), command,
+                    break_lock, out or Printer(), manifests=True, no_drain=no_drain)
 
 
-def restart_payload(host: Host, state: dict, gpus: list[int] | None) -> dict:
+def restart_payload(host: Host, state: dict, gpus: list[int] | None, no_drain: bool = False) -> dict:
     man = state.get("manifest")
     if not man:
         raise RuntimeError(f"no active release on {host.name}; run fab deploy first")
     insts = by_gpu(i for i, s in man["services"].items() if s.get("enabled", True) and (gpus is None or s["gpu"] in gpus))
     return host_args(host) | _timeouts(host) | {
         "expect_current": state.get("current"), "keep": host.vars["releases_keep"],
-        "batches": restart_batches(host, man, insts),
+        "batches": restart_batches(host, man, insts, drain=not no_drain),
         "journal": {"event": "restart", "release": state.get("current")}, "fail_event": "restart",
         "mark_failed": False}
 
 
 def restart(inv: Inventory, hosts: list[Host], gpus: list[int] | None = None, break_lock: bool = False,
-            command: str = "fab restart", out: Printer | None = None) -> dict:
-    """Gated restart of the current release's services (one batch of max_unavailable at a time)."""
-    return _runbook(inv, hosts, "restart", lambda h, st, o: restart_payload(h, st, gpus), command, break_lock,
-                    out or Printer())
+            command: str = "fab restart", out: Printer | None = None, no_drain: bool = False) -> dict:
+    """Gated, drained restart of the current release's services (one batch of max_unavailable at a time)."""
+    return _runbook(inv, hosts, "restart", lambda h, st, o: restart_payload(h, st, gpus, no_drain), command,
+                    break_lock, out or Printer(), no_drain=no_drain)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from ..inventory import Host, Inventory
 from ..remote.client import Remote
+from ..remote.host import metrics as metricsmod
 from ..ssh import run_per_host
 from . import render
 from .rollout import host_args
@@ -21,8 +22,33 @@ def gather(inv: Inventory, hosts: list[Host], journal_n: int = 5) -> list[dict]:
     return out
 
 
-def rows(gathered: list[dict], hosts: dict[str, Host]) -> list[dict]:
-    """One row per host and GPU: unit state, port, health, mode, release, unsafe override, lock, last deploy."""
+def live(text: str | None) -> dict:
+    """The serving figures of one server's /metrics text (prometheus_client's parser, metrics.serving)."""
+    if not text:
+        return {}
+    try:
+        return metricsmod.serving(text)
+    except metricsmod.MetricsError as exc:
+        return {"metrics_error": str(exc)}
+
+
+def router_cell(view: dict | None, port: int | None) -> str:
+    """The router's view of one GPU's worker: in/healthy, in/UNHEALTHY, OUT, or why it is unknown."""
+    if view is None:
+        return "-"
+    if not view.get("alive"):
+        return f"router down ({view.get('detail')})"
+    if "workers" not in view:
+        return f"unknown ({view.get('error')})"
+    w = view["workers"].get(f"http://127.0.0.1:{port}")
+    return "OUT" if w is None else ("in/healthy" if w["healthy"] else "in/UNHEALTHY")
+
+
+def rows(gathered: list[dict], hosts: dict[str, Host], previous: dict | None = None, seconds: float | None = None
+         ) -> list[dict]:
+    """One row per host and GPU: unit state, port, health, mode, release, unsafe override, lock, last deploy, and
+    the live figures: tokens/s (SGLang's gen_throughput; with `previous` rows from `seconds` ago, the generated-token
+    counter's rate instead), running and queued requests, accept length, the router's view of the worker."""
     out = []
     for g in gathered:
         h = hosts[g["host"]]
@@ -41,6 +67,12 @@ def rows(gathered: list[dict], hosts: dict[str, Host]) -> list[dict]:
             u = st["units"].get(inst, {})
             rec = st.get("services", {}).get(inst, {})
             code = st["health"].get(inst)
+            fig = live((st.get("metrics") or {}).get(inst))
+            port = ms.get("port", inv_svc.port if inv_svc else None)
+            tps = fig.get("tokens_per_s")
+            prev = (previous or {}).get((g["host"], inst)) or {}
+            if seconds and fig.get("generation_tokens") is not None and prev.get("generation_tokens") is not None:
+                tps = max(0.0, (fig["generation_tokens"] - prev["generation_tokens"]) / seconds)
             out.append({
                 "host": g["host"], "gpu": ms.get("gpu", inv_svc.gpu if inv_svc else None), "instance": inst,
                 "unit": render.unit_name(inst),
@@ -50,7 +82,14 @@ def rows(gathered: list[dict], hosts: dict[str, Host]) -> list[dict]:
                 "health": "ok" if code == 200 else ("down" if code is None else str(code)),
                 "mode": ms.get("mode"), "algorithm": ms.get("algorithm"),
                 "release": st.get("current"), "running_release": rec.get("release"),
-                "accept_length": rec.get("accept_length"),
+                "accept_length": fig.get("accept_length") if fig.get("accept_length") is not None
+                else rec.get("accept_length"),
+                "tokens_per_s": None if tps is None else round(tps, 2),
+                "running": None if fig.get("running") is None else int(fig["running"]),
+                "queued": None if fig.get("queued") is None else int(fig["queued"]),
+                "generation_tokens": fig.get("generation_tokens"), "requests_total": fig.get("requests"),
+                "metrics_error": fig.get("metrics_error"),
+                "router": router_cell(st.get("router_view"), port),
                 "unsafe": bool(man.get("unsafe", {}).get(inst)),
                 "unsafe_reason": man.get("unsafe", {}).get(inst),
                 "plugin": st.get("plugin_installed"),
@@ -72,33 +111,74 @@ def status_table(rs: list[dict]):
     """The `fab status` table; every value from a host (state, error, release, lock, journal) is plain text."""
     from rich.table import Table
     t = Table(title="sglang-ddtree services")
-    for col in ("host", "gpu", "state", "port", "health", "mode", "release", "unsafe", "lock", "last deploy"):
+    for col in ("host", "gpu", "state", "port", "health", "router", "tok/s", "run", "queue", "accept", "mode",
+                "release", "unsafe", "lock", "last deploy"):
         t.add_column(col)
     for r in rs:
         if r.get("error"):
-            t.add_row(cell(r["host"]), cell("-"), cell(r["error"], "red"), *[cell("")] * 7)
+            t.add_row(cell(r["host"]), cell("-"), cell(r["error"], "red"), *[cell("")] * 12)
             continue
         state = r["state"] + (f" ({r['restarts']} restarts)" if r["restarts"] else "")
         color = "green" if r["state"].startswith("active/running") and r["health"] == "ok" else "red"
         rel = r["release"] or "-"
         if r["running_release"] and r["running_release"] != r["release"]:
             rel += f" (running {r['running_release']})"
+        rc = r.get("router") or "-"
         t.add_row(cell(r["host"]), cell(r["gpu"]), cell(state, color), cell(r["port"]), cell(r["health"], color),
+                  cell(rc, "green" if rc == "in/healthy" else ("" if rc == "-" else "red")),
+                  cell("-" if r.get("tokens_per_s") is None else f"{r['tokens_per_s']:.1f}"),
+                  cell("-" if r.get("running") is None else r["running"]),
+                  cell("-" if r.get("queued") is None else r["queued"]),
+                  cell("-" if r.get("accept_length") is None else r["accept_length"]),
                   cell(r["mode"] or "-"), cell(rel), cell("HYBRID-UNSAFE" if r["unsafe"] else "", "bold red"),
                   cell(r["lock"] or ""), cell(r["last_deploy"] or ""))
     return t
 
 
-def print_table(rs: list[dict], console=None) -> None:
+def routers(gathered: list[dict]) -> list[dict]:
+    """One row per host with a router: its endpoint, whether it answers, how many workers it holds and how many of
+    them are healthy."""
+    out = []
+    for g in gathered:
+        view = (g.get("state") or {}).get("router_view") if g["ok"] else None
+        if view is None:
+            continue
+        ws = view.get("workers")
+        out.append({"host": g["host"], "endpoint": f"{view.get('listen')}:{view.get('port')}",
+                    "alive": view.get("alive"), "detail": view.get("detail"), "error": view.get("error"),
+                    "workers": None if ws is None else len(ws),
+                    "healthy": None if ws is None else sum(1 for w in ws.values() if w["healthy"])})
+    return out
+
+
+def router_table(rs: list[dict]):
+    from rich.table import Table
+    t = Table(title="sglang-router (each host's endpoint)")
+    for col in ("host", "endpoint", "state", "workers", "healthy"):
+        t.add_column(col)
+    for r in rs:
+        state = "up" if r["alive"] else f"DOWN ({r['detail']})"
+        t.add_row(cell(r["host"]), cell(r["endpoint"]), cell(state + (f"; {r['error']}" if r.get("error") else ""),
+                                                            "green" if r["alive"] and not r.get("error") else "red"),
+                  cell("-" if r["workers"] is None else r["workers"]), cell("-" if r["healthy"] is None else r["healthy"]))
+    return t
+
+
+def print_table(rs: list[dict], console=None, router_rows: list[dict] | None = None) -> None:
     from rich.console import Console
-    (console or Console(width=200)).print(status_table(rs))
+    console = console or Console(width=250)
+    console.print(status_table(rs))
+    if router_rows:
+        console.print(router_table(router_rows))
 
 
-def logs(inv: Inventory, hosts: list[Host], gpus: list[int] | None, n: int, since: str | None) -> list:
+def logs(inv: Inventory, hosts: list[Host], gpus: list[int] | None, n: int, since: str | None,
+         router: bool = False) -> list:
     def one(conn, host):
         insts = [s.instance for s in host.services if gpus is None or s.gpu in gpus]
         return Remote(conn, host.name).call("release.logs", host_args(host) | {"instances": insts, "n": n,
-                                                                                "since": since}, deadline=DEADLINE)
+                                                                                "since": since, "router": router},
+                                            deadline=DEADLINE)
     return run_per_host(inv, hosts, one, label="logs")
 
 

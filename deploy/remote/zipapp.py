@@ -1,5 +1,9 @@
 """The host package as one zipapp: deploy/remote/host/*.py under `ddtree_agent/`, entries sorted, times fixed,
-so the same sources always give the same bytes and the same sha256 -- the name it is shipped and invoked by."""
+so the same sources always give the same bytes and the same sha256 -- the name it is shipped and invoked by.
+
+It also carries the control machine's own prometheus_client package (pure Python, stdlib-only imports, all
+relative) as `ddtree_agent/vendor/prometheus_client/`: the drain reads a GPU server's /metrics on the host with
+prometheus_client's own text parser (deploy/remote/host/metrics.py), not a hand-written one."""
 from __future__ import annotations
 
 import functools
@@ -26,8 +30,31 @@ class Zipapp:
         return len(self.data)
 
 
+VENDORED = ("prometheus_client",)
+VENDOR_SKIP = {"aiohttp", "django", "twisted"}  # optional integrations; prometheus_client imports none of them
+
+
+def vendored() -> dict[str, bytes]:
+    """`vendor/<package>/<module>.py` -> bytes for each package of VENDORED, from this machine's installation."""
+    import importlib.util
+    out = {}
+    for name in VENDORED:
+        spec = importlib.util.find_spec(name)
+        if spec is None or not spec.origin:
+            raise RuntimeError(f"{name} is not installed on this machine; the agent carries it (scripts/bootstrap "
+                               "installs it with the toolkit)")
+        root = Path(spec.origin).parent
+        for p in sorted(root.rglob("*.py")):
+            rel = p.relative_to(root)
+            if rel.parts[0] not in VENDOR_SKIP:
+                out["/".join(("vendor", name) + rel.parts)] = p.read_bytes()
+    if out:
+        out["vendor/__init__.py"] = b""
+    return out
+
+
 def sources(host_dir: Path = HOST_DIR) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(host_dir.glob("*.py"))}
+    return {p.name: p.read_bytes() for p in sorted(host_dir.glob("*.py"))} | vendored()
 
 
 def build_from(files: dict[str, bytes]) -> Zipapp:

@@ -77,7 +77,10 @@ def inventory(c, json=False, hosts=None, refresh=False):
         print(jsonlib.dumps({"fleet": inv.fleet, "reference": inv.reference_name,
                              "hosts": {h: printed(f) for h, f in facts.items()},
                              "errors": {h: {"kind": k, "error": e} for h, (k, e) in errors.items()},
-                             "incomplete": incomplete, "incoherent": bad}, indent=1))
+                             "incomplete": incomplete, "incoherent": bad,
+                             "endpoints": {h: {"router": inv.hosts[h].vars.get("router"),
+                                               "listen_address": inv.hosts[h].vars.get("listen_address")}
+                                           for h in facts}}, indent=1))
     else:
         from rich.console import Console
 

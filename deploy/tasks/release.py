@@ -64,15 +64,19 @@ def report(summary: dict, json: bool, what: str) -> None:
             "break_lock": "remove another run's host lock first (runbook: only when that run is dead)",
             "plugin": "the plugin project to build into the release (default overlays/sglang-ddtree)",
             "overlays": "file-overlay spec (default overlays/file-overlays.yaml, if present)",
+            "no_drain": "restart GPUs without draining them out of the host's router (in-flight requests are cut; "
+                        "for a host whose router is down)",
             "json": "print the summary as JSON"})
 def deploy(c, mode=None, hosts=None, yes=False, allow_hybrid_unsafe=False, max_fail=1, break_lock=False,
-           plugin=None, overlays=None, json=False):
+           plugin=None, overlays=None, json=False, no_drain=False):
     """Build a release and roll it out: one gated restart per changed GPU service, auto-rollback on failure.
 
     A host is refused at the plan, before anything is locked, staged or restarted, when its SGLang is not one the
     built plugin supports, when a pin among sglang / sglang-kernel / torch / flashinfer-python is unmet, or when
     sgl_kernel's common_ops for its GPU arch does not resolve against its torch (RUNBOOK: the coherence
-    preflight); the other hosts go on. Exit 0 only if every host is ok."""
+    preflight), or when its router is down (no drain possible; --no-drain restarts anyway); the other hosts go on.
+    Each GPU is taken out of its host's router and drained before it restarts, and put back after its gate. Exit 0
+    only if every host is ok."""
     from ..release import build, rollout
     if mode is not None and mode not in modes.MODES:
         raise Exit(f"--mode must be one of {', '.join(modes.MODES)}", code=2)
@@ -81,7 +85,8 @@ def deploy(c, mode=None, hosts=None, yes=False, allow_hybrid_unsafe=False, max_f
     opts = rollout.DeployOptions(mode=mode, allow_hybrid_unsafe=allow_hybrid_unsafe, max_fail=int(max_fail),
                                  break_lock=break_lock, command=" ".join(["fab"] + sys.argv[1:]),
                                  plugin_dir=Path(plugin) if plugin else build.DEFAULT_PLUGIN_DIR,
-                                 overlay_spec=Path(overlays) if overlays else build.DEFAULT_OVERLAY_SPEC)
+                                 overlay_spec=Path(overlays) if overlays else build.DEFAULT_OVERLAY_SPEC,
+                                 no_drain=no_drain)
     try:
         summary = rollout.deploy(inv, selected, opts, confirm=ask)
     except build.BuildError as exc:
@@ -92,13 +97,16 @@ def deploy(c, mode=None, hosts=None, yes=False, allow_hybrid_unsafe=False, max_f
 @task(help={"hosts": "comma-separated hosts or groups (default: all)",
             "to": "release id to re-activate (default: the one before the current)",
             "break_lock": "remove another run's host lock first", "json": "print the summary as JSON",
-            "yes": "accepted for symmetry with deploy: rollback never asks (a runbook action, gated per GPU)"})
-def rollback(c, yes=False, hosts=None, to=None, break_lock=False, json=False):
-    """Re-activate the previous (or --to) release through the same gated restart."""
+            "yes": "accepted for symmetry with deploy: rollback never asks (a runbook action, gated per GPU)",
+            "no_drain": "restart GPUs without draining them out of the host's router (in-flight requests are cut; "
+                        "for a host whose router is down)",
+})
+def rollback(c, yes=False, hosts=None, to=None, break_lock=False, json=False, no_drain=False):
+    """Re-activate the previous (or --to) release through the same gated, drained restart."""
     from ..release import rollout
     inv, selected = _inv(hosts)
     summary = rollout.rollback(inv, selected, to=to, break_lock=break_lock,
-                               command=" ".join(["fab"] + sys.argv[1:]))
+                               command=" ".join(["fab"] + sys.argv[1:]), no_drain=no_drain)
     report(summary, json, "rollback")
 
 

@@ -17,22 +17,43 @@ def _gpus(gpus):
 
 
 @task(help={"hosts": "comma-separated hosts or groups (default: all)", "json": "print JSON",
-            "history": "also show the last N audit-journal entries of each host (deploys, rollbacks, restarts)"})
-def status(c, hosts=None, json=False, history=0):
-    """Per host and GPU: unit state, port, health, mode, release, unsafe override, lock, last deploy."""
+            "history": "also show the last N audit-journal entries of each host (deploys, rollbacks, restarts)",
+            "watch": "refresh every --interval seconds until Ctrl-C (tokens/s from the generated-token counter); "
+                     "with --json one JSON document per line",
+            "interval": "seconds between refreshes with --watch (default 2)",
+            "count": "with --watch, stop after this many refreshes (default: until Ctrl-C)"})
+def status(c, hosts=None, json=False, history=0, watch=False, interval=2.0, count=0):
+    """Per host and GPU: unit state, health, the router's view, tokens/s, running/queued, accept length, release."""
+    import time
     from ..release import status as st
     inv, selected = _inv(hosts)
-    gathered = st.gather(inv, selected, journal_n=max(5, int(history)))
-    rows = st.rows(gathered, inv.hosts)
-    if json:
-        print(jsonlib.dumps(rows if not history else {"services": rows, "journal": {
-            g["host"]: (g["state"] or {}).get("journal", [])[-int(history):] for g in gathered}}, indent=1))
-    else:
-        st.print_table(rows)
-        if history:
-            for g in gathered:
-                for j in (g["state"] or {}).get("journal", [])[-int(history):]:
-                    print(st.journal_line(g["host"], j))
+    previous, last_t, n = None, None, 0
+    while True:
+        t = time.monotonic()
+        gathered = st.gather(inv, selected, journal_n=max(5, int(history)))
+        rows = st.rows(gathered, inv.hosts, previous, (t - last_t) if last_t else None)
+        routers = st.routers(gathered)
+        if json:
+            doc = rows if not history and not watch else {"services": rows, "routers": routers, "journal": {
+                g["host"]: (g["state"] or {}).get("journal", [])[-int(history):] for g in gathered}}
+            print(jsonlib.dumps(doc, indent=None if watch else 1), flush=True)
+        else:
+            if watch:
+                print("\033[2J\033[H" + time.strftime("%H:%M:%S") + f"  (every {float(interval):g}s; Ctrl-C stops)")
+            st.print_table(rows, router_rows=routers)
+            if history:
+                for g in gathered:
+                    for j in (g["state"] or {}).get("journal", [])[-int(history):]:
+                        print(st.journal_line(g["host"], j))
+        n += 1
+        if not watch or (count and n >= int(count)):
+            break
+        previous = {(r["host"], r.get("instance")): r for r in rows if not r.get("error")}
+        last_t = t
+        try:
+            time.sleep(max(0.0, float(interval) - (time.monotonic() - t)))
+        except KeyboardInterrupt:
+            break
     down = [r for r in rows if not r.get("error") and r["health"] != "ok"]
     if down and not json:
         print(f"{len(down)} service(s) not healthy: " + ", ".join(f"{r['host']}:{r['instance']}" for r in down),
@@ -42,13 +63,14 @@ def status(c, hosts=None, json=False, history=0):
 
 
 @task(help={"hosts": "comma-separated hosts or groups (default: all)", "gpus": "comma-separated GPU indices",
-            "lines": "journal lines per service (default 50)", "since": "journalctl --since, e.g. '10 min ago'"})
-def logs(c, hosts=None, gpus=None, lines=50, since=None):
-    """Show the journal of the GPU services (prefixed by host and GPU)."""
+            "lines": "journal lines per service (default 50)", "since": "journalctl --since, e.g. '10 min ago'",
+            "router": "also the host's sglang-router journal"})
+def logs(c, hosts=None, gpus=None, lines=50, since=None, router=False):
+    """Show the journal of the GPU services (prefixed by host and GPU; --router: and of the host's router)."""
     from ..release import status as st
     inv, selected = _inv(hosts)
     bad = False
-    for r in st.logs(inv, selected, _gpus(gpus), int(lines), since):
+    for r in st.logs(inv, selected, _gpus(gpus), int(lines), since, router):
         if not r.ok:
             print(f"[{r.host}] {r.kind}: {r.error}", file=sys.stderr)
             bad = True
@@ -62,13 +84,14 @@ def logs(c, hosts=None, gpus=None, lines=50, since=None):
 
 @task(help={"hosts": "comma-separated hosts or groups (default: all)", "gpus": "comma-separated GPU indices",
             "break_lock": "remove another run's host lock first", "json": "print the summary as JSON",
-            "yes": "accepted for symmetry with deploy: restart never asks (a runbook action, gated per GPU)"})
-def restart(c, yes=False, hosts=None, gpus=None, break_lock=False, json=False):
-    """Restart services of the active release one batch at a time, each through the health gate."""
+            "yes": "accepted for symmetry with deploy: restart never asks (a runbook action, gated per GPU)",
+            "no_drain": "restart without draining the GPUs out of the host's router (in-flight requests are cut)"})
+def restart(c, yes=False, hosts=None, gpus=None, break_lock=False, json=False, no_drain=False):
+    """Restart services of the active release one batch at a time: drained out of the router, gated, put back."""
     from ..release import rollout
     inv, selected = _inv(hosts)
     summary = rollout.restart(inv, selected, _gpus(gpus), break_lock=break_lock,
-                              command=" ".join(["fab"] + sys.argv[1:]))
+                              command=" ".join(["fab"] + sys.argv[1:]), no_drain=no_drain)
     report(summary, json, "restart")
 
 

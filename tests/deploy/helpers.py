@@ -72,7 +72,9 @@ def strip_ansi(s: str) -> str:
 
 
 # Leaves a lab host with no sglang-ddtree services, releases or unit (the lab is shared by test modules).
-CLEAN = ("systemctl stop 'sglang-ddtree@*' 2>/dev/null; systemctl reset-failed 'sglang-ddtree@*' 2>/dev/null; "
+CLEAN = ("systemctl stop 'sglang-ddtree@*' sglang-router 2>/dev/null; "
+         "systemctl reset-failed 'sglang-ddtree@*' sglang-router 2>/dev/null; "
+         "rm -f /etc/systemd/system/sglang-router.service /etc/systemd/system/multi-user.target.wants/sglang-router*; "
          "rm -rf /opt/ddtree /etc/systemd/system/sglang-ddtree@.service /etc/systemd/system/sglang-ddtree@*.service.d "
          "/etc/systemd/system/multi-user.target.wants/sglang-ddtree@*; systemctl daemon-reload")
 

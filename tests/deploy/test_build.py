@@ -14,6 +14,7 @@ import pytest
 
 from coherence_fixtures import probe_raw
 from deploy.inventory import load_inventory
+from deploy.release import router as routermod
 from deploy.release import build, rollout
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -163,7 +164,22 @@ def test_deploy_plan_is_data_with_every_command_as_argv(tmp_path):
     assert len(pay["batches"]) == 8 and pay["expect_current"] is None
     assert pay["rollback"]["activate"] is None and pay["rollback"]["stop"] == ["systemctl", "stop"]
     assert pay["stage"]["user"]["useradd"][0] == "useradd" and pay["secrets_file"] == "/etc/ddtree/secrets.env"
-    assert rollout.apply_commands(pay)[0] == act["install_plugin"] and len(rollout.apply_commands(pay)) == 11
+    # a host without the router's venv builds it first (from the wheel this release carries), then the plugin;
+    # the router comes up before the first GPU restarts
+    rv = pay["activate"]["router_venv"]
+    assert rv["path"].startswith("/opt/ddtree/router/sglang-router-0.3.2-") and \
+        p.files[rv["wheel"]] == routermod.wheel().path.read_bytes()
+    assert rollout.apply_commands(pay)[:3] == [rv["commands"]["venv"], rv["commands"]["install"],
+                                               act["install_plugin"]]
+    assert rv["commands"]["venv"] == ["/usr/bin/python3", "-m", "venv", rv["path"] + ".tmp"]
+    assert rollout.apply_commands(pay)[5] == ["systemctl", "restart", "sglang-router.service"]
+    assert len(rollout.apply_commands(pay)) == 14 and "sglang-router.service" in act["enable"]
+    assert pay["batches"][0]["drain"] == {"address": "127.0.0.1", "port": 8000, "api_key_file": None,
+                                          "timeout": 300, "workers": {f"gpu{i}": f"http://127.0.0.1:{30000 + i}"
+                                                                      for i in range(8)}}
+    # a host that has the venv gets no wheel and builds nothing
+    _h, p2 = _planned(tmp_path / "c", dict(state, router={"venvs": [rv["path"].rsplit("/", 1)[1]]}))
+    assert rv["wheel"] not in p2.files and rollout.apply_commands(p2.payload)[0] == act["install_plugin"]
     # the next release rolls back to this one: its wheel, its services
     old = dict(p.manifest, release="20261128T000000Z-000000", content_digest="0" * 64,
                plugin=dict(p.manifest["plugin"], wheel="wheels/toy_pkg-2.0+r0-py3-none-any.whl"))

@@ -24,7 +24,9 @@ HOST = "h200"
 KEY = "Kx9fTq2LmZ7wP4sR8vB1nY6hLabOnly"
 KEY_FILE = "/etc/ddtree/api-key.yaml"
 LOCK = "/var/lib/ddtree/lock.json"  # the host lock, in the agent's private state directory
-CLEAN = ("systemctl stop 'sglang-ddtree@*' 2>/dev/null; systemctl reset-failed 'sglang-ddtree@*' 2>/dev/null; "
+CLEAN = ("systemctl stop 'sglang-ddtree@*' sglang-router 2>/dev/null; "
+         "systemctl reset-failed 'sglang-ddtree@*' sglang-router 2>/dev/null; "
+         "rm -f /etc/systemd/system/sglang-router.service /etc/systemd/system/multi-user.target.wants/sglang-router*; "
          "rm -rf /opt/ddtree /etc/systemd/system/sglang-ddtree@.service /etc/systemd/system/sglang-ddtree@*.service.d "
          f"/etc/systemd/system/multi-user.target.wants/sglang-ddtree@* {KEY_FILE} /tmp/pwned; "
          "systemctl daemon-reload")
@@ -36,8 +38,11 @@ def env(lab, tmp_path_factory):
     ssh(lab, HOST, CLEAN)
     address = lab.hosts[HOST].address
     yield {"tmp": tmp, "lab": lab, "inv": lab_inventory(tmp, keep=[HOST]),
+           # the GPU server itself on the host's address (no router in front: tests/deploy/test_lab_router.py
+           # covers the router's own unit, key and endpoint)
            "keyed": lab_inventory(tmp, "keyed.yaml", keep=[HOST], hosts={HOST: {"vars": {
-               "listen_address": address, "api_key_file": KEY_FILE}}}), "address": address}
+               "listen_address": address, "api_key_file": KEY_FILE, "router": {"enabled": False}}}}),
+           "address": address}
     ssh(lab, HOST, CLEAN + f"; {lab.hosts[HOST].vars['venv']}/bin/python -m pip uninstall -y -q sglang-ddtree",
         check=False)
 

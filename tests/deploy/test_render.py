@@ -299,3 +299,17 @@ def test_api_key_argv_through_sglangs_real_config_merger(seed, sglang_parser, tm
     merged = ConfigArgumentMerger(sglang_parser).merge_config_with_args(  # and even so the command line wins
         [str(cred) if a == render.credential_path("gpu1") else a for a in argv[3:]])
     assert sglang_parser.parse_args(merged).host == "10.0.0.5"
+
+
+def test_jit_caches_per_payload_under_the_cache_directory(seed):
+    s = seed.hosts["ct200"].services[2]
+    env = dict(render.service_env(s, CAPS, "ab" * 32))
+    base = "/var/cache/sglang-ddtree/gpu2/abababababababab"
+    assert env["TRITON_CACHE_DIR"] == base + "/triton" and env["FLASHINFER_WORKSPACE_BASE"] == base + "/flashinfer"
+    assert env["SGLANG_CACHE_DIR"] == base + "/sglang" and env["SGLANG_DG_CACHE_DIR"] == base + "/deep_gemm"
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == base + "/inductor"
+    # the same payload renders the same file (no restart); the inventory cannot override them
+    assert render.render_env(s, CAPS, "ab" * 32) == render.render_env(s, CAPS, "ab" * 32)
+    import dataclasses
+    with pytest.raises(render.RenderError, match="TRITON_CACHE_DIR is set by the deploy tool"):
+        render.service_env(dataclasses.replace(s, env=(("TRITON_CACHE_DIR", "/tmp/x"),)), CAPS)

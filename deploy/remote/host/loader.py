@@ -131,7 +131,9 @@ def read_exactly(stream, n):
 
 def unpack(data, upath):
     """Extract the (hash-checked) zipapp into the private directory `upath`, atomically: a temporary 0700
-    directory renamed into place, its marker `.ok` written last. Only `ddtree_agent/<module>.py` members."""
+    directory renamed into place, its marker `.ok` written last. Only `ddtree_agent/<module>.py` members, and
+    `ddtree_agent/vendor/<package>/.../<module>.py` (the vendored prometheus_client) whose every component is a
+    plain identifier."""
     import io
     import shutil
     import zipfile
@@ -144,10 +146,16 @@ def unpack(data, upath):
         with zipfile.ZipFile(io.BytesIO(data)) as zf:
             for name in zf.namelist():
                 parts = name.split("/")
-                if len(parts) != 2 or parts[0] != PACKAGE or not parts[1].endswith(".py") or \
-                        parts[1].startswith(".") or parts[1] != os.path.basename(parts[1]):
+                vendor = len(parts) >= 4 and parts[1] == "vendor" and len(parts) <= 6 and all(
+                    p.isidentifier() for p in parts[2:-1]) and parts[-1][:-3].isidentifier()
+                if not (len(parts) == 2 or vendor or parts[1:] == ["vendor", "__init__.py"]) or \
+                        parts[0] != PACKAGE or not parts[-1].endswith(".py") or \
+                        parts[-1].startswith(".") or not parts[-1][:-3].isidentifier():
                     raise Unsafe("zipapp member %r" % name)
-                atomic_write(os.path.join(tmp, PACKAGE, parts[1]), zf.read(name))
+                d = os.path.join(tmp, *parts[:-1])
+                if not os.path.isdir(d):
+                    os.makedirs(d, 0o700)
+                atomic_write(os.path.join(d, parts[-1]), zf.read(name))
         atomic_write(os.path.join(tmp, ".ok"), b"")
         try:
             os.rename(tmp, upath)

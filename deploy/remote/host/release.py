@@ -31,6 +31,7 @@ import shutil
 import tarfile
 import time
 
+from . import drain as drainmod
 from . import gate as gatemod
 from . import locks
 from . import server_secrets
@@ -39,7 +40,7 @@ from .fsutil import (Unsafe, append_jsonl, atomic_write, check_path, now_iso, re
                      trusted_dir, trusted_tree, write_json)
 from .proc import run
 from .registry import Failure, op
-from .systemd import journal_lines, unit, unit_states
+from .systemd import journal_lines, named_states, unit, unit_states
 from .wheels import WheelError, check_wheel, normalize
 
 ENV_MODE = 0o600       # env files: root only, from creation (systemd reads them as root)
@@ -135,6 +136,26 @@ def gate_keys(secrets_file, gates):
     return dict((i, keys.get(g.get("api_key_file"))) for i, g in gates.items())
 
 
+ROUTER_UNIT = "sglang-router.service"
+CACHE_ROOT = "/var/cache/sglang-ddtree"   # the GPU unit's CacheDirectory= parent (render.CACHE_ROOT)
+ROUTER_START = 60.0     # s for a (re)started router to answer /liveness
+
+
+def router_state(man, sdir):
+    """The router venvs this host has, and -- when the active release runs a router -- its unit and whether it
+    answers /liveness (what the plan refuses a restart on: no router, no drain)."""
+    rdir = os.path.join(sdir, "router")
+    out = {"venvs": sorted(d for d in os.listdir(rdir) if not d.startswith(".") and not d.endswith(".tmp"))
+           if os.path.isdir(rdir) else [], "expected": False}
+    r = (man or {}).get("router") or {}
+    if r.get("enabled"):
+        st = named_states([ROUTER_UNIT]).get(ROUTER_UNIT, {})
+        ok, detail = drainmod.alive(r)
+        out.update(expected=True, unit=st, alive=ok and st.get("ActiveState") == "active",
+                   detail="%s, /liveness %s" % (st.get("ActiveState") or "unknown", detail))
+    return out
+
+
 def venv_trust(venv):
     try:
         venvmod.check_runnable(venv)
@@ -159,6 +180,7 @@ def _state(ctx, a, health=False):
     if health:
         insts = sorted(set(insts) | set((man or {}).get("services", {})), key=lambda s: (len(s), s))
     out["units"] = unit_states(insts)
+    out["router"] = router_state(man, sdir)
     return out, man, insts
 
 
@@ -211,16 +233,50 @@ def probe(ctx, a):
     return out
 
 
+METRICS_MAX = 1 << 20   # bytes of a server's /metrics text returned (SGLang's is a few tens of KiB)
+
+
+def router_view(man):
+    """The router's own view of its workers, {url: {healthy, load}}, or why it could not be read. With a router key
+    this needs root (the key file is root's): read-only, the key is sent and never returned."""
+    r = (man or {}).get("router") or {}
+    if not r.get("enabled"):
+        return None
+    ok, detail = drainmod.alive(r)
+    view = {"alive": ok, "detail": detail, "port": r["port"], "listen": r.get("listen")}
+    if not ok:
+        return view
+    key = None
+    if r.get("api_key_file"):
+        try:
+            key = server_secrets.read_api_key(r["api_key_file"])
+        except (server_secrets.SecretsError, OSError) as exc:
+            view["error"] = "cannot read the router's key file: %s" % exc
+            return view
+    try:
+        view["workers"] = dict((u, {"healthy": bool(w.get("is_healthy")), "load": w.get("load")})
+                               for u, w in drainmod.workers(r, key).items())
+    except RuntimeError as exc:
+        view["error"] = str(exc)
+    return view
+
+
 @op("release.status")
 def status(ctx, a):
+    """Unit states, /health, each server's /metrics text (parsed by the caller) and the router's view."""
     out, man, insts = _state(ctx, a, health=True)
-    health = {}
+    health, metrics = {}, {}
     for i in insts:
         ms = (man or {}).get("services", {}).get(i) or {}
         port = ms.get("port") or (a.get("ports") or {}).get(i)
-        if port:  # at the address it listens on (the manifest's); /health needs no API key
-            code, _ = gatemod.http(int(port), "GET", "/health", timeout=2, address=ms.get("address") or "127.0.0.1")
+        if port:  # at the address it listens on (the manifest's); /health and /metrics need no API key
+            addr = ms.get("address") or "127.0.0.1"
+            code, _ = gatemod.http(int(port), "GET", "/health", timeout=2, address=addr)
             health[i] = code
+            if code is not None and a.get("metrics", True):
+                mcode, raw = gatemod.http(int(port), "GET", "/metrics", timeout=3, address=addr)
+                metrics[i] = raw[:METRICS_MAX].decode("utf-8", "replace") if mcode == 200 else None
+    out.update(metrics=metrics, router_view=router_view(man))
     out.update(health=health, journal=tail_jsonl(os.path.join(a["state_dir"], "journal.jsonl"), a.get("journal_n", 5)),
                plugin_installed=plugin_version(a["venv"], ((man or {}).get("plugin") or {}).get("dist")
                                                or "sglang-ddtree"))
@@ -229,7 +285,10 @@ def status(ctx, a):
 
 @op("release.logs")
 def logs(ctx, a):
-    return dict((i, journal_lines(i, a.get("n", 50), a.get("since"))) for i in a["instances"])
+    out = dict((i, journal_lines(i, a.get("n", 50), a.get("since"))) for i in a["instances"])
+    if a.get("router"):
+        out["router"] = journal_lines(None, a.get("n", 50), a.get("since"), unit_name=ROUTER_UNIT)
+    return out
 
 
 @op("release.outcome")
@@ -383,6 +442,12 @@ class Host(object):
                         atomic_write(orig, open(src, "rb").read(), FILE_MODE)
                 put_file(target_file, open(os.path.join(tdir, "overlays", "new", o["path"]), "rb").read())
             done.append(step)
+            step = "router-venv"
+            rv = spec.get("router_venv")
+            if rv and not os.path.isdir(rv["path"]):
+                self.build_router_venv(rv, target)
+                undo.append(("router-venv", lambda: shutil.rmtree(rv["path"], ignore_errors=True)))
+                done.append(step)
             step = "unit"  # the template unit and the per-GPU drop-ins switch together, with one daemon-reload
             self.put_systemd(self.systemd_files(tdir, man, spec), undo, spec["commands"]["daemon_reload"])
             done.append(step)
@@ -407,12 +472,71 @@ class Host(object):
             raise ActivationFailed(target, step, "%s: %s" % (type(exc).__name__, exc), errors)
         return {"previous": prev, "current": target, "steps": done, "seconds": round(time.monotonic() - t0, 2)}
 
+    def build_router_venv(self, rv, rid):
+        """The router's own venv from the wheel the release carries, built beside its final path and renamed
+        into place: there is a whole venv at rv["path"] or none."""
+        base = os.path.join(self.sdir, "router")
+        path, tmp = rv["path"], rv["path"] + ".tmp"
+        if os.path.dirname(path) != base or not os.path.basename(path).startswith("sglang-router-") or \
+                rv["commands"]["venv"][-1] != tmp:
+            raise RuntimeError("refusing router venv path %r (must be in %s)" % (path, base))
+        wheel = os.path.join(self.root, rid, rv["wheel"])
+        if not os.path.isfile(wheel):
+            raise RuntimeError("the host has no router venv %s and release %s does not carry its wheel; deploy "
+                               "again (the plan sends the wheel to a host that lacks it)" % (path, rid))
+        try:
+            check_wheel(wheel)
+        except WheelError as exc:
+            raise RuntimeError("router wheel refused: %s" % exc)
+        if sha256_file(wheel) != rv["sha256"]:
+            raise RuntimeError("router wheel %s does not have the pinned sha256" % rv["wheel"])
+        trusted_dir(base, create=True)
+        if os.path.lexists(tmp):
+            shutil.rmtree(tmp)
+        try:
+            self.run(rv["commands"]["venv"], "router venv", timeout=300)
+            self.run(rv["commands"]["install"], "router pip install", timeout=600)
+            os.rename(tmp, path)
+        finally:
+            if os.path.lexists(tmp):
+                shutil.rmtree(tmp, ignore_errors=True)
+
+    def router_up(self, spec):
+        """(Re)start the router when what it runs changed (its digest differs from the one it was started with)
+        or it is not running; wait for /liveness. Raises RuntimeError when it does not come up."""
+        rec_path = os.path.join(self.sdir, "router.json")
+        rec = read_json(rec_path, {})
+        st = named_states([ROUTER_UNIT]).get(ROUTER_UNIT, {})
+        if rec.get("digest") == spec["digest"] and st.get("ActiveState") == "active" and drainmod.alive(spec)[0]:
+            return {"restarted": False}
+        t0 = time.monotonic()
+        self.run(spec["reset_failed"], "router reset-failed", check=False)
+        self.run(spec["restart"], "router restart")
+        end = t0 + ROUTER_START
+        while True:
+            ok, detail = drainmod.alive(spec)
+            if ok:
+                break
+            if time.monotonic() > end:
+                raise RuntimeError("sglang-router did not answer /liveness within %.0fs (%s): %s" % (
+                    ROUTER_START, detail, " | ".join(journal_lines(None, 5, unit_name=ROUTER_UNIT))))
+            time.sleep(0.3)
+        write_json(rec_path, {"digest": spec["digest"], "started": now_iso()})
+        res = {"restarted": True, "seconds": round(time.monotonic() - t0, 2)}
+        self.ctx.event("router", phase="restarted", **res)
+        return res
+
     def systemd_files(self, tdir, man, spec):
         """{path: bytes, or None to remove}: the release's template unit, each service's per-GPU drop-in
         (DeviceAllow for its own GPU) and the removal of our drop-ins of instances the release has none for."""
         prefix = self.unit_file.split("@", 1)[0] + "@"
         want = {os.path.join(self.unit_dir, self.unit_file):
                 open(os.path.join(tdir, "systemd", self.unit_file), "rb").read()}
+        r = man.get("router") or {}
+        if r.get("enabled"):
+            if r.get("unit") != ROUTER_UNIT:
+                raise RuntimeError("release %s: refusing router unit %r" % (man.get("release"), r.get("unit")))
+            want[os.path.join(self.unit_dir, ROUTER_UNIT)] = open(os.path.join(tdir, "systemd", ROUTER_UNIT), "rb").read()
         name = spec.get("dropin_name")
         for inst, s in sorted(man.get("services", {}).items()):
             rel = s.get("dropin")
@@ -481,7 +605,18 @@ class Host(object):
 
     # ---- services
 
-    def stop(self, argv, insts):
+    def stop(self, argv, insts, spec=None):
+        """Stop services; with a drain spec (the release's router), take them out of the router and wait for them
+        first. A router that cannot be asked does not stop the stop: their health checks fail within seconds."""
+        drain = (spec or {}).get("drain")
+        if drain:
+            try:
+                key = server_secrets.read_api_key(drain["api_key_file"]) if drain.get("api_key_file") else None
+                done = drainmod.take_out(drain, dict((i, tuple(v)) for i, v in spec["servers"].items()), key)
+                for i in insts:
+                    self.ctx.event("drain", instance=i, **done[i])
+            except (RuntimeError, server_secrets.SecretsError, OSError) as exc:
+                self.ctx.event("note", message="drain-failed", detail=str(exc))
         self.run(argv, "stop", check=False)
         self.ctx.event("stopped", instances=insts)
 
@@ -507,6 +642,36 @@ class Host(object):
         return results
 
     def restart_gate(self, batch, keys):
+        """Drain the batch out of the router (when it has one), reset, restart it together (one systemctl), gate
+        each service with its address and key, warm it up and put it back into the router."""
+        insts = batch["instances"]
+        drain = batch.get("drain")
+        rkey = server_secrets.read_api_key(drain["api_key_file"]) if drain and drain.get("api_key_file") else None
+        drained = {}
+        if drain:  # the whole batch out of the router first, then one wait (one deadline) for all of it
+            try:
+                drained = drainmod.take_out(drain, dict(
+                    (i, (batch["gates"][i]["port"], batch["gates"][i].get("address") or "127.0.0.1")) for i in insts),
+                    rkey)
+            except RuntimeError as exc:  # the router cannot be asked: restarting now would cut requests
+                return dict((j, {"ok": False, "step": "drain", "detail": str(exc), "port": batch["gates"][j]["port"]})
+                            for j in insts)
+            for i in insts:
+                self.ctx.event("drain", instance=i, **drained[i])
+        results = self.restart_only(batch, keys)
+        for i in insts if drain else []:
+            results[i]["drain"] = drained[i]
+            if not results[i].get("ok"):
+                continue  # a server that failed its gate stays out of the router
+            g = batch["gates"][i]
+            results[i]["warmup"] = drainmod.warm_up(g["port"], keys.get(i), g.get("address") or "127.0.0.1")
+            back = drainmod.put_back(drain, i, rkey)
+            results[i]["router"] = back
+            if not back["ok"]:
+                results[i].update(ok=False, step="router", detail=back["detail"])
+        return results
+
+    def restart_only(self, batch, keys):
         """Reset, restart the batch together (one systemctl), then gate each service with its address and key."""
         insts = batch["instances"]
         self.run(batch["reset_failed"], "reset-failed", check=False)  # a start-limit hit or failed state
@@ -532,7 +697,8 @@ class Host(object):
         gates = {}
         for b in batches:
             self.ctx.step("restart " + ",".join(b["instances"]),
-                          seconds=(self.a["start_timeout"] + self.a["gate_timeout"] + 30) * len(b["instances"]))
+                          seconds=(self.a["start_timeout"] + self.a["gate_timeout"] + 30 + 2 * drainmod.ROUTER_WAIT)
+                          * len(b["instances"]) + float((b.get("drain") or {}).get("timeout") or 0))
             results = self.restart_batch(b, release)
             gates.update(results)
             touched.extend(b["instances"])
@@ -542,7 +708,7 @@ class Host(object):
                     "%s: %s" % (results[i].get("step"), results[i].get("detail")) for i in bad)), bad)
         return gates
 
-    def rollback(self, spec, touched):
+    def rollback(self, spec, touched, failed=()):
         """After a failure past activation: re-activate the previous release, stop what it does not run, restart
         and gate what was touched. Returns {ok, release, seconds, detail}."""
         t0 = time.monotonic()
@@ -557,11 +723,16 @@ class Host(object):
         ok, detail = True, ""
         try:
             self.activate(prev)
+            if spec.get("router"):
+                self.router_up(spec["router"])
             pman = manifest_of(self.root, prev["release"])
             gone = [i for i in touched if i not in pman.get("services", {})]
             if gone:
                 self.stop(spec["stop"] + [unit(i) for i in gone], gone)
+            # the services that failed their gate first: they are out of the router already, so the others still
+            # serve while those come back (restarting a serving one first would leave the router short of two)
             restart = [i for i in touched if i in pman.get("services", {})]
+            restart = [i for i in restart if i in failed] + [i for i in restart if i not in failed]
             size = max(1, int(spec.get("max_unavailable") or 1))
             batches = [self.batch(spec, restart[i:i + size]) for i in range(0, len(restart), size)]
             self.roll(batches, prev["release"], [])
@@ -579,7 +750,7 @@ class Host(object):
         made (rollout.rollback_spec: the control side builds every gate)."""
         units = [unit(i) for i in insts]
         return {"instances": insts, "reset_failed": spec["reset_failed"] + units, "restart": spec["restart"] + units,
-                "gates": dict((i, spec["gates"][i]) for i in insts)}
+                "gates": dict((i, spec["gates"][i]) for i in insts), "drain": spec.get("drain")}
 
     def finish(self, journal, failed_release, failed_why):
         append_jsonl(os.path.join(self.sdir, "journal.jsonl"), dict(journal, time=journal.get("time") or now_iso()))
@@ -595,7 +766,28 @@ class Host(object):
             if r not in protect:
                 shutil.rmtree(os.path.join(self.root, r), ignore_errors=True)
                 pruned.append(r)
+        if pruned:
+            self.prune_caches()
         return pruned
+
+    def prune_caches(self, root=CACHE_ROOT):
+        """JIT caches (render.CACHE_ENV: <root>/gpuN/<payload key>/) of payloads no kept release has."""
+        keys = set()
+        for r in list_releases(self.root):
+            d = (manifest_of(self.root, r) or {}).get("payload_digest")
+            if d:
+                keys.add(d[:16])
+        if not keys or not os.path.isdir(root) or os.path.islink(root):
+            return
+        for inst in os.listdir(root):
+            d = os.path.join(root, inst)
+            if os.path.islink(d) or not os.path.isdir(d):
+                continue
+            for k in os.listdir(d):
+                p = os.path.join(d, k)
+                if len(k) == 16 and all(c in "0123456789abcdef" for c in k) and k not in keys \
+                        and os.path.isdir(p) and not os.path.islink(p):
+                    shutil.rmtree(p, ignore_errors=True)
 
 
 @op("release.apply", mutating=True)
@@ -634,9 +826,12 @@ def apply(ctx, a):
             res["activate"] = act
             ctx.event("activated", release=act["current"], previous=act["previous"], seconds=act["seconds"],
                       stage_seconds=res.get("stage_seconds"), bundle=(a.get("stage") or {}).get("size"))
+        if a.get("router"):  # before any GPU restarts: the drain goes through it
+            ctx.step("router", seconds=ROUTER_START + 30)
+            res["router"] = h.router_up(a["router"])
         if a.get("stop"):
             ctx.step("stop")
-            h.stop(a["stop"]["argv"], a["stop"]["instances"])
+            h.stop(a["stop"]["argv"], a["stop"]["instances"], a["stop"])
         batches = a.get("batches") or []
         if not batches:
             ctx.event("note", message="nothing-restarted")
@@ -657,7 +852,7 @@ def apply(ctx, a):
         if began and not isinstance(exc, ActivationFailed) and a.get("rollback") is not None:
             try:
                 ctx.step("rollback")
-                rb = h.rollback(a["rollback"], list(touched))
+                rb = h.rollback(a["rollback"], list(touched), res.get("failed") or ())
                 res.update(rollback=rb, rolled_back=rb["ok"])
             except locks.LockLost as lexc:
                 res.update(error=res["error"] + "; not rolled back: " + str(lexc), lock_lost=True)

@@ -23,17 +23,26 @@ def parse_show(out):
     return states
 
 
+PROPS = "Id,ActiveState,SubState,NRestarts,ExecMainStatus,UnitFileState,InvocationID,MainPID"
+
+
+def named_states(units, timeout=30):
+    """{unit name: properties} of whole unit names (sglang-router.service)."""
+    if not units:
+        return {}
+    states = parse_show(run(["systemctl", "show", "--property", PROPS] + list(units), timeout)["out"])
+    return dict((u, states.get(u, {})) for u in units)
+
+
 def unit_states(insts, timeout=30):
     if not insts:
         return {}
-    props = "Id,ActiveState,SubState,NRestarts,ExecMainStatus,UnitFileState,InvocationID,MainPID"
-    r = run(["systemctl", "show", "--property", props] + [unit(i) for i in insts], timeout)
-    states = parse_show(r["out"])
+    states = named_states([unit(i) for i in insts], timeout)
     return dict((i, states.get(unit(i), {})) for i in insts)
 
 
-def journal_lines(inst, n=20, since=None, timeout=60):
-    argv = ["journalctl", "--no-pager", "-o", "short-iso", "-n", str(int(n)), "-u", unit(inst)]
+def journal_lines(inst, n=20, since=None, timeout=60, unit_name=None):
+    argv = ["journalctl", "--no-pager", "-o", "short-iso", "-n", str(int(n)), "-u", unit_name or unit(inst)]
     if since:
         argv += ["--since", since]
     return run(argv, timeout)["out"].splitlines()
