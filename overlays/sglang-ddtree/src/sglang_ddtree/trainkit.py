@@ -82,9 +82,13 @@ flex-attention or SDPA mask, decayed CE).  Those two modules import and run with
   that the kit needs anyway to stay runnable with torch + transformers + safetensors
   alone (the integrator's constraint), and its ``DFlashDraftModel`` subclasses
   ``Qwen3PreTrainedModel`` from transformers' private module layout (5.8.1 pinned).
-So the trainer is plain torch; when SpecForge is importable (a test venv), the tests
-check :class:`DFlashDrafter` against SpecForge's ``DFlashDraftModel`` with its
-``create_dflash_sdpa_mask`` on the same weights.
+So the trainer is plain torch.  Checked once against SpecForge 0.2.0 (its wheel unpacked
+on the CPU, transformers 5.12.1): SpecForge's ``DFlashDraftModel`` (SDPA) loads
+:class:`DFlashDrafter`'s ``state_dict`` with no missing or unexpected keys, its
+``create_dflash_sdpa_mask`` equals :func:`block_layout`'s mask, and on random weights
+with three anchors the two forwards agree exactly (max abs difference 0.0, fp32).  The
+test suite checks the drafter against SGLang 0.5.17's own ``DFlashDraftModel`` code
+(``tests/plugin/test_trainkit.py``), which is what serves it.
 
 Budget: the ``full`` preset is sized for one H200 in under 4 minutes for both
 families (printed per phase); ``toy`` runs the whole pipeline on a CPU in seconds
@@ -555,9 +559,9 @@ def drafter_loss(drafter, embed, lm_head, seq, feats, anchors, block: int, mask_
     w = w * valid.float()
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none").view_as(w)
     loss = (ce * w).sum() / w.sum().clamp_min(1e-6)
-    with torch.no_grad():
+    with torch.no_grad():  # depth-1 accuracy, left on the device (read only when logged)
         acc1 = ((logits[:, :, 1].argmax(-1) == labels[:, :, 1]) & valid[:, :, 1]).float().sum() / valid[:, :, 1].sum().clamp_min(1)
-    return loss, float(acc1)
+    return loss, acc1
 
 
 def train_drafter(drafter, target, data, p: Preset, steps: int, gen, device, log_every: int,
@@ -588,7 +592,7 @@ def train_drafter(drafter, target, data, p: Preset, steps: int, gen, device, log
         if step % log_every == 0 or sched.last():
             v = float(loss.detach())
             losses.append([step, round(v, 5)])
-            _log(f"  drafter step {step + 1}/{steps} loss {v:.4f} depth-1 acc {acc1:.3f} lr {sched.lr:.2e} "
+            _log(f"  drafter step {step + 1}/{steps} loss {v:.4f} depth-1 acc {float(acc1):.3f} lr {sched.lr:.2e} "
                  f"({sched.elapsed():.1f}s)")
     drafter.eval()
     return sched.summary(losses)
@@ -750,7 +754,8 @@ def run(out_dir: str, seed: int, families, device: str, preset: Preset, preset_n
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise SystemExit(f"trainkit: {out} exists and is not empty; pick a new OUT (nothing was changed)")
     part = out.with_name(out.name + ".partial")
-    if part.exists():
+    if part.exists():  # a failed earlier run's output, never renamed to OUT
+        _log(f"removing {part} left by an earlier run that did not finish")
         shutil.rmtree(part)
     part.mkdir(parents=True)
     p = dataclasses.replace(preset, **{k: v for k, v in (("target_steps", target_steps),
@@ -769,7 +774,7 @@ def run(out_dir: str, seed: int, families, device: str, preset: Preset, preset_n
     entropy = -sum(q * math.log(q) for q in source.probs) - source.tail_prob * math.log(source.tail_prob / source.tail.shape[1])
     _log(f"torch {torch.__version__}, transformers {transformers.__version__}, device {dev}, preset {preset_name}, "
          f"seed {seed}; source: vocab {p.vocab}, slot probs {source.probs}, entropy rate {entropy:.4f} nats")
-    manifest = {"seed": seed, "preset": preset_name, "params": dataclasses.asdict(p), "device": str(dev),
+    manifest = {"argv": sys.argv, "seed": seed, "preset": preset_name, "params": dataclasses.asdict(p), "device": str(dev),
                 "torch": torch.__version__, "transformers": transformers.__version__,
                 "source": {"vocab": p.vocab, "probs": list(source.probs), "tail_prob": round(source.tail_prob, 6),
                            "n_tail": int(source.tail.shape[1]), "entropy_rate_nats": round(entropy, 5),
@@ -831,6 +836,11 @@ def run(out_dir: str, seed: int, families, device: str, preset: Preset, preset_n
         out.rmdir()
     os.replace(part, out)
     _log(f"wrote {out} ({weights / 2**20:.1f} MiB of checkpoints) in {manifest['seconds']}s")
+    for fam, fm in manifest["families"].items():
+        o, g = fm["offline"], fm["greedy"]
+        _log(f"SUMMARY {fam}: target greedy = source greedy on {g['greedy_all_equal']}/{g['prompts']} prompts "
+             f"(prefix agreement {g['greedy_prefix_agreement']}, teacher-forced {g['teacher_forced_agreement']}); "
+             + "; ".join(f"{k} {v}" for k, v in o.items() if k.startswith(("chain", "tree"))))
     return manifest
 
 
