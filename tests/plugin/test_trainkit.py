@@ -321,3 +321,49 @@ def test_drafter_forward_is_sglang_0517_dflash(monkeypatch):
                                   atol=1e-3)
         leaky = _sglang_block(ref, feats[0], int(anchors[0, 0]) + 1, embed(ids[0, :blk]))
         assert not torch.allclose(leaky, got[0], atol=1e-3)
+
+
+def test_offline_tree_accept_is_the_deepest_tree_prefix_of_the_truth():
+    from sglang_ddtree.step import build_tree_from_candidates, draft_topk_candidates, merge_vocab_shards
+    from sglang_ddtree.tree import build_tree_reference
+
+    g = torch.Generator().manual_seed(0)
+    r, depth, v, budget = 64, 5, 12, 9
+    logits = torch.randn(r, depth, v, generator=g) * 2
+    # truths that follow the drafter's top ranks for a while, then leave them
+    order = logits.argsort(-1, descending=True)
+    pick = torch.randint(0, 3, (r, depth), generator=g)
+    truth = order.gather(2, pick.unsqueeze(-1)).squeeze(-1)
+    vals, ids, lse = draft_topk_candidates(logits.reshape(-1, v), budget)
+    lp, cid = merge_vocab_shards(vals.unsqueeze(0), ids.unsqueeze(0), lse.unsqueeze(0), budget)
+    got = tk._tree_accept(build_tree_from_candidates(lp.view(r, depth, budget), cid.view(r, depth, budget), budget),
+                          truth)
+    want = []
+    for i in range(r):
+        tree = build_tree_reference(torch.log_softmax(logits[i].double(), -1), budget)
+        prefixes = {tree.prefix_tokens(s) for s in range(1, tree.num_nodes + 1)}
+        d = 0
+        while d < depth and tuple(truth[i, : d + 1].tolist()) in prefixes:
+            d += 1
+        want.append(1 + d)
+    assert got.tolist() == want
+    assert len(set(want)) > 2  # the cases are not all alike
+
+
+def test_draft_rows_is_the_training_layout_one_block_per_row():
+    torch.manual_seed(1)
+    cfg = tk.drafter_config("dense", TOY)
+    drafter = tk.DFlashDrafter(cfg)
+    lm_head = torch.nn.Linear(TOY.hidden, TOY.vocab, bias=False)
+    embed = torch.nn.Embedding(TOY.vocab, TOY.hidden)
+    s, blk = 24, TOY.block
+    seq = torch.randint(8, TOY.vocab - 1, (1, s))
+    feats = torch.randn(1, s, 2 * TOY.hidden)
+    anchors = torch.tensor([[4, 10, 15]])
+    with torch.no_grad():
+        ids, pos, mask, labels, _ = tk.block_layout(anchors, s, blk, TOY.vocab - 1, seq)
+        multi = lm_head(drafter(embed(ids), pos, feats, torch.arange(s)[None], mask)).view(3, blk, -1)[:, 1:]
+        rows, truth = tk.draft_rows(drafter, embed, lm_head, seq.expand(3, -1), feats.expand(3, -1, -1),
+                                    anchors[0], blk, TOY.vocab - 1)
+    torch.testing.assert_close(rows, multi, rtol=1e-5, atol=1e-5)
+    assert torch.equal(truth, labels[0, :, 1:])
