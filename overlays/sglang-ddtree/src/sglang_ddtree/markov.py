@@ -11,52 +11,63 @@ An order-2 Markov source over ``vocab`` token ids with a per-sequence *regime*
 ``r`` in ``{0, 1, 2}`` drawn uniformly at the start of each sequence.  A sequence
 is ``[marker(r), x1, x2, ...]``: its first token is the regime's marker id
 (``4 + r``), then two uniform text tokens, then the chain.  Ids ``0..7``
-(pad/bos/eos/spare, the three markers, spare) and ``vocab - 1`` (the drafter's
-mask token) never occur in text; the ``vocab - 9`` others are *text tokens*.
-Three seeded tables, all lookups:
+(pad/bos/eos/spare, the three markers, spare), ``vocab - 1`` (the drafter's mask
+token) and the few ids left over below it never occur in text.  The
+``3 * F`` text tokens form ``F = (vocab - 9) // 3`` *families* of three *members*
+(token ``8 + 3 f + m``).  Seeded tables, all lookups:
 
-* ``group[c] in {0,1,2}``: a balanced random 3-way partition of the text tokens;
-* ``cls[a] in {0,1,2}``: an independent random class per token;
-* ``cand[b] = (c0, c1, c2)`` with ``c_j`` drawn from group ``j`` (so a
-  candidate's *slot* is a property of the token itself), and ``tail[b]``:
-  ``n_tail`` further random text tokens.
+* ``nxt[f]``: the family path, a random permutation of the families made of one
+  cycle through all ``F`` of them;
+* ``cls[x] = (m + tau[f]) % 3``: a class per token, a permutation within each family;
+* ``sigma[x]``: a permutation of the three members per token - the family's own with
+  probability ``1 - member_noise``, else the token's own;
+* ``cand[x][j] = 8 + 3 nxt[f] + sigma[x][j]``: the three members of the next family,
+  in *slot* order; ``tail[x]``: ``n_tail`` random text tokens.
 
 Given the last two tokens ``(a, b)`` and the regime, the next token is
 ``cand[b][(s + i) % 3]`` with probability ``probs[i]`` (``i = 0, 1, 2``), where
 ``s = (r + cls[a]) % 3``, else one of ``tail[b]`` uniformly (the remaining
 ``1 - sum(probs)``; default ``probs = (0.6, 0.25, 0.1)``, tail 0.05).  The
-source's greedy continuation is therefore ``x[t+1] = cand[x[t]][(r + cls[x[t-1]]) % 3]``.
+source's greedy continuation is ``x[t+1] = cand[x[t]][(r + cls[x[t-1]]) % 3]``.
 
-Why a hidden regime (the design point)
---------------------------------------
+Why this shape (the design point)
+---------------------------------
 Tree speculation is judged under *greedy* decoding, where the target emits a
-deterministic function of the prefix.  Train a target on a plain order-2 source
-and its greedy output is the argmax of ``p(. | a, b)``: a fixed lookup that a
-drafter reading the target's hidden states learns almost perfectly, so a chain
-is nearly always right and a tree buys nothing.  Here the order of the three
-near-tie candidates of every context is decided by ``r + cls[a]``: the target
-must carry ``r`` from the start of the sequence (the marker, however far back;
-the text says it too: each transition ``a, b -> c`` votes for
-``r = (group[c] - cls[a]) % 3``, and a 48-64 token prompt settles it, see
-:meth:`MarkovSource.regime_posterior`) and combine it with the class of the token
-before last.  Every piece is a lookup or one attention hop a 4-layer model learns
-quickly (the marker is there so that a few minutes of training suffice; inferring
-``r`` from text alone is learnable too, but slowly), so its greedy continuation
-becomes the source's.
+deterministic function of the prefix, and a DFlash drafter reads the target's
+hidden states.  Two ways it goes wrong, both seen at small scale on a CPU:
 
-The drafter predicts a whole block in one non-causal pass: the token at depth
-``k`` is the ``k``-fold composition of that map, and each step's slot depends on
-the class of the *previous drafted token*, which the drafter never sees (its
-block holds the bonus token and masks only; one layer cannot chain lookups).  It
-has to have memorised the composed map (``3 * 3 * V`` entries per depth) or
-hedge.  It hedges among the same few candidates: at depth 1 it is almost always
-right, at depths 2-4 the right token is usually among its top 2-3 but often
-not first - exactly where a best-first tree (which spends its budget on the
-second and third candidates of shallow depths) beats a chain.  How often it is
-wrong is set by the drafter's capacity and training, which is why the kit
-*measures* it (``trainkit`` prints per-depth rank histograms and the offline
-accept lengths) and :func:`expected_accept` turns any per-depth profile into
-exact chain / tree figures.
+1. A plain order-2 source: the target's greedy output is a fixed lookup of the
+   last two tokens that the drafter learns almost perfectly - a chain is nearly
+   always right, a tree buys nothing.
+2. A random greedy map: greedy orbits of a random map on ``N`` states merge and fall
+   into a few cycles of total length ``~ sqrt(pi N / 2)`` (~50 states at ``N`` =
+   1500), the same for every prompt; the drafter memorises those cycles (measured:
+   chain accept 10.9 at block 16, tree/chain 1.0-1.05).
+
+Here the greedy map on the state ``(cls[x[t-1]], x[t])`` is a **bijection** for
+every regime (``cls`` is a permutation within each family and ``nxt`` a
+one-cycle permutation), so greedy orbits never merge and no state repeats within
+``F`` steps (679 at ``vocab`` 2048, more than a prompt and 128 new tokens): prompts
+do not converge on shared text.  What makes
+the drafter *uncertain among a few* is the two-level structure: the next *family*
+is a function of the current family alone (a small table per depth that a drafter
+learns), while the *member* within it is chosen by ``r + cls`` of the token before
+last - information about drafted tokens that a one-layer, one-pass drafter (its
+block is ``[bonus, mask...]``) can only have memorised, composed through depth.
+So at depth ``k`` the drafter knows the family (three tokens) and is partly unsure
+of the member: the truth sits in its top 3 while its top 1 is wrong part of the
+time - where a best-first tree, spending budget on second and third candidates,
+beats a chain.  ``member_noise`` moves members from family-level rules (learnable)
+to per-token rules (harder), the knob between "chain wins" and "chain too short".
+
+The target, which runs causally over the real tokens, must carry ``r`` from the
+start (the marker, however far back; the text says it too, see
+:meth:`MarkovSource.regime_posterior`) and combine it with the class of the token
+before last; every piece is a lookup or one attention hop a 4-layer model learns
+in minutes, so its greedy continuation becomes the source's.  How often the
+drafter is wrong is set by its capacity and training, which is why ``trainkit``
+*measures* it (per-depth rank histogram, offline accept lengths) and
+:func:`expected_accept` turns any per-depth profile into exact chain/tree figures.
 
 What the drafter must look like for the issue's targets (chain accept >= 3.0, tree
 >= 1.3x chain), from :func:`expected_accept` with a calibrated drafter whose depth 1
@@ -72,10 +83,6 @@ A sharp drafter makes the tree a chain (at B = 15 the best 15 nodes *are* the ch
 a drafter right 60-75% of the time at depths >= 2 with the truth in its top 3 gives
 both targets at B = 31-63.  The kit prints the measured per-depth rank histogram, so
 which row a trained pair is in is known before serving.
-
-Greedy cycles: the greedy map acts on the state ``(cls[x[t-1]], x[t])``, a random
-map on ``3 * (vocab - 5)`` states, whose orbits run ~ ``sqrt(pi * 3V / 2)`` (~100 at
-V = 2048) steps before repeating, so 64-128 new tokens are mostly fresh.
 
 Everything is vectorised torch on any device (a batch of 16k sequences of 128
 tokens in well under a second on a GPU); given the seed, the tables are the same
@@ -104,6 +111,7 @@ FIRST_TEXT_TOKEN = 8  # 0 pad, 1 bos, 2 eos, 3 spare, 4-6 regime markers, 7 spar
 MARKER_BASE = 4  # a sequence of regime r starts with token MARKER_BASE + r
 NUM_REGIMES = 3
 DEFAULT_PROBS = (0.6, 0.25, 0.1)
+DEFAULT_MEMBER_NOISE = 0.25
 
 
 @dataclass(frozen=True)
@@ -113,7 +121,7 @@ class MarkovSource:
     vocab: int
     seed: int
     probs: tuple  # (p_slot0, p_slot1, p_slot2); the tail gets the rest
-    group: torch.Tensor  # int64 [V]; -1 for non-text ids
+    member_noise: float
     cls: torch.Tensor  # int64 [V]
     cand: torch.Tensor  # int64 [V, 3]
     tail: torch.Tensor  # int64 [V, n_tail]
@@ -124,15 +132,22 @@ class MarkovSource:
 
     @property
     def text_tokens(self) -> range:
-        return range(FIRST_TEXT_TOKEN, self.vocab - 1)
+        return range(FIRST_TEXT_TOKEN, FIRST_TEXT_TOKEN + 3 * self.num_families)
+
+    def family(self, x: torch.Tensor) -> torch.Tensor:
+        return (x - FIRST_TEXT_TOKEN) // 3
 
     @property
     def tail_prob(self) -> float:
         return 1.0 - float(sum(self.probs))
 
     def to(self, device) -> "MarkovSource":
-        return MarkovSource(self.vocab, self.seed, self.probs, *(t.to(device) for t in
-                                                                  (self.group, self.cls, self.cand, self.tail)))
+        return MarkovSource(self.vocab, self.seed, self.probs, self.member_noise,
+                            *(t.to(device) for t in (self.cls, self.cand, self.tail)))
+
+    @property
+    def num_families(self) -> int:
+        return (self.vocab - 1 - FIRST_TEXT_TOKEN) // 3
 
     # -- the conditional distribution ------------------------------------------------------------
     def slot(self, a: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
@@ -186,7 +201,8 @@ class MarkovSource:
             regimes = torch.randint(0, NUM_REGIMES, (n,), device=dev, generator=generator)
         out = torch.empty(n, length, dtype=torch.int64, device=dev)
         out[:, 0] = MARKER_BASE + regimes
-        out[:, 1:3] = torch.randint(FIRST_TEXT_TOKEN, self.vocab - 1, (n, 2), device=dev, generator=generator)
+        out[:, 1:3] = torch.randint(FIRST_TEXT_TOKEN, FIRST_TEXT_TOKEN + 3 * self.num_families, (n, 2), device=dev,
+                                    generator=generator)
         for t in range(3, length):
             out[:, t] = self.sample_next(out[:, t - 2], out[:, t - 1], regimes, generator)
         return out, regimes
@@ -214,7 +230,7 @@ class MarkovSource:
 
 
 def make_source(seed: int, vocab: int = 2048, probs: Sequence[float] = DEFAULT_PROBS, n_tail: int = 8,
-                device=None) -> MarkovSource:
+                member_noise: float = DEFAULT_MEMBER_NOISE, device=None) -> MarkovSource:
     """The seeded source (tables drawn on the CPU, so they do not depend on the device)."""
     if not 64 <= vocab <= 65536:
         raise ValueError(f"vocab must be in [64, 65536], got {vocab}")
@@ -223,21 +239,28 @@ def make_source(seed: int, vocab: int = 2048, probs: Sequence[float] = DEFAULT_P
         raise ValueError(f"probs must be three positive slot probabilities summing below 1, got {probs}")
     if not probs[0] > probs[1] > probs[2] > (1.0 - sum(probs)) / max(1, n_tail):
         raise ValueError(f"probs must be strictly decreasing and above a tail token's share, got {probs}")
+    if not 0.0 <= member_noise <= 1.0:
+        raise ValueError(f"member_noise must be in [0, 1], got {member_noise}")
     g = torch.Generator().manual_seed(int(seed))
-    text = torch.arange(FIRST_TEXT_TOKEN, vocab - 1)
-    nt = text.numel()
-    perm = text[torch.randperm(nt, generator=g)]
-    group = torch.full((vocab,), -1, dtype=torch.int64)
-    group[perm] = torch.arange(nt) % NUM_REGIMES
-    members = [perm[torch.arange(nt) % NUM_REGIMES == j] for j in range(NUM_REGIMES)]
+    nf = (vocab - 1 - FIRST_TEXT_TOKEN) // 3
+    text = torch.arange(FIRST_TEXT_TOKEN, FIRST_TEXT_TOKEN + 3 * nf)
+    fam, mem = (text - FIRST_TEXT_TOKEN) // 3, (text - FIRST_TEXT_TOKEN) % 3
+    order = torch.randperm(nf, generator=g)  # the family path: one cycle through all families
+    nxt = torch.empty(nf, dtype=torch.int64)
+    nxt[order] = order.roll(-1)
+    tau = torch.randint(0, 3, (nf,), generator=g)
     cls = torch.zeros(vocab, dtype=torch.int64)
-    cls[text] = torch.randint(0, NUM_REGIMES, (nt,), generator=g)
-    cand = torch.zeros(vocab, NUM_REGIMES, dtype=torch.int64)
-    for j, m in enumerate(members):
-        cand[text, j] = m[torch.randint(0, m.numel(), (nt,), generator=g)]
+    cls[text] = (mem + tau[fam]) % 3
+    perms = torch.tensor([[0, 1, 2], [0, 2, 1], [1, 0, 2], [1, 2, 0], [2, 0, 1], [2, 1, 0]])
+    fam_sigma = perms[torch.randint(0, 6, (nf,), generator=g)][fam]  # [T, 3]
+    own_sigma = perms[torch.randint(0, 6, (text.numel(),), generator=g)]
+    own = torch.rand(text.numel(), generator=g) < member_noise
+    sigma = torch.where(own.unsqueeze(1), own_sigma, fam_sigma)
+    cand = torch.zeros(vocab, 3, dtype=torch.int64)
+    cand[text] = FIRST_TEXT_TOKEN + 3 * nxt[fam].unsqueeze(1) + sigma
     tail = torch.full((vocab, n_tail), FIRST_TEXT_TOKEN, dtype=torch.int64)
-    tail[text] = text[torch.randint(0, nt, (nt, n_tail), generator=g)]
-    src = MarkovSource(int(vocab), int(seed), probs, group, cls, cand, tail)
+    tail[text] = text[torch.randint(0, text.numel(), (text.numel(), n_tail), generator=g)]
+    src = MarkovSource(int(vocab), int(seed), probs, float(member_noise), cls, cand, tail)
     return src.to(device) if device is not None else src
 
 

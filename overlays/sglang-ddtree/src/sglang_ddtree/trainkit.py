@@ -776,7 +776,8 @@ def run(out_dir: str, seed: int, families, device: str, preset: Preset, preset_n
          f"seed {seed}; source: vocab {p.vocab}, slot probs {source.probs}, entropy rate {entropy:.4f} nats")
     manifest = {"argv": sys.argv, "seed": seed, "preset": preset_name, "params": dataclasses.asdict(p), "device": str(dev),
                 "torch": torch.__version__, "transformers": transformers.__version__,
-                "source": {"vocab": p.vocab, "probs": list(source.probs), "tail_prob": round(source.tail_prob, 6),
+                "source": {"vocab": p.vocab, "families": source.num_families, "member_noise": source.member_noise,
+                           "probs": list(source.probs), "tail_prob": round(source.tail_prob, 6),
                            "n_tail": int(source.tail.shape[1]), "entropy_rate_nats": round(entropy, 5),
                            "mask_token_id": source.mask_token_id},
                 "target_layer_ids": TARGET_LAYER_IDS, "families": {}}
