@@ -18,9 +18,9 @@ token) and the few ids left over below it never occur in text.  The
 
 * ``nxt[f]``: the family path, a random permutation of the families made of one
   cycle through all ``F`` of them;
-* ``cls[x] = (m + tau[f]) % 3``: a class per token, a permutation within each family;
-* ``sigma[x]``: a permutation of the three members per token - the family's own with
-  probability ``1 - member_noise``, else the token's own;
+* ``cls[x]``: a class per token, a random permutation of ``{0, 1, 2}`` within each family;
+* ``sigma[x]``: which member each slot names - the identity (slot ``j`` is member
+  ``j``), except for a ``member_noise`` fraction of tokens with a random permutation;
 * ``cand[x][j] = 8 + 3 nxt[f] + sigma[x][j]``: the three members of the next family,
   in *slot* order; ``tail[x]``: ``n_tail`` random text tokens.
 
@@ -52,13 +52,18 @@ do not converge on shared text.  What makes
 the drafter *uncertain among a few* is the two-level structure: the next *family*
 is a function of the current family alone (a small table per depth that a drafter
 learns), while the *member* within it is chosen by ``r + cls`` of the token before
-last - information about drafted tokens that a one-layer, one-pass drafter (its
-block is ``[bonus, mask...]``) can only have memorised, composed through depth.
+last (with the identity ``sigma``, member ``(r + cls[x[t-1]]) % 3``) - information
+about drafted tokens that a one-layer, one-pass drafter (its block is ``[bonus,
+mask...]``) can only have memorised, composed through depth: the member at depth
+``k`` runs through ``k / 2`` of the per-family ``cls`` permutations.
 So at depth ``k`` the drafter knows the family (three tokens) and is partly unsure
 of the member: the truth sits in its top 3 while its top 1 is wrong part of the
 time - where a best-first tree, spending budget on second and third candidates,
-beats a chain.  ``member_noise`` moves members from family-level rules (learnable)
-to per-token rules (harder), the knob between "chain wins" and "chain too short".
+beats a chain.  ``member_noise`` moves members from a shared rule to per-token rules
+(harder for both the target and the drafter), a knob between "chain wins" and
+"chain too short"; the default is 0, since the target must learn the source first.
+For the target the identity ``sigma`` keeps the prediction additive - the family
+from the last token, the member from the token before last and the regime.
 
 The target, which runs causally over the real tokens, must carry ``r`` from the
 start (the marker, however far back; the text says it too, see
@@ -111,7 +116,7 @@ FIRST_TEXT_TOKEN = 8  # 0 pad, 1 bos, 2 eos, 3 spare, 4-6 regime markers, 7 spar
 MARKER_BASE = 4  # a sequence of regime r starts with token MARKER_BASE + r
 NUM_REGIMES = 3
 DEFAULT_PROBS = (0.6, 0.25, 0.1)
-DEFAULT_MEMBER_NOISE = 0.25
+DEFAULT_MEMBER_NOISE = 0.0
 
 
 @dataclass(frozen=True)
@@ -248,14 +253,12 @@ def make_source(seed: int, vocab: int = 2048, probs: Sequence[float] = DEFAULT_P
     order = torch.randperm(nf, generator=g)  # the family path: one cycle through all families
     nxt = torch.empty(nf, dtype=torch.int64)
     nxt[order] = order.roll(-1)
-    tau = torch.randint(0, 3, (nf,), generator=g)
-    cls = torch.zeros(vocab, dtype=torch.int64)
-    cls[text] = (mem + tau[fam]) % 3
     perms = torch.tensor([[0, 1, 2], [0, 2, 1], [1, 0, 2], [1, 2, 0], [2, 0, 1], [2, 1, 0]])
-    fam_sigma = perms[torch.randint(0, 6, (nf,), generator=g)][fam]  # [T, 3]
+    cls = torch.zeros(vocab, dtype=torch.int64)
+    cls[text] = perms[torch.randint(0, 6, (nf,), generator=g)][fam].gather(1, mem.unsqueeze(1)).squeeze(1)
     own_sigma = perms[torch.randint(0, 6, (text.numel(),), generator=g)]
     own = torch.rand(text.numel(), generator=g) < member_noise
-    sigma = torch.where(own.unsqueeze(1), own_sigma, fam_sigma)
+    sigma = torch.where(own.unsqueeze(1), own_sigma, perms[0].expand(text.numel(), 3))
     cand = torch.zeros(vocab, 3, dtype=torch.int64)
     cand[text] = FIRST_TEXT_TOKEN + 3 * nxt[fam].unsqueeze(1) + sigma
     tail = torch.full((vocab, n_tail), FIRST_TEXT_TOKEN, dtype=torch.int64)
