@@ -1,7 +1,8 @@
 """Train a tiny target and its DFlash drafter on the synthetic language, per family, in minutes.
 
 ``python -m sglang_ddtree.trainkit OUT --seed S [--family hybrid|dense|both] [--device cuda]
-[--preset full|toy] [--target-steps N] [--drafter-steps N]`` writes, per family,
+[--preset full|small|toy] [--target-steps N] [--drafter-steps N] [--target-seconds S]
+[--drafter-seconds S]`` writes, per family,
 ``OUT/<family>-target`` and ``OUT/<family>-drafter`` (config.json +
 model.safetensors, bf16; load in SGLang 0.5.17 as ``--model-path`` /
 ``--speculative-draft-model-path`` with ``--skip-tokenizer-init``), ``OUT/prompts.jsonl``
@@ -21,8 +22,9 @@ What it does, per family
    the source's entropy rate; then on held-out prompts the target's own greedy
    continuation (autoregressive, KV cache) against the source's greedy continuation.
 2. **Drafter** (:class:`DFlashDrafter`): a one-layer DFlash draft model trained on the
-   frozen target's hidden states over ``prompt + greedy continuation`` sequences, the
-   text it sees when serving greedy requests.  Loss: cross-entropy of the target's
+   frozen target's hidden states over ``prompt + the target's own greedy continuation``
+   sequences (transformers ``generate``), the text it sees when serving greedy requests
+   - so it learns the target as trained, whatever its agreement with the source.  Loss: cross-entropy of the target's
    LM head on the drafter's hidden states at block positions ``1..blk-1``, weighted
    ``exp(-(k-1)/gamma)`` as in DFlash.
 3. **Offline estimate**: on the held-out prompts and the target's greedy
@@ -90,10 +92,15 @@ with three anchors the two forwards agree exactly (max abs difference 0.0, fp32)
 test suite checks the drafter against SGLang 0.5.17's own ``DFlashDraftModel`` code
 (``tests/plugin/test_trainkit.py``), which is what serves it.
 
-Budget: the ``full`` preset is sized for one H200 in under 4 minutes for both
-families (printed per phase); ``toy`` runs the whole pipeline on a CPU in seconds
-(tests).  CUDA runs are seeded but not bit-identical (atomic adds in backward);
-CPU runs are.
+Budget: the ``full`` preset is meant for one H200 in under 4 minutes for both
+families: each family's target and drafter training are capped at 65 s and 25 s of
+wall clock (the learning-rate schedule runs on ``max(step / steps, elapsed / cap)``,
+so a capped phase still ends annealed; the manifest says which ended it), plus data
+generation and evaluation (not yet timed on a GPU; printed per phase).  ``small``
+gives meaningful-but-weak figures on a CPU in ~10 minutes per family; ``toy`` runs
+the whole pipeline on a CPU in seconds (tests).  CUDA runs are seeded but not
+bit-identical (atomic adds in backward, and the caps depend on speed); CPU runs
+without caps are.
 """
 
 from __future__ import annotations
