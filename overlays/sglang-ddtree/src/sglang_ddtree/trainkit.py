@@ -415,6 +415,13 @@ def _autocast(device):
     return contextlib.nullcontext()
 
 
+def _finite(v: float, what: str, step: int) -> float:
+    if not math.isfinite(v):
+        raise SystemExit(f"trainkit: {what} loss is {v} at step {step + 1}; stopping (lower the learning rate in the "
+                         f"preset, or report the seed and device)")
+    return v
+
+
 class _Schedule:
     """Warmup + cosine learning rate over *progress* = max(step / steps, elapsed / seconds).
 
@@ -483,7 +490,7 @@ def train_target(model, source, p: Preset, steps: int, gen, device, log_every: i
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         if step % log_every == 0 or sched.last():
-            v = float(loss.detach())
+            v = _finite(float(loss.detach()), "target", step)
             losses.append([step, round(v, 5)])
             _log(f"  target step {step + 1}/{steps} loss {v:.4f} lr {sched.lr:.2e} ({sched.elapsed():.1f}s)")
     model.eval()
@@ -597,7 +604,7 @@ def train_drafter(drafter, target, data, p: Preset, steps: int, gen, device, log
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
         opt.step()
         if step % log_every == 0 or sched.last():
-            v = float(loss.detach())
+            v = _finite(float(loss.detach()), "drafter", step)
             losses.append([step, round(v, 5)])
             _log(f"  drafter step {step + 1}/{steps} loss {v:.4f} depth-1 acc {float(acc1):.3f} lr {sched.lr:.2e} "
                  f"({sched.elapsed():.1f}s)")
