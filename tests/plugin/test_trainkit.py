@@ -367,3 +367,13 @@ def test_draft_rows_is_the_training_layout_one_block_per_row():
                                     anchors[0], blk, TOY.vocab - 1)
     torch.testing.assert_close(rows, multi, rtol=1e-5, atol=1e-5)
     assert torch.equal(truth, labels[0, :, 1:])
+
+
+def test_cli_refuses_bad_flags_before_writing(tmp_path, capsys):
+    out = tmp_path / "never"
+    for argv in (["--member-noise", "2"], ["--target-steps", "0"], ["--target-seconds", "-1"]):
+        with pytest.raises(SystemExit) as e:
+            tk.main([str(out), "--device", "cpu", *argv])
+        assert e.value.code == 2
+    assert "must be" in capsys.readouterr().err
+    assert not out.exists() and not (tmp_path / "never.partial").exists()

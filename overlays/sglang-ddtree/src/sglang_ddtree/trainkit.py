@@ -155,6 +155,7 @@ class Preset:
     eval_prompts: int
     eval_new: int
     loss_gamma: float = 7.0
+    member_noise: float = 0.0  # the language's knob (markov.make_source): per-token member rules
     target_seconds: Optional[float] = None  # per-family wall-clock caps of the two training phases
     drafter_seconds: Optional[float] = None
 
@@ -781,7 +782,7 @@ def run(out_dir: str, seed: int, families, device: str, preset: Preset, preset_n
     dev = torch.device(device)
     if dev.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # the fp32 master weights' matmuls outside autocast
-    source = markov.make_source(seed, vocab=p.vocab, device=dev)
+    source = markov.make_source(seed, vocab=p.vocab, member_noise=p.member_noise, device=dev)
     eval_gen = torch.Generator(device=dev).manual_seed(seed + 7919)
     prompts, regimes = source.sample(p.eval_prompts, p.prompt_len, eval_gen, device=dev)
     src_greedy = source.greedy_continuation(prompts, regimes, p.eval_new)
@@ -873,6 +874,9 @@ def main(argv=None) -> int:
                     help="wall-clock cap of each target's training (0: none; default: the preset's)")
     ap.add_argument("--drafter-seconds", type=float, default=None,
                     help="wall-clock cap of each drafter's training (0: none; default: the preset's)")
+    ap.add_argument("--member-noise", type=float, default=None,
+                    help="the language's share of per-token member rules, 0..1 (default 0): higher makes the "
+                         "drafter's deeper guesses harder (and the target's training longer)")
     ap.add_argument("--log-every", type=int, default=None)
     a = ap.parse_args(argv)
     name = a.preset or ("full" if a.device.startswith("cuda") else "toy")
@@ -886,6 +890,10 @@ def main(argv=None) -> int:
             if v is not None}
     if any(v is not None and v < 0 for v in caps.values()):
         ap.error("--target-seconds / --drafter-seconds must be >= 0")
+    if a.member_noise is not None:
+        if not 0.0 <= a.member_noise <= 1.0:
+            ap.error("--member-noise must be in [0, 1]")
+        caps["member_noise"] = a.member_noise
     preset = dataclasses.replace(preset, **caps)
     run(a.out_dir, a.seed, fams, a.device, preset, name, a.target_steps, a.drafter_steps, log_every)
     return 0
