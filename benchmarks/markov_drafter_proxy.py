@@ -65,19 +65,15 @@ def run(noise: float, steps: int, seed: int, p: tk.Preset) -> dict:
     with torch.no_grad():
         logits, truth = tk.draft_rows(drafter, embed, lm_head, seq[rows], feats[rows], anc.repeat(16), p.block, v - 1)
     rank = (logits > logits.gather(2, truth.unsqueeze(-1))).sum(-1)
-    chain = (1 + (rank == 0).long().cumprod(1).sum(1)).float().mean()
-    from sglang_ddtree.step import build_tree_from_candidates, draft_topk_candidates, merge_vocab_shards
-
-    out = {"noise": noise, "steps": steps, "loss": round(float(loss), 3), "seconds": round(time.time() - t0, 1),
+    acc = markov.accept_lengths(logits, truth, (15, 31, 63))
+    chain = acc["chain"].float().mean()
+    out = {"noise": noise, "steps": steps, "loss": round(float(loss.detach()), 3), "seconds": round(time.time() - t0, 1),
            "chain": round(float(chain), 3),
            "rank_hist": [[round(float((rank[:, d] == j).float().mean()), 3) for j in range(3)]
                          + [round(float((rank[:, d] >= 3).float().mean()), 3)] for d in range(min(6, rank.shape[1]))]}
     for b in (15, 31, 63):
-        vals, ids, lse = draft_topk_candidates(logits.reshape(-1, v), b)
-        lp, cid = merge_vocab_shards(vals.unsqueeze(0), ids.unsqueeze(0), lse.unsqueeze(0), b)
-        tree = build_tree_from_candidates(lp.view(-1, p.block - 1, b), cid.view(-1, p.block - 1, b), b)
-        acc = tk._tree_accept(tree, truth).float().mean()
-        out[f"tree_B{b}"] = f"{float(acc):.3f} (x{float(acc) / float(chain):.2f})"
+        t = float(acc[f"tree_B{b}"].float().mean())
+        out[f"tree_B{b}"] = f"{t:.3f} (x{t / float(chain):.2f})"
     return out
 
 

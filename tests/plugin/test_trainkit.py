@@ -324,7 +324,6 @@ def test_drafter_forward_is_sglang_0517_dflash(monkeypatch):
 
 
 def test_offline_tree_accept_is_the_deepest_tree_prefix_of_the_truth():
-    from sglang_ddtree.step import build_tree_from_candidates, draft_topk_candidates, merge_vocab_shards
     from sglang_ddtree.tree import build_tree_reference
 
     g = torch.Generator().manual_seed(0)
@@ -334,10 +333,8 @@ def test_offline_tree_accept_is_the_deepest_tree_prefix_of_the_truth():
     order = logits.argsort(-1, descending=True)
     pick = torch.randint(0, 3, (r, depth), generator=g)
     truth = order.gather(2, pick.unsqueeze(-1)).squeeze(-1)
-    vals, ids, lse = draft_topk_candidates(logits.reshape(-1, v), budget)
-    lp, cid = merge_vocab_shards(vals.unsqueeze(0), ids.unsqueeze(0), lse.unsqueeze(0), budget)
-    got = tk._tree_accept(build_tree_from_candidates(lp.view(r, depth, budget), cid.view(r, depth, budget), budget),
-                          truth)
+    acc = markov.accept_lengths(logits, truth, (budget,))
+    got = acc[f"tree_B{budget}"]
     want = []
     for i in range(r):
         tree = build_tree_reference(torch.log_softmax(logits[i].double(), -1), budget)
@@ -348,6 +345,8 @@ def test_offline_tree_accept_is_the_deepest_tree_prefix_of_the_truth():
         want.append(1 + d)
     assert got.tolist() == want
     assert len(set(want)) > 2  # the cases are not all alike
+    chain = [1 + next((d for d in range(depth) if int(pick[i, d]) != 0), depth) for i in range(r)]
+    assert acc["chain"].tolist() == chain  # (a small tree can be shallower than the chain: no order between them)
 
 
 def test_draft_rows_is_the_training_layout_one_block_per_row():

@@ -112,6 +112,7 @@ __all__ = [
     "MarkovSource",
     "make_source",
     "expected_accept",
+    "accept_lengths",
     "tree_rank_tuples",
 ]
 
@@ -326,3 +327,45 @@ def expected_accept(depth_probs, budget: int, rank_probs=None, block: Optional[i
     for ranks in tree_rank_tuples(lp, budget):
         tree += math.prod(float(rp[i, j]) for i, j in enumerate(ranks))
     return {"chain": chain, "tree": tree, "ratio": tree / chain}
+
+
+def tree_walk_accept(tree, truth: torch.Tensor) -> torch.Tensor:
+    """Accept length (bonus included) of the greedy ``truth`` [R, L] through a
+    :class:`sglang_ddtree.tree.TreeBatch`: 1 + the depth of the deepest node whose
+    path spells ``truth[:, :d]`` (what a greedy tree verify accepts)."""
+    r = truth.shape[0]
+    cur = torch.zeros(r, dtype=torch.int64, device=truth.device)
+    acc = torch.zeros(r, dtype=torch.int64, device=truth.device)
+    alive = torch.ones(r, dtype=torch.bool, device=truth.device)
+    for d in range(truth.shape[1]):
+        hit = (tree.parents == cur.unsqueeze(1)) & (tree.token_ids == truth[:, d:d + 1]) & tree.valid
+        found = hit.any(1) & alive
+        cur = torch.where(found, hit.to(torch.int64).argmax(1), cur)
+        acc += found.long()
+        alive &= found
+    return acc + 1
+
+
+def accept_lengths(logits: torch.Tensor, truth: torch.Tensor, budgets: Sequence[int] = ()) -> Dict[str, torch.Tensor]:
+    """Exact per-row accept lengths of real drafter outputs against a greedy truth.
+
+    ``logits`` [R, L, V]: the drafter's distributions at depths ``1..L`` (one block
+    per row); ``truth`` [R, L]: the target's greedy tokens there.  Returns
+    ``{"chain": [R], "tree_B<b>": [R] for b in budgets}`` (bonus included): the chain
+    accepts while its argmax is right; the tree is the plugin's (top-K per depth
+    with the tie rule, :func:`sglang_ddtree.step.build_tree_from_candidates`, built
+    on CPU tensors by its torch builder, identical to the Triton one) walked with
+    :func:`tree_walk_accept`."""
+    from .step import build_tree_from_candidates, draft_topk_candidates, merge_vocab_shards
+
+    r, length, v = logits.shape
+    logits = logits.float()
+    out = {"chain": (1 + (logits.argmax(-1) == truth).long().cumprod(1).sum(1)).cpu()}
+    flat = logits.reshape(-1, v)
+    for b in budgets:
+        k = min(int(b), v)
+        vals, ids, lse = draft_topk_candidates(flat, k)
+        lp, cid = merge_vocab_shards(vals.unsqueeze(0), ids.unsqueeze(0), lse.unsqueeze(0), k)
+        tree = build_tree_from_candidates(lp.view(r, length, k).cpu(), cid.view(r, length, k).cpu(), int(b))
+        out[f"tree_B{b}"] = tree_walk_accept(tree, truth.cpu())
+    return out

@@ -613,22 +613,6 @@ def train_drafter(drafter, target, data, p: Preset, steps: int, gen, device, log
     return sched.summary(losses)
 
 
-def _tree_accept(tree, truth):
-    """Accept length (bonus included) of the greedy truth ``[R, L]`` through a TreeBatch."""
-    torch = _torch()
-    r = truth.shape[0]
-    cur = torch.zeros(r, dtype=torch.int64, device=truth.device)
-    acc = torch.zeros(r, dtype=torch.int64, device=truth.device)
-    alive = torch.ones(r, dtype=torch.bool, device=truth.device)
-    for d in range(truth.shape[1]):
-        hit = (tree.parents == cur.unsqueeze(1)) & (tree.token_ids == truth[:, d:d + 1]) & tree.valid
-        found = hit.any(1) & alive
-        cur = torch.where(found, hit.to(torch.int64).argmax(1), cur)
-        acc += found.long()
-        alive &= found
-    return acc + 1
-
-
 def draft_rows(drafter, embed, lm_head, seq, feats, anchors, block: int, mask_id: int):
     """The drafter's logits at depths ``1..blk-1`` for one block per row, as one SGLang draft step each.
 
@@ -651,8 +635,7 @@ def offline_accept(drafter, target, prompts, gen_tokens, p: Preset, device, budg
     tie rule, K = B) and ``build_tree_from_candidates`` on CPU tensors (its torch builder, identical
     to the Triton one), walked with the true continuation."""
     torch = _torch()
-    from .markov import expected_accept
-    from .step import build_tree_from_candidates, draft_topk_candidates, merge_vocab_shards
+    from .markov import accept_lengths, expected_accept
 
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
     seq_all = torch.cat([prompts, gen_tokens], 1)
@@ -675,22 +658,15 @@ def offline_accept(drafter, target, prompts, gen_tokens, p: Preset, device, budg
             with torch.no_grad(), _autocast(device):
                 logits, truth = draft_rows(drafter, embed, lm_head, seq_all[sq], feats_all[sq], an, blk, p.vocab - 1)
             logits = logits.float()
-            pred = logits.argmax(-1)
-            chain.append((1 + (pred == truth).long().cumprod(1).sum(1)).cpu())
+            acc = accept_lengths(logits, truth, budgets if blk == p.block else ())
+            chain.append(acc["chain"])
             if blk != p.block:
                 continue
             ranks.append((logits > logits.gather(2, truth.unsqueeze(-1))).sum(-1).cpu())
-            lp = torch.log_softmax(logits, -1)
-            top = torch.topk(lp, kmax, -1).values.exp().sum(0).double().cpu()
+            top = torch.topk(torch.softmax(logits, -1), kmax, -1).values.sum(0).double().cpu()
             prof_sum = top if prof_sum is None else prof_sum + top
-            flat = logits.reshape(-1, logits.shape[-1])
             for b in budgets:
-                k = min(b, p.vocab)
-                vals, cids, lse = draft_topk_candidates(flat, k)
-                clp, cid = merge_vocab_shards(vals.unsqueeze(0), cids.unsqueeze(0), lse.unsqueeze(0), k)
-                rr = logits.shape[0]
-                tree = build_tree_from_candidates(clp.view(rr, blk - 1, k).cpu(), cid.view(rr, blk - 1, k).cpu(), b)
-                trees[b].append(_tree_accept(tree, truth.cpu()))
+                trees[b].append(acc[f"tree_B{b}"])
         chain_t = torch.cat(chain).float()
         res[f"chain_block{blk}"] = round(float(chain_t.mean()), 3)
         if blk != p.block:
