@@ -73,18 +73,18 @@ def test_block_layout_masks_context_before_the_anchor_and_other_blocks():
 
 
 def test_a_few_steps_reduce_both_losses():
-    p = dataclasses.replace(TOY, target_steps=20, drafter_steps=20)
+    p = dataclasses.replace(TOY, target_steps=12, drafter_steps=12, drafter_seqs=16)
     src = markov.make_source(0, vocab=p.vocab)
     g = torch.Generator().manual_seed(0)
     target, _ = tk.build_target("dense", p, 0, "cpu")
     info = tk.train_target(target, src, p, p.target_steps, g, "cpu", log_every=1)
     first, last = info["losses"][0][1], min(v for _, v in info["losses"][-3:])
-    assert info["steps"] == 20 and info["ended_by"] == "steps"
+    assert info["steps"] == 12 and info["ended_by"] == "steps"
     assert last < first - 0.5, info["losses"]
     data = tk.drafter_dataset(target, src, p, g, "cpu")
     drafter = tk.DFlashDrafter(tk.drafter_config("dense", p))
     dinfo = tk.train_drafter(drafter, target, data[:3], p, p.drafter_steps, g, "cpu", log_every=1)
-    assert min(v for _, v in dinfo["losses"][-3:]) < dinfo["losses"][0][1] - 0.3, dinfo["losses"]
+    assert min(v for _, v in dinfo["losses"][-3:]) < dinfo["losses"][0][1] - 0.2, dinfo["losses"]
 
 
 def test_time_cap_ends_a_phase_with_the_schedule_completed():
