@@ -376,3 +376,17 @@ def test_cli_refuses_bad_flags_before_writing(tmp_path, capsys):
         assert e.value.code == 2
     assert "must be" in capsys.readouterr().err
     assert not out.exists() and not (tmp_path / "never.partial").exists()
+
+
+def test_sglang_0517_reads_the_written_drafter_config(kit):
+    _sglang_0517()
+    from sglang.srt.speculative.dflash_utils import parse_dflash_draft_config
+
+    out, _ = kit
+    for fam in tk.FAMILIES:
+        cfg = transformers.AutoConfig.from_pretrained(str(out / f"{fam}-drafter"))  # as SGLang's get_config loads it
+        dc = parse_dflash_draft_config(draft_hf_config=cfg)
+        assert dc.resolve_block_size(default=None) == TOY.block
+        assert dc.mask_token_id == TOY.vocab - 1
+        assert list(dc.resolve_target_layer_ids(target_num_layers=tk.NUM_LAYERS, draft_num_layers=1)) == \
+            tk.TARGET_LAYER_IDS
