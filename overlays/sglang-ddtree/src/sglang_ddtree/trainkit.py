@@ -93,7 +93,7 @@ test suite checks the drafter against SGLang 0.5.17's own ``DFlashDraftModel`` c
 (``tests/plugin/test_trainkit.py``), which is what serves it.
 
 Budget: the ``full`` preset is meant for one H200 in under 4 minutes for both
-families: each family's target and drafter training are capped at 65 s and 25 s of
+families: each family's target and drafter training are capped at 60 s and 22 s of
 wall clock (the learning-rate schedule runs on ``max(step / steps, elapsed / cap)``,
 so a capped phase still ends annealed; the manifest says which ended it), plus data
 generation and evaluation (not yet timed on a GPU; printed per phase).  ``small``
@@ -167,7 +167,7 @@ PRESETS: Dict[str, Preset] = {
                    linear_head_dim=64, linear_k_heads=4, linear_v_heads=8, drafter_inter=1536, block=16,
                    seq_len=256, target_steps=3000, target_batch=256, target_lr=3e-3,
                    drafter_seqs=8192, drafter_steps=3000, drafter_batch=128, anchors=16, drafter_lr=2e-3,
-                   prompt_len=64, eval_prompts=64, eval_new=128, target_seconds=65.0, drafter_seconds=25.0),
+                   prompt_len=64, eval_prompts=64, eval_new=128, target_seconds=60.0, drafter_seconds=22.0),
     # a CPU-sized run whose figures mean something (minutes on 2 cores), to check the design without a GPU
     "small": Preset(vocab=512, hidden=128, heads=4, kv_heads=2, head_dim=32, dense_inter=384, moe_inter=128,
                     linear_head_dim=32, linear_k_heads=2, linear_v_heads=4, drafter_inter=512, block=16,
