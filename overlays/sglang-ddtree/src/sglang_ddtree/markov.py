@@ -7,18 +7,21 @@ computed here before any GPU time is spent.
 
 The source
 ----------
-An order-2 Markov source over ``vocab`` token ids with a per-sequence *regime*
-``r`` in ``{0, 1, 2}`` drawn uniformly at the start of each sequence.  A sequence
-is ``[marker(r), x1, x2, ...]``: its first token is the regime's marker id
-(``4 + r``), then two uniform text tokens, then the chain.  Ids ``0..7``
-(pad/bos/eos/spare, the three markers, spare), ``vocab - 1`` (the drafter's mask
-token) and the few ids left over below it never occur in text.  The
+An order-2 Markov source over ``vocab`` token ids with a per-sequence *regime*: a
+vector ``r`` of ``K`` (``components``, default 4) values in ``{0, 1, 2}``, drawn
+uniformly at the start of each sequence.  A sequence is ``[marker_0(r_0) ..
+marker_{K-1}(r_{K-1}), x1, x2, ...]``: ``K`` marker tokens (``4 + 3 i + r_i``),
+then two uniform text tokens, then the chain.  Ids ``0..31`` (pad/bos/eos/spare,
+the markers, spare), ``vocab - 1`` (the drafter's mask token) and the few ids left
+over below it never occur in text.  The
 ``3 * F`` text tokens form ``F = (vocab - 9) // 3`` *families* of three *members*
 (token ``8 + 3 f + m``).  Seeded tables, all lookups:
 
 * ``nxt[f]``: the family path, a random permutation of the families made of one
   cycle through all ``F`` of them;
 * ``cls[x]``: a class per token, a random permutation of ``{0, 1, 2}`` within each family;
+* ``comp[x]``: which regime component a token consults when it is the token before
+  last, random per family;
 * ``sigma[x]``: which member each slot names - the identity (slot ``j`` is member
   ``j``), except for a ``member_noise`` fraction of tokens with a random permutation;
 * ``cand[x][j] = 8 + 3 nxt[f] + sigma[x][j]``: the three members of the next family,
@@ -26,9 +29,10 @@ token) and the few ids left over below it never occur in text.  The
 
 Given the last two tokens ``(a, b)`` and the regime, the next token is
 ``cand[b][(s + i) % 3]`` with probability ``probs[i]`` (``i = 0, 1, 2``), where
-``s = (r + cls[a]) % 3``, else one of ``tail[b]`` uniformly (the remaining
+``s = (r[comp[a]] + cls[a]) % 3``, else one of ``tail[b]`` uniformly (the remaining
 ``1 - sum(probs)``; default ``probs = (0.6, 0.25, 0.1)``, tail 0.05).  The
-source's greedy continuation is ``x[t+1] = cand[x[t]][(r + cls[x[t-1]]) % 3]``.
+source's greedy continuation is ``x[t+1] = cand[x[t]][(r[comp[a]] + cls[a]) % 3]``
+with ``a = x[t-1]``.
 
 Why this shape (the design point)
 ---------------------------------
@@ -44,6 +48,9 @@ second was measured at small scale on a CPU):
    into a few cycles of total length ``~ sqrt(pi N / 2)`` (~50 states at ``N`` =
    1500), the same for every prompt; the drafter memorises those cycles (measured:
    chain accept 10.9 at block 16, tree/chain 1.0-1.05).
+3. A small state space: with one regime value, the whole greedy future is a function
+   of ``(cls[x[p-1]], x[p], r)``, ``9 V`` states; a one-layer drafter memorises the
+   per-depth tables (measured at V = 512: hybrid chain 14.1 of 16, tree x1.05).
 
 Here the greedy map on the state ``(cls[x[t-1]], x[t])`` is a **bijection** for
 every regime (``cls`` is a permutation within each family and ``nxt`` a
@@ -53,10 +60,15 @@ do not converge on shared text.  What makes
 the drafter *uncertain among a few* is the two-level structure: the next *family*
 is a function of the current family alone (a small table per depth that a drafter
 learns), while the *member* within it is chosen by ``r + cls`` of the token before
-last (with the identity ``sigma``, member ``(r + cls[x[t-1]]) % 3``) - information
-about drafted tokens that a one-layer, one-pass drafter (its block is ``[bonus,
-mask...]``) can only have memorised, composed through depth: the member at depth
-``k`` runs through ``k / 2`` of the per-family ``cls`` permutations.
+last and by the regime component *that token's family names* (with the identity
+``sigma``, member ``(r[comp[a]] + cls[a]) % 3``).  A drafter's block is ``[bonus,
+mask...]``: in its one layer the mask positions' queries do not depend on the
+content, so at depth ``k`` it cannot *look up* the component ``comp`` of the family
+two steps back; it gets all ``K`` markers mixed and must have learnt, per family
+and depth, which one matters - over ``3^K`` regime vectors - on top of composing the
+member chain through ``k / 2`` per-family ``cls`` permutations.  The target, running
+causally over real tokens, does the lookup with one attention hop (query: the
+component named by the previous token; keys: the markers).
 So at depth ``k`` the drafter knows the family (three tokens) and is partly unsure
 of the member: the truth sits in its top 3 while its top 1 is wrong part of the
 time - where a best-first tree, spending budget on second and third candidates,
@@ -66,13 +78,12 @@ beats a chain.  ``member_noise`` moves members from a shared rule to per-token r
 For the target the identity ``sigma`` keeps the prediction additive - the family
 from the last token, the member from the token before last and the regime.
 
-The target, which runs causally over the real tokens, must carry ``r`` from the
-start (the marker, however far back; the text says it too, see
-:meth:`MarkovSource.regime_posterior`) and combine it with the class of the token
-before last; every piece is a lookup or one attention hop, meant to be learned by a
-4-layer model in the kit's GPU minutes so that its greedy continuation becomes the
-source's (not yet run on a GPU; at small scale on a CPU, ~3M tokens got a dense target
-to 0.52 teacher-forced agreement, ``benchmarks/results/trainkit_cpu_small.md``).  How often the
+The target must read ``r[comp[a]]`` from the markers, however far back, and combine
+it with the class of the token before last; every piece is a lookup or one attention
+hop, meant to be learned by a 4-layer model in the kit's GPU minutes so that its
+greedy continuation becomes the source's (not yet run on a GPU; the vector regime is
+the newest part and was not run at any scale beyond the toy tests; earlier designs at
+small scale on a CPU: ``benchmarks/results/trainkit_cpu_small.md``).  How often the
 drafter is wrong is set by its capacity and training, which is why ``trainkit``
 *measures* it (per-depth rank histogram, offline accept lengths) and
 :func:`expected_accept` turns any per-depth profile into exact chain/tree figures.
@@ -109,6 +120,7 @@ __all__ = [
     "FIRST_TEXT_TOKEN",
     "MARKER_BASE",
     "NUM_REGIMES",
+    "DEFAULT_COMPONENTS",
     "MarkovSource",
     "make_source",
     "expected_accept",
@@ -116,9 +128,11 @@ __all__ = [
     "tree_rank_tuples",
 ]
 
-FIRST_TEXT_TOKEN = 8  # 0 pad, 1 bos, 2 eos, 3 spare, 4-6 regime markers, 7 spare: never in text
-MARKER_BASE = 4  # a sequence of regime r starts with token MARKER_BASE + r
-NUM_REGIMES = 3
+FIRST_TEXT_TOKEN = 32  # 0 pad, 1 bos, 2 eos, 3 spare, 4-30 regime markers, 31 spare: never in text
+MARKER_BASE = 4  # component i of value v is announced by token MARKER_BASE + 3 i + v
+NUM_REGIMES = 3  # values per regime component
+MAX_COMPONENTS = 9
+DEFAULT_COMPONENTS = 4
 DEFAULT_PROBS = (0.6, 0.25, 0.1)
 DEFAULT_MEMBER_NOISE = 0.0
 
@@ -131,6 +145,8 @@ class MarkovSource:
     seed: int
     probs: tuple  # (p_slot0, p_slot1, p_slot2); the tail gets the rest
     member_noise: float
+    components: int  # K: the regime is a vector of K values in {0, 1, 2}
+    comp: torch.Tensor  # int64 [V]: which regime component a token, as the token before last, consults
     cls: torch.Tensor  # int64 [V]
     cand: torch.Tensor  # int64 [V, 3]
     tail: torch.Tensor  # int64 [V, n_tail]
@@ -151,8 +167,13 @@ class MarkovSource:
         return 1.0 - float(sum(self.probs))
 
     def to(self, device) -> "MarkovSource":
-        return MarkovSource(self.vocab, self.seed, self.probs, self.member_noise,
-                            *(t.to(device) for t in (self.cls, self.cand, self.tail)))
+        return MarkovSource(self.vocab, self.seed, self.probs, self.member_noise, self.components,
+                            *(t.to(device) for t in (self.comp, self.cls, self.cand, self.tail)))
+
+    @property
+    def prefix_len(self) -> int:
+        """Tokens before the chain: K markers and two uniform text tokens."""
+        return self.components + 2
 
     @property
     def num_families(self) -> int:
@@ -161,7 +182,8 @@ class MarkovSource:
     # -- the conditional distribution ------------------------------------------------------------
     def slot(self, a: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
         """The slot of ``cand[b]`` that is most likely after ``(a, b)`` in regime ``r``."""
-        return (r + self.cls[a]) % NUM_REGIMES
+        rc = r.gather(1, self.comp[a].unsqueeze(1)).squeeze(1)  # r: [N, K]
+        return (rc + self.cls[a]) % NUM_REGIMES
 
     def next_probs(self, a: torch.Tensor, b: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
         """Dense ``p(. | a, b, r)``: ``[N, V]`` float64 (coinciding entries add up)."""
@@ -200,19 +222,21 @@ class MarkovSource:
     # -- sequences ------------------------------------------------------------------------------
     def sample(self, n: int, length: int, generator: Optional[torch.Generator] = None,
                regimes: Optional[torch.Tensor] = None, device=None):
-        """``n`` sequences of ``length`` tokens: ``(tokens int64 [n, length], regimes int64 [n])``.
+        """``n`` sequences of ``length`` tokens: ``(tokens int64 [n, length], regimes int64 [n, K])``.
 
-        Token 0 is the regime's marker, tokens 1-2 uniform text tokens, then the chain."""
-        if length < 3:
-            raise ValueError(f"length must be >= 3, got {length}")
+        Tokens ``0..K-1`` announce the regime's components, the next two are uniform
+        text tokens, then the chain."""
+        k = self.components
+        if length < k + 3:
+            raise ValueError(f"length must be >= {k + 3}, got {length}")
         dev = device if device is not None else self.cand.device
         if regimes is None:
-            regimes = torch.randint(0, NUM_REGIMES, (n,), device=dev, generator=generator)
+            regimes = torch.randint(0, NUM_REGIMES, (n, k), device=dev, generator=generator)
         out = torch.empty(n, length, dtype=torch.int64, device=dev)
-        out[:, 0] = MARKER_BASE + regimes
-        out[:, 1:3] = torch.randint(FIRST_TEXT_TOKEN, FIRST_TEXT_TOKEN + 3 * self.num_families, (n, 2), device=dev,
-                                    generator=generator)
-        for t in range(3, length):
+        out[:, :k] = MARKER_BASE + 3 * torch.arange(k, device=dev) + regimes
+        out[:, k:k + 2] = torch.randint(FIRST_TEXT_TOKEN, FIRST_TEXT_TOKEN + 3 * self.num_families, (n, 2),
+                                        device=dev, generator=generator)
+        for t in range(k + 2, length):
             out[:, t] = self.sample_next(out[:, t - 2], out[:, t - 1], regimes, generator)
         return out, regimes
 
@@ -226,20 +250,10 @@ class MarkovSource:
             a, b = b, c
         return out
 
-    def regime_posterior(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Exact ``p(r | text)`` under the uniform prior, from the transitions alone (the marker at
-        position 0, if any, is ignored): ``[n, 3]``."""
-        logp = torch.zeros(tokens.shape[0], NUM_REGIMES, dtype=torch.float64, device=tokens.device)
-        for r in range(NUM_REGIMES):
-            rr = torch.full((tokens.shape[0],), r, dtype=torch.int64, device=tokens.device)
-            for t in range(3 if bool((tokens[:, 0] < FIRST_TEXT_TOKEN).all()) else 2, tokens.shape[1]):
-                p = self.next_probs(tokens[:, t - 2], tokens[:, t - 1], rr).gather(1, tokens[:, t:t + 1]).squeeze(1)
-                logp[:, r] += torch.log(p.clamp_min(1e-300))
-        return torch.softmax(logp, dim=1)
-
 
 def make_source(seed: int, vocab: int = 2048, probs: Sequence[float] = DEFAULT_PROBS, n_tail: int = 8,
-                member_noise: float = DEFAULT_MEMBER_NOISE, device=None) -> MarkovSource:
+                member_noise: float = DEFAULT_MEMBER_NOISE, components: int = DEFAULT_COMPONENTS,
+                device=None) -> MarkovSource:
     """The seeded source (tables drawn on the CPU, so they do not depend on the device)."""
     if not 64 <= vocab <= 65536:
         raise ValueError(f"vocab must be in [64, 65536], got {vocab}")
@@ -250,6 +264,8 @@ def make_source(seed: int, vocab: int = 2048, probs: Sequence[float] = DEFAULT_P
         raise ValueError(f"probs must be strictly decreasing and above a tail token's share, got {probs}")
     if not 0.0 <= member_noise <= 1.0:
         raise ValueError(f"member_noise must be in [0, 1], got {member_noise}")
+    if not 1 <= components <= MAX_COMPONENTS:
+        raise ValueError(f"components must be in [1, {MAX_COMPONENTS}], got {components}")
     g = torch.Generator().manual_seed(int(seed))
     nf = (vocab - 1 - FIRST_TEXT_TOKEN) // 3
     text = torch.arange(FIRST_TEXT_TOKEN, FIRST_TEXT_TOKEN + 3 * nf)
@@ -267,7 +283,9 @@ def make_source(seed: int, vocab: int = 2048, probs: Sequence[float] = DEFAULT_P
     cand[text] = FIRST_TEXT_TOKEN + 3 * nxt[fam].unsqueeze(1) + sigma
     tail = torch.full((vocab, n_tail), FIRST_TEXT_TOKEN, dtype=torch.int64)
     tail[text] = text[torch.randint(0, text.numel(), (text.numel(), n_tail), generator=g)]
-    src = MarkovSource(int(vocab), int(seed), probs, float(member_noise), cls, cand, tail)
+    comp = torch.zeros(vocab, dtype=torch.int64)
+    comp[text] = torch.randint(0, int(components), (nf,), generator=g)[fam]  # per family
+    src = MarkovSource(int(vocab), int(seed), probs, float(member_noise), int(components), comp, cls, cand, tail)
     return src.to(device) if device is not None else src
 
 

@@ -155,7 +155,8 @@ class Preset:
     eval_prompts: int
     eval_new: int
     loss_gamma: float = 7.0
-    member_noise: float = 0.0  # the language's knob (markov.make_source): per-token member rules
+    member_noise: float = 0.0  # the language's knobs (markov.make_source): per-token member rules,
+    components: int = 4  # and the regime vector's length
     target_seconds: Optional[float] = None  # per-family wall-clock caps of the two training phases
     drafter_seconds: Optional[float] = None
 
@@ -484,8 +485,9 @@ def train_target(model, source, p: Preset, steps: int, gen, device, log_every: i
         x = pool[j * p.target_batch:(j + 1) * p.target_batch]
         with _autocast(device):
             logits = model(input_ids=x).logits
-        # token 0 is the regime marker, 1-2 uniform: predict the chain, from token 3 on
-        loss = F.cross_entropy(logits[:, 2:-1].float().reshape(-1, logits.shape[-1]), x[:, 3:].reshape(-1))
+        # the regime's markers and two uniform tokens come first: predict the chain after them
+        k = source.prefix_len
+        loss = F.cross_entropy(logits[:, k - 1:-1].float().reshape(-1, logits.shape[-1]), x[:, k:].reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -539,7 +541,7 @@ def drafter_dataset(target, source, p: Preset, gen, device, chunk: int = 4096):
     seqs, feats, starts = [], [], []
     agree = total = 0
     n = p.drafter_seqs
-    lo, hi = max(8, p.prompt_len // 2), p.prompt_len
+    lo, hi = max(source.prefix_len + 4, p.prompt_len // 2), p.prompt_len
     with torch.no_grad():
         for i in range(0, n, chunk):
             c = min(chunk, n - i)
@@ -758,7 +760,8 @@ def run(out_dir: str, seed: int, families, device: str, preset: Preset, preset_n
     dev = torch.device(device)
     if dev.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # the fp32 master weights' matmuls outside autocast
-    source = markov.make_source(seed, vocab=p.vocab, member_noise=p.member_noise, device=dev)
+    source = markov.make_source(seed, vocab=p.vocab, member_noise=p.member_noise, components=p.components,
+                                device=dev)
     eval_gen = torch.Generator(device=dev).manual_seed(seed + 7919)
     prompts, regimes = source.sample(p.eval_prompts, p.prompt_len, eval_gen, device=dev)
     src_greedy = source.greedy_continuation(prompts, regimes, p.eval_new)
@@ -768,6 +771,7 @@ def run(out_dir: str, seed: int, families, device: str, preset: Preset, preset_n
     manifest = {"argv": sys.argv, "seed": seed, "preset": preset_name, "params": dataclasses.asdict(p), "device": str(dev),
                 "torch": torch.__version__, "transformers": transformers.__version__,
                 "source": {"vocab": p.vocab, "families": source.num_families, "member_noise": source.member_noise,
+                           "components": source.components,
                            "probs": list(source.probs), "tail_prob": round(source.tail_prob, 6),
                            "n_tail": int(source.tail.shape[1]), "entropy_rate_nats": round(entropy, 5),
                            "mask_token_id": source.mask_token_id},
