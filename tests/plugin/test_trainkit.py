@@ -370,7 +370,7 @@ def test_draft_rows_is_the_training_layout_one_block_per_row():
 
 def test_cli_refuses_bad_flags_before_writing(tmp_path, capsys):
     out = tmp_path / "never"
-    for argv in (["--member-noise", "2"], ["--target-steps", "0"], ["--target-seconds", "-1"]):
+    for argv in (["--member-noise", "2"], ["--target-steps", "0"], ["--target-seconds", "-1"], ["--components", "0"]):
         with pytest.raises(SystemExit) as e:
             tk.main([str(out), "--device", "cpu", *argv])
         assert e.value.code == 2

@@ -857,6 +857,9 @@ def main(argv=None) -> int:
     ap.add_argument("--member-noise", type=float, default=None,
                     help="the language's share of per-token member rules, 0..1 (default 0): higher makes the "
                          "drafter's deeper guesses harder (and the target's training longer)")
+    ap.add_argument("--components", type=int, default=None,
+                    help="length of the language's regime vector, 1..9 (default 4): fewer makes the drafter's job "
+                         "easier (1 let it memorise the greedy future at small scale)")
     ap.add_argument("--log-every", type=int, default=None)
     a = ap.parse_args(argv)
     name = a.preset or ("full" if a.device.startswith("cuda") else "toy")
@@ -874,6 +877,10 @@ def main(argv=None) -> int:
         if not 0.0 <= a.member_noise <= 1.0:
             ap.error("--member-noise must be in [0, 1]")
         caps["member_noise"] = a.member_noise
+    if a.components is not None:
+        if not 1 <= a.components <= 9:
+            ap.error("--components must be in [1, 9]")
+        caps["components"] = a.components
     preset = dataclasses.replace(preset, **caps)
     run(a.out_dir, a.seed, fams, a.device, preset, name, a.target_steps, a.drafter_steps, log_every)
     return 0
