@@ -12,7 +12,7 @@ from sglang_ddtree.tree import build_tree_reference  # noqa: E402
 
 def test_same_seed_same_language_other_seed_another():
     a, b, c = markov.make_source(3, vocab=512), markov.make_source(3, vocab=512), markov.make_source(4, vocab=512)
-    for name in ("group", "cls", "cand", "tail"):
+    for name in ("cls", "cand", "tail"):
         assert torch.equal(getattr(a, name), getattr(b, name))
     assert not torch.equal(a.cand, c.cand)
     xa, ra = a.sample(64, 40, torch.Generator().manual_seed(9))
@@ -22,16 +22,46 @@ def test_same_seed_same_language_other_seed_another():
     assert not torch.equal(xa, xc)
 
 
-def test_text_never_holds_reserved_or_mask_ids_and_candidates_sit_in_their_group():
+def test_text_never_holds_reserved_or_mask_ids_and_candidates_are_the_next_family():
     s = markov.make_source(0, vocab=256)
     x, r = s.sample(256, 64, torch.Generator().manual_seed(1))
-    assert torch.equal(x[:, 0], markov.MARKER_BASE + r)  # the sequence announces its regime
-    assert int(x[:, 1:].min()) >= markov.FIRST_TEXT_TOKEN and int(x.max()) < s.mask_token_id
+    k = s.components
+    assert r.shape == (256, k) and torch.equal(x[:, :k], markov.MARKER_BASE + 3 * torch.arange(k) + r)  # markers
+    assert int(x[:, k:].min()) >= markov.FIRST_TEXT_TOKEN and int(x.max()) < s.text_tokens.stop <= s.mask_token_id
     text = torch.tensor(list(s.text_tokens))
-    for j in range(3):
-        assert bool((s.group[s.cand[text, j]] == j).all())
-    sizes = torch.bincount(s.group[text], minlength=3)
-    assert int(sizes.max() - sizes.min()) <= 1  # balanced partition
+    fam = s.family(s.cand[text])
+    assert bool((fam == fam[:, :1]).all())  # the three candidates are one family ...
+    assert sorted(((s.cand[text] - markov.FIRST_TEXT_TOKEN) % 3)[0].tolist()) == [0, 1, 2]  # ... all its members
+    assert sorted(fam[:, 0].unique().tolist()) == list(range(s.num_families))  # the family path is a permutation
+    for f in range(s.num_families):  # cls is a permutation within each family
+        assert sorted(s.cls[markov.FIRST_TEXT_TOKEN + 3 * f + torch.arange(3)].tolist()) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("noise", [0.0, 0.25, 1.0])
+def test_greedy_map_is_a_bijection_so_orbits_do_not_merge(noise):
+    s = markov.make_source(3, vocab=512, member_noise=noise)
+    text = torch.tensor(list(s.text_tokens))
+    n = text.numel()
+    inv = torch.empty(s.num_families, dtype=torch.int64)  # the family before each one on the path
+    inv[s.family(s.cand[text, 0])] = s.family(text)
+    for r in torch.randint(0, 3, (4, s.components), generator=torch.Generator().manual_seed(0)):
+        # greedy state (c, b) = (cls of the token before last, last token) -> (cls[b], next token); on greedy text
+        # the token before last is of family inv[family(b)], which names the component consulted
+        c = torch.arange(3).repeat_interleave(n)
+        b = text.repeat(3)
+        rc = r[s.comp[markov.FIRST_TEXT_TOKEN + 3 * inv[s.family(b)]]]
+        nxt = s.cand[b, :].gather(1, ((rc + c) % 3).unsqueeze(1)).squeeze(1)
+        image = s.cls[b] * s.vocab + nxt
+        assert image.unique().numel() == 3 * n
+    # long orbits: the family path is one cycle, so no greedy state repeats within F steps
+    s = markov.make_source(3, vocab=2048, member_noise=noise)
+    x, reg = s.sample(16, 8, torch.Generator().manual_seed(0))
+    cont = s.greedy_continuation(x, reg, s.num_families)
+    fams = s.family(cont)
+    assert all(len(set(row)) == s.num_families for row in fams.tolist())
+    # and prompts do not share text: two greedy continuations are (almost) never in the same state
+    pairs = set(zip(fams[0].tolist(), cont[0].tolist()))
+    assert sum((f, t) in pairs for f, t in zip(fams[1:].flatten().tolist(), cont[1:].flatten().tolist())) < 0.5 * cont[1:].numel()
 
 
 def test_empirical_frequencies_match_the_set_probabilities():
@@ -40,7 +70,7 @@ def test_empirical_frequencies_match_the_set_probabilities():
     g = torch.Generator().manual_seed(5)
     a = torch.randint(markov.FIRST_TEXT_TOKEN, 511, (n,), generator=g)
     b = torch.randint(markov.FIRST_TEXT_TOKEN, 511, (n,), generator=g)
-    r = torch.randint(0, 3, (n,), generator=g)
+    r = torch.randint(0, 3, (n, s.components), generator=g)
     c = s.sample_next(a, b, r, g)
     slot = s.slot(a, r)
     for i, p in enumerate(s.probs):
@@ -52,10 +82,10 @@ def test_empirical_frequencies_match_the_set_probabilities():
     in_cand = (s.cand[b] == c.unsqueeze(1)).any(1)
     assert abs(float((in_tail & ~in_cand).float().mean()) - s.tail_prob) < 0.01
     # and the dense distribution agrees with sampling for one fixed context
-    a1, b1, r1 = torch.tensor([17]), torch.tensor([100]), torch.tensor([2])
+    a1, b1, r1 = torch.tensor([77]), torch.tensor([100]), torch.tensor([[2, 0, 1, 1]])
     probs = s.next_probs(a1, b1, r1)[0]
     assert math.isclose(float(probs.sum()), 1.0, rel_tol=1e-9)
-    draws = s.sample_next(a1.expand(50_000), b1.expand(50_000), r1.expand(50_000), torch.Generator().manual_seed(2))
+    draws = s.sample_next(a1.expand(50_000), b1.expand(50_000), r1.expand(50_000, -1), torch.Generator().manual_seed(2))
     emp = torch.bincount(draws, minlength=s.vocab).double() / draws.numel()
     assert float((emp - probs).abs().max()) < 0.01
 
@@ -70,9 +100,14 @@ def test_greedy_continuation_is_the_argmax_and_the_regime_is_recoverable():
         a, b = b, cont[:, t]
     # the regime changes the greedy choice (it is what makes the target's greedy non-trivial)
     other = s.greedy_continuation(x, (r + 1) % 3, 20)
-    assert float((other != cont).float().mean()) > 0.9
-    post = s.regime_posterior(x)  # from the text alone: the marker is not needed to know the regime
-    assert float((post.argmax(1) == r).float().mean()) >= 0.9
+    assert torch.equal(s.family(other), s.family(cont))  # the family path ignores the regime ...
+    assert bool((other[:, 0] != cont[:, 0]).all()) and float((other != cont).float().mean()) > 0.5  # ... members not
+    # each step consults the component its token before last names: changing another one changes nothing there
+    comp0 = s.comp[x[:, -2]]
+    r2 = r.clone()
+    r2[torch.arange(32), (comp0 + 1) % s.components] += 1
+    r2 %= 3
+    assert torch.equal(s.greedy_continuation(x, r2, 1), cont[:, :1])
 
 
 def test_bad_parameters_are_refused():
@@ -82,6 +117,10 @@ def test_bad_parameters_are_refused():
         markov.make_source(0, probs=(0.3, 0.5, 0.1))
     with pytest.raises(ValueError, match="probs"):
         markov.make_source(0, probs=(0.6, 0.3, 0.2))
+    with pytest.raises(ValueError, match="member_noise"):
+        markov.make_source(0, member_noise=1.5)
+    with pytest.raises(ValueError, match="components"):
+        markov.make_source(0, components=10)
 
 
 def test_expected_accept_by_hand():

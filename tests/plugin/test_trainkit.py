@@ -73,18 +73,18 @@ def test_block_layout_masks_context_before_the_anchor_and_other_blocks():
 
 
 def test_a_few_steps_reduce_both_losses():
-    p = dataclasses.replace(TOY, target_steps=20, drafter_steps=20)
+    p = dataclasses.replace(TOY, target_steps=12, drafter_steps=12, drafter_seqs=16)
     src = markov.make_source(0, vocab=p.vocab)
     g = torch.Generator().manual_seed(0)
     target, _ = tk.build_target("dense", p, 0, "cpu")
     info = tk.train_target(target, src, p, p.target_steps, g, "cpu", log_every=1)
     first, last = info["losses"][0][1], min(v for _, v in info["losses"][-3:])
-    assert info["steps"] == 20 and info["ended_by"] == "steps"
+    assert info["steps"] == 12 and info["ended_by"] == "steps"
     assert last < first - 0.5, info["losses"]
     data = tk.drafter_dataset(target, src, p, g, "cpu")
     drafter = tk.DFlashDrafter(tk.drafter_config("dense", p))
     dinfo = tk.train_drafter(drafter, target, data[:3], p, p.drafter_steps, g, "cpu", log_every=1)
-    assert min(v for _, v in dinfo["losses"][-3:]) < dinfo["losses"][0][1] - 0.3, dinfo["losses"]
+    assert min(v for _, v in dinfo["losses"][-3:]) < dinfo["losses"][0][1] - 0.2, dinfo["losses"]
 
 
 def test_time_cap_ends_a_phase_with_the_schedule_completed():
@@ -321,3 +321,72 @@ def test_drafter_forward_is_sglang_0517_dflash(monkeypatch):
                                   atol=1e-3)
         leaky = _sglang_block(ref, feats[0], int(anchors[0, 0]) + 1, embed(ids[0, :blk]))
         assert not torch.allclose(leaky, got[0], atol=1e-3)
+
+
+def test_offline_tree_accept_is_the_deepest_tree_prefix_of_the_truth():
+    from sglang_ddtree.tree import build_tree_reference
+
+    g = torch.Generator().manual_seed(0)
+    r, depth, v, budget = 64, 5, 12, 9
+    logits = torch.randn(r, depth, v, generator=g) * 2
+    # truths that follow the drafter's top ranks for a while, then leave them
+    order = logits.argsort(-1, descending=True)
+    pick = torch.randint(0, 3, (r, depth), generator=g)
+    truth = order.gather(2, pick.unsqueeze(-1)).squeeze(-1)
+    acc = markov.accept_lengths(logits, truth, (budget,))
+    got = acc[f"tree_B{budget}"]
+    want = []
+    for i in range(r):
+        tree = build_tree_reference(torch.log_softmax(logits[i].double(), -1), budget)
+        prefixes = {tree.prefix_tokens(s) for s in range(1, tree.num_nodes + 1)}
+        d = 0
+        while d < depth and tuple(truth[i, : d + 1].tolist()) in prefixes:
+            d += 1
+        want.append(1 + d)
+    assert got.tolist() == want
+    assert len(set(want)) > 2  # the cases are not all alike
+    chain = [1 + next((d for d in range(depth) if int(pick[i, d]) != 0), depth) for i in range(r)]
+    assert acc["chain"].tolist() == chain  # (a small tree can be shallower than the chain: no order between them)
+
+
+def test_draft_rows_is_the_training_layout_one_block_per_row():
+    torch.manual_seed(1)
+    cfg = tk.drafter_config("dense", TOY)
+    drafter = tk.DFlashDrafter(cfg)
+    lm_head = torch.nn.Linear(TOY.hidden, TOY.vocab, bias=False)
+    embed = torch.nn.Embedding(TOY.vocab, TOY.hidden)
+    s, blk = 24, TOY.block
+    seq = torch.randint(8, TOY.vocab - 1, (1, s))
+    feats = torch.randn(1, s, 2 * TOY.hidden)
+    anchors = torch.tensor([[4, 10, 15]])
+    with torch.no_grad():
+        ids, pos, mask, labels, _ = tk.block_layout(anchors, s, blk, TOY.vocab - 1, seq)
+        multi = lm_head(drafter(embed(ids), pos, feats, torch.arange(s)[None], mask)).view(3, blk, -1)[:, 1:]
+        rows, truth = tk.draft_rows(drafter, embed, lm_head, seq.expand(3, -1), feats.expand(3, -1, -1),
+                                    anchors[0], blk, TOY.vocab - 1)
+    torch.testing.assert_close(rows, multi, rtol=1e-5, atol=1e-5)
+    assert torch.equal(truth, labels[0, :, 1:])
+
+
+def test_cli_refuses_bad_flags_before_writing(tmp_path, capsys):
+    out = tmp_path / "never"
+    for argv in (["--member-noise", "2"], ["--target-steps", "0"], ["--target-seconds", "-1"], ["--components", "0"]):
+        with pytest.raises(SystemExit) as e:
+            tk.main([str(out), "--device", "cpu", *argv])
+        assert e.value.code == 2
+    assert "must be" in capsys.readouterr().err
+    assert not out.exists() and not (tmp_path / "never.partial").exists()
+
+
+def test_sglang_0517_reads_the_written_drafter_config(kit):
+    _sglang_0517()
+    from sglang.srt.speculative.dflash_utils import parse_dflash_draft_config
+
+    out, _ = kit
+    for fam in tk.FAMILIES:
+        cfg = transformers.AutoConfig.from_pretrained(str(out / f"{fam}-drafter"))  # as SGLang's get_config loads it
+        dc = parse_dflash_draft_config(draft_hf_config=cfg)
+        assert dc.resolve_block_size(default=None) == TOY.block
+        assert dc.mask_token_id == TOY.vocab - 1
+        assert list(dc.resolve_target_layer_ids(target_num_layers=tk.NUM_LAYERS, draft_num_layers=1)) == \
+            tk.TARGET_LAYER_IDS

@@ -7,56 +7,86 @@ computed here before any GPU time is spent.
 
 The source
 ----------
-An order-2 Markov source over ``vocab`` token ids with a per-sequence *regime*
-``r`` in ``{0, 1, 2}`` drawn uniformly at the start of each sequence.  A sequence
-is ``[marker(r), x1, x2, ...]``: its first token is the regime's marker id
-(``4 + r``), then two uniform text tokens, then the chain.  Ids ``0..7``
-(pad/bos/eos/spare, the three markers, spare) and ``vocab - 1`` (the drafter's
-mask token) never occur in text; the ``vocab - 9`` others are *text tokens*.
-Three seeded tables, all lookups:
+An order-2 Markov source over ``vocab`` token ids with a per-sequence *regime*: a
+vector ``r`` of ``K`` (``components``, default 4) values in ``{0, 1, 2}``, drawn
+uniformly at the start of each sequence.  A sequence is ``[marker_0(r_0) ..
+marker_{K-1}(r_{K-1}), x1, x2, ...]``: ``K`` marker tokens (``4 + 3 i + r_i``),
+then two uniform text tokens, then the chain.  Ids ``0..31`` (pad/bos/eos/spare,
+the markers, spare), ``vocab - 1`` (the drafter's mask token) and the few ids left
+over below it never occur in text.  The
+``3 * F`` text tokens form ``F = (vocab - 9) // 3`` *families* of three *members*
+(token ``8 + 3 f + m``).  Seeded tables, all lookups:
 
-* ``group[c] in {0,1,2}``: a balanced random 3-way partition of the text tokens;
-* ``cls[a] in {0,1,2}``: an independent random class per token;
-* ``cand[b] = (c0, c1, c2)`` with ``c_j`` drawn from group ``j`` (so a
-  candidate's *slot* is a property of the token itself), and ``tail[b]``:
-  ``n_tail`` further random text tokens.
+* ``nxt[f]``: the family path, a random permutation of the families made of one
+  cycle through all ``F`` of them;
+* ``cls[x]``: a class per token, a random permutation of ``{0, 1, 2}`` within each family;
+* ``comp[x]``: which regime component a token consults when it is the token before
+  last, random per family;
+* ``sigma[x]``: which member each slot names - the identity (slot ``j`` is member
+  ``j``), except for a ``member_noise`` fraction of tokens with a random permutation;
+* ``cand[x][j] = 8 + 3 nxt[f] + sigma[x][j]``: the three members of the next family,
+  in *slot* order; ``tail[x]``: ``n_tail`` random text tokens.
 
 Given the last two tokens ``(a, b)`` and the regime, the next token is
 ``cand[b][(s + i) % 3]`` with probability ``probs[i]`` (``i = 0, 1, 2``), where
-``s = (r + cls[a]) % 3``, else one of ``tail[b]`` uniformly (the remaining
+``s = (r[comp[a]] + cls[a]) % 3``, else one of ``tail[b]`` uniformly (the remaining
 ``1 - sum(probs)``; default ``probs = (0.6, 0.25, 0.1)``, tail 0.05).  The
-source's greedy continuation is therefore ``x[t+1] = cand[x[t]][(r + cls[x[t-1]]) % 3]``.
+source's greedy continuation is ``x[t+1] = cand[x[t]][(r[comp[a]] + cls[a]) % 3]``
+with ``a = x[t-1]``.
 
-Why a hidden regime (the design point)
---------------------------------------
+Why this shape (the design point)
+---------------------------------
 Tree speculation is judged under *greedy* decoding, where the target emits a
-deterministic function of the prefix.  Train a target on a plain order-2 source
-and its greedy output is the argmax of ``p(. | a, b)``: a fixed lookup that a
-drafter reading the target's hidden states learns almost perfectly, so a chain
-is nearly always right and a tree buys nothing.  Here the order of the three
-near-tie candidates of every context is decided by ``r + cls[a]``: the target
-must carry ``r`` from the start of the sequence (the marker, however far back;
-the text says it too: each transition ``a, b -> c`` votes for
-``r = (group[c] - cls[a]) % 3``, and a 48-64 token prompt settles it, see
-:meth:`MarkovSource.regime_posterior`) and combine it with the class of the token
-before last.  Every piece is a lookup or one attention hop a 4-layer model learns
-quickly (the marker is there so that a few minutes of training suffice; inferring
-``r`` from text alone is learnable too, but slowly), so its greedy continuation
-becomes the source's.
+deterministic function of the prefix, and a DFlash drafter reads the target's
+hidden states.  Two ways it goes wrong (the first is the issue's reasoning, the
+second was measured at small scale on a CPU):
 
-The drafter predicts a whole block in one non-causal pass: the token at depth
-``k`` is the ``k``-fold composition of that map, and each step's slot depends on
-the class of the *previous drafted token*, which the drafter never sees (its
-block holds the bonus token and masks only; one layer cannot chain lookups).  It
-has to have memorised the composed map (``3 * 3 * V`` entries per depth) or
-hedge.  It hedges among the same few candidates: at depth 1 it is almost always
-right, at depths 2-4 the right token is usually among its top 2-3 but often
-not first - exactly where a best-first tree (which spends its budget on the
-second and third candidates of shallow depths) beats a chain.  How often it is
-wrong is set by the drafter's capacity and training, which is why the kit
-*measures* it (``trainkit`` prints per-depth rank histograms and the offline
-accept lengths) and :func:`expected_accept` turns any per-depth profile into
-exact chain / tree figures.
+1. A plain order-2 source: the target's greedy output is a fixed lookup of the
+   last two tokens that the drafter learns almost perfectly - a chain is nearly
+   always right, a tree buys nothing.
+2. A random greedy map: greedy orbits of a random map on ``N`` states merge and fall
+   into a few cycles of total length ``~ sqrt(pi N / 2)`` (~50 states at ``N`` =
+   1500), the same for every prompt; the drafter memorises those cycles (measured:
+   chain accept 10.9 at block 16, tree/chain 1.0-1.05).
+3. A small state space: with one regime value, the whole greedy future is a function
+   of ``(cls[x[p-1]], x[p], r)``, ``9 V`` states; a one-layer drafter memorises the
+   per-depth tables (measured at V = 512: hybrid chain 14.1 of 16, tree x1.05).
+
+Here the greedy map on the state ``(cls[x[t-1]], x[t])`` is a **bijection** for
+every regime (``cls`` is a permutation within each family and ``nxt`` a
+one-cycle permutation), so greedy orbits never merge and no state repeats within
+``F`` steps (679 at ``vocab`` 2048, more than a prompt and 128 new tokens): prompts
+do not converge on shared text.  What makes
+the drafter *uncertain among a few* is the two-level structure: the next *family*
+is a function of the current family alone (a small table per depth that a drafter
+learns), while the *member* within it is chosen by ``r + cls`` of the token before
+last and by the regime component *that token's family names* (with the identity
+``sigma``, member ``(r[comp[a]] + cls[a]) % 3``).  A drafter's block is ``[bonus,
+mask...]``: in its one layer the mask positions' queries do not depend on the
+content, so at depth ``k`` it cannot *look up* the component ``comp`` of the family
+two steps back; it gets all ``K`` markers mixed and must have learnt, per family
+and depth, which one matters - over ``3^K`` regime vectors - on top of composing the
+member chain through ``k / 2`` per-family ``cls`` permutations.  The target, running
+causally over real tokens, does the lookup with one attention hop (query: the
+component named by the previous token; keys: the markers).
+So at depth ``k`` the drafter knows the family (three tokens) and is partly unsure
+of the member: the truth sits in its top 3 while its top 1 is wrong part of the
+time - where a best-first tree, spending budget on second and third candidates,
+beats a chain.  ``member_noise`` moves members from a shared rule to per-token rules
+(harder for both the target and the drafter), a knob between "chain wins" and
+"chain too short"; the default is 0, since the target must learn the source first.
+For the target the identity ``sigma`` keeps the prediction additive - the family
+from the last token, the member from the token before last and the regime.
+
+The target must read ``r[comp[a]]`` from the markers, however far back, and combine
+it with the class of the token before last; every piece is a lookup or one attention
+hop, meant to be learned by a 4-layer model in the kit's GPU minutes so that its
+greedy continuation becomes the source's (not yet run on a GPU; the vector regime is
+the newest part and was not run at any scale beyond the toy tests; earlier designs at
+small scale on a CPU: ``benchmarks/results/trainkit_cpu_small.md``).  How often the
+drafter is wrong is set by its capacity and training, which is why ``trainkit``
+*measures* it (per-depth rank histogram, offline accept lengths) and
+:func:`expected_accept` turns any per-depth profile into exact chain/tree figures.
 
 What the drafter must look like for the issue's targets (chain accept >= 3.0, tree
 >= 1.3x chain), from :func:`expected_accept` with a calibrated drafter whose depth 1
@@ -73,13 +103,9 @@ a drafter right 60-75% of the time at depths >= 2 with the truth in its top 3 gi
 both targets at B = 31-63.  The kit prints the measured per-depth rank histogram, so
 which row a trained pair is in is known before serving.
 
-Greedy cycles: the greedy map acts on the state ``(cls[x[t-1]], x[t])``, a random
-map on ``3 * (vocab - 5)`` states, whose orbits run ~ ``sqrt(pi * 3V / 2)`` (~100 at
-V = 2048) steps before repeating, so 64-128 new tokens are mostly fresh.
-
-Everything is vectorised torch on any device (a batch of 16k sequences of 128
-tokens in well under a second on a GPU); given the seed, the tables are the same
-on every device, and sampling is deterministic per (seed, device type).
+Everything is vectorised torch on any device (4096 sequences of 128 tokens take
+~0.1 s on one CPU core); given the seed, the tables are the same on every device,
+and sampling is deterministic per (seed, device type).
 """
 
 from __future__ import annotations
@@ -94,16 +120,21 @@ __all__ = [
     "FIRST_TEXT_TOKEN",
     "MARKER_BASE",
     "NUM_REGIMES",
+    "DEFAULT_COMPONENTS",
     "MarkovSource",
     "make_source",
     "expected_accept",
+    "accept_lengths",
     "tree_rank_tuples",
 ]
 
-FIRST_TEXT_TOKEN = 8  # 0 pad, 1 bos, 2 eos, 3 spare, 4-6 regime markers, 7 spare: never in text
-MARKER_BASE = 4  # a sequence of regime r starts with token MARKER_BASE + r
-NUM_REGIMES = 3
+FIRST_TEXT_TOKEN = 32  # 0 pad, 1 bos, 2 eos, 3 spare, 4-30 regime markers, 31 spare: never in text
+MARKER_BASE = 4  # component i of value v is announced by token MARKER_BASE + 3 i + v
+NUM_REGIMES = 3  # values per regime component
+MAX_COMPONENTS = 9
+DEFAULT_COMPONENTS = 4
 DEFAULT_PROBS = (0.6, 0.25, 0.1)
+DEFAULT_MEMBER_NOISE = 0.0
 
 
 @dataclass(frozen=True)
@@ -113,7 +144,9 @@ class MarkovSource:
     vocab: int
     seed: int
     probs: tuple  # (p_slot0, p_slot1, p_slot2); the tail gets the rest
-    group: torch.Tensor  # int64 [V]; -1 for non-text ids
+    member_noise: float
+    components: int  # K: the regime is a vector of K values in {0, 1, 2}
+    comp: torch.Tensor  # int64 [V]: which regime component a token, as the token before last, consults
     cls: torch.Tensor  # int64 [V]
     cand: torch.Tensor  # int64 [V, 3]
     tail: torch.Tensor  # int64 [V, n_tail]
@@ -124,20 +157,33 @@ class MarkovSource:
 
     @property
     def text_tokens(self) -> range:
-        return range(FIRST_TEXT_TOKEN, self.vocab - 1)
+        return range(FIRST_TEXT_TOKEN, FIRST_TEXT_TOKEN + 3 * self.num_families)
+
+    def family(self, x: torch.Tensor) -> torch.Tensor:
+        return (x - FIRST_TEXT_TOKEN) // 3
 
     @property
     def tail_prob(self) -> float:
         return 1.0 - float(sum(self.probs))
 
     def to(self, device) -> "MarkovSource":
-        return MarkovSource(self.vocab, self.seed, self.probs, *(t.to(device) for t in
-                                                                  (self.group, self.cls, self.cand, self.tail)))
+        return MarkovSource(self.vocab, self.seed, self.probs, self.member_noise, self.components,
+                            *(t.to(device) for t in (self.comp, self.cls, self.cand, self.tail)))
+
+    @property
+    def prefix_len(self) -> int:
+        """Tokens before the chain: K markers and two uniform text tokens."""
+        return self.components + 2
+
+    @property
+    def num_families(self) -> int:
+        return (self.vocab - 1 - FIRST_TEXT_TOKEN) // 3
 
     # -- the conditional distribution ------------------------------------------------------------
     def slot(self, a: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
         """The slot of ``cand[b]`` that is most likely after ``(a, b)`` in regime ``r``."""
-        return (r + self.cls[a]) % NUM_REGIMES
+        rc = r.gather(1, self.comp[a].unsqueeze(1)).squeeze(1)  # r: [N, K]
+        return (rc + self.cls[a]) % NUM_REGIMES
 
     def next_probs(self, a: torch.Tensor, b: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
         """Dense ``p(. | a, b, r)``: ``[N, V]`` float64 (coinciding entries add up)."""
@@ -176,18 +222,21 @@ class MarkovSource:
     # -- sequences ------------------------------------------------------------------------------
     def sample(self, n: int, length: int, generator: Optional[torch.Generator] = None,
                regimes: Optional[torch.Tensor] = None, device=None):
-        """``n`` sequences of ``length`` tokens: ``(tokens int64 [n, length], regimes int64 [n])``.
+        """``n`` sequences of ``length`` tokens: ``(tokens int64 [n, length], regimes int64 [n, K])``.
 
-        Token 0 is the regime's marker, tokens 1-2 uniform text tokens, then the chain."""
-        if length < 3:
-            raise ValueError(f"length must be >= 3, got {length}")
+        Tokens ``0..K-1`` announce the regime's components, the next two are uniform
+        text tokens, then the chain."""
+        k = self.components
+        if length < k + 3:
+            raise ValueError(f"length must be >= {k + 3}, got {length}")
         dev = device if device is not None else self.cand.device
         if regimes is None:
-            regimes = torch.randint(0, NUM_REGIMES, (n,), device=dev, generator=generator)
+            regimes = torch.randint(0, NUM_REGIMES, (n, k), device=dev, generator=generator)
         out = torch.empty(n, length, dtype=torch.int64, device=dev)
-        out[:, 0] = MARKER_BASE + regimes
-        out[:, 1:3] = torch.randint(FIRST_TEXT_TOKEN, self.vocab - 1, (n, 2), device=dev, generator=generator)
-        for t in range(3, length):
+        out[:, :k] = MARKER_BASE + 3 * torch.arange(k, device=dev) + regimes
+        out[:, k:k + 2] = torch.randint(FIRST_TEXT_TOKEN, FIRST_TEXT_TOKEN + 3 * self.num_families, (n, 2),
+                                        device=dev, generator=generator)
+        for t in range(k + 2, length):
             out[:, t] = self.sample_next(out[:, t - 2], out[:, t - 1], regimes, generator)
         return out, regimes
 
@@ -201,19 +250,9 @@ class MarkovSource:
             a, b = b, c
         return out
 
-    def regime_posterior(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Exact ``p(r | text)`` under the uniform prior, from the transitions alone (the marker at
-        position 0, if any, is ignored): ``[n, 3]``."""
-        logp = torch.zeros(tokens.shape[0], NUM_REGIMES, dtype=torch.float64, device=tokens.device)
-        for r in range(NUM_REGIMES):
-            rr = torch.full((tokens.shape[0],), r, dtype=torch.int64, device=tokens.device)
-            for t in range(3 if bool((tokens[:, 0] < FIRST_TEXT_TOKEN).all()) else 2, tokens.shape[1]):
-                p = self.next_probs(tokens[:, t - 2], tokens[:, t - 1], rr).gather(1, tokens[:, t:t + 1]).squeeze(1)
-                logp[:, r] += torch.log(p.clamp_min(1e-300))
-        return torch.softmax(logp, dim=1)
-
 
 def make_source(seed: int, vocab: int = 2048, probs: Sequence[float] = DEFAULT_PROBS, n_tail: int = 8,
+                member_noise: float = DEFAULT_MEMBER_NOISE, components: int = DEFAULT_COMPONENTS,
                 device=None) -> MarkovSource:
     """The seeded source (tables drawn on the CPU, so they do not depend on the device)."""
     if not 64 <= vocab <= 65536:
@@ -223,21 +262,30 @@ def make_source(seed: int, vocab: int = 2048, probs: Sequence[float] = DEFAULT_P
         raise ValueError(f"probs must be three positive slot probabilities summing below 1, got {probs}")
     if not probs[0] > probs[1] > probs[2] > (1.0 - sum(probs)) / max(1, n_tail):
         raise ValueError(f"probs must be strictly decreasing and above a tail token's share, got {probs}")
+    if not 0.0 <= member_noise <= 1.0:
+        raise ValueError(f"member_noise must be in [0, 1], got {member_noise}")
+    if not 1 <= components <= MAX_COMPONENTS:
+        raise ValueError(f"components must be in [1, {MAX_COMPONENTS}], got {components}")
     g = torch.Generator().manual_seed(int(seed))
-    text = torch.arange(FIRST_TEXT_TOKEN, vocab - 1)
-    nt = text.numel()
-    perm = text[torch.randperm(nt, generator=g)]
-    group = torch.full((vocab,), -1, dtype=torch.int64)
-    group[perm] = torch.arange(nt) % NUM_REGIMES
-    members = [perm[torch.arange(nt) % NUM_REGIMES == j] for j in range(NUM_REGIMES)]
+    nf = (vocab - 1 - FIRST_TEXT_TOKEN) // 3
+    text = torch.arange(FIRST_TEXT_TOKEN, FIRST_TEXT_TOKEN + 3 * nf)
+    fam, mem = (text - FIRST_TEXT_TOKEN) // 3, (text - FIRST_TEXT_TOKEN) % 3
+    order = torch.randperm(nf, generator=g)  # the family path: one cycle through all families
+    nxt = torch.empty(nf, dtype=torch.int64)
+    nxt[order] = order.roll(-1)
+    perms = torch.tensor([[0, 1, 2], [0, 2, 1], [1, 0, 2], [1, 2, 0], [2, 0, 1], [2, 1, 0]])
     cls = torch.zeros(vocab, dtype=torch.int64)
-    cls[text] = torch.randint(0, NUM_REGIMES, (nt,), generator=g)
-    cand = torch.zeros(vocab, NUM_REGIMES, dtype=torch.int64)
-    for j, m in enumerate(members):
-        cand[text, j] = m[torch.randint(0, m.numel(), (nt,), generator=g)]
+    cls[text] = perms[torch.randint(0, 6, (nf,), generator=g)][fam].gather(1, mem.unsqueeze(1)).squeeze(1)
+    own_sigma = perms[torch.randint(0, 6, (text.numel(),), generator=g)]
+    own = torch.rand(text.numel(), generator=g) < member_noise
+    sigma = torch.where(own.unsqueeze(1), own_sigma, perms[0].expand(text.numel(), 3))
+    cand = torch.zeros(vocab, 3, dtype=torch.int64)
+    cand[text] = FIRST_TEXT_TOKEN + 3 * nxt[fam].unsqueeze(1) + sigma
     tail = torch.full((vocab, n_tail), FIRST_TEXT_TOKEN, dtype=torch.int64)
-    tail[text] = text[torch.randint(0, nt, (nt, n_tail), generator=g)]
-    src = MarkovSource(int(vocab), int(seed), probs, group, cls, cand, tail)
+    tail[text] = text[torch.randint(0, text.numel(), (text.numel(), n_tail), generator=g)]
+    comp = torch.zeros(vocab, dtype=torch.int64)
+    comp[text] = torch.randint(0, int(components), (nf,), generator=g)[fam]  # per family
+    src = MarkovSource(int(vocab), int(seed), probs, float(member_noise), int(components), comp, cls, cand, tail)
     return src.to(device) if device is not None else src
 
 
@@ -297,3 +345,45 @@ def expected_accept(depth_probs, budget: int, rank_probs=None, block: Optional[i
     for ranks in tree_rank_tuples(lp, budget):
         tree += math.prod(float(rp[i, j]) for i, j in enumerate(ranks))
     return {"chain": chain, "tree": tree, "ratio": tree / chain}
+
+
+def tree_walk_accept(tree, truth: torch.Tensor) -> torch.Tensor:
+    """Accept length (bonus included) of the greedy ``truth`` [R, L] through a
+    :class:`sglang_ddtree.tree.TreeBatch`: 1 + the depth of the deepest node whose
+    path spells ``truth[:, :d]`` (what a greedy tree verify accepts)."""
+    r = truth.shape[0]
+    cur = torch.zeros(r, dtype=torch.int64, device=truth.device)
+    acc = torch.zeros(r, dtype=torch.int64, device=truth.device)
+    alive = torch.ones(r, dtype=torch.bool, device=truth.device)
+    for d in range(truth.shape[1]):
+        hit = (tree.parents == cur.unsqueeze(1)) & (tree.token_ids == truth[:, d:d + 1]) & tree.valid
+        found = hit.any(1) & alive
+        cur = torch.where(found, hit.to(torch.int64).argmax(1), cur)
+        acc += found.long()
+        alive &= found
+    return acc + 1
+
+
+def accept_lengths(logits: torch.Tensor, truth: torch.Tensor, budgets: Sequence[int] = ()) -> Dict[str, torch.Tensor]:
+    """Exact per-row accept lengths of real drafter outputs against a greedy truth.
+
+    ``logits`` [R, L, V]: the drafter's distributions at depths ``1..L`` (one block
+    per row); ``truth`` [R, L]: the target's greedy tokens there.  Returns
+    ``{"chain": [R], "tree_B<b>": [R] for b in budgets}`` (bonus included): the chain
+    accepts while its argmax is right; the tree is the plugin's (top-K per depth
+    with the tie rule, :func:`sglang_ddtree.step.build_tree_from_candidates`, built
+    on CPU tensors by its torch builder, identical to the Triton one) walked with
+    :func:`tree_walk_accept`."""
+    from .step import build_tree_from_candidates, draft_topk_candidates, merge_vocab_shards
+
+    r, length, v = logits.shape
+    logits = logits.float()
+    out = {"chain": (1 + (logits.argmax(-1) == truth).long().cumprod(1).sum(1)).cpu()}
+    flat = logits.reshape(-1, v)
+    for b in budgets:
+        k = min(int(b), v)
+        vals, ids, lse = draft_topk_candidates(flat, k)
+        lp, cid = merge_vocab_shards(vals.unsqueeze(0), ids.unsqueeze(0), lse.unsqueeze(0), k)
+        tree = build_tree_from_candidates(lp.view(r, length, k).cpu(), cid.view(r, length, k).cpu(), int(b))
+        out[f"tree_B{b}"] = tree_walk_accept(tree, truth.cpu())
+    return out

@@ -1,7 +1,8 @@
 """Train a tiny target and its DFlash drafter on the synthetic language, per family, in minutes.
 
 ``python -m sglang_ddtree.trainkit OUT --seed S [--family hybrid|dense|both] [--device cuda]
-[--preset full|toy] [--target-steps N] [--drafter-steps N]`` writes, per family,
+[--preset full|small|toy] [--target-steps N] [--drafter-steps N] [--target-seconds S]
+[--drafter-seconds S]`` writes, per family,
 ``OUT/<family>-target`` and ``OUT/<family>-drafter`` (config.json +
 model.safetensors, bf16; load in SGLang 0.5.17 as ``--model-path`` /
 ``--speculative-draft-model-path`` with ``--skip-tokenizer-init``), ``OUT/prompts.jsonl``
@@ -21,8 +22,9 @@ What it does, per family
    the source's entropy rate; then on held-out prompts the target's own greedy
    continuation (autoregressive, KV cache) against the source's greedy continuation.
 2. **Drafter** (:class:`DFlashDrafter`): a one-layer DFlash draft model trained on the
-   frozen target's hidden states over ``prompt + greedy continuation`` sequences, the
-   text it sees when serving greedy requests.  Loss: cross-entropy of the target's
+   frozen target's hidden states over ``prompt + the target's own greedy continuation``
+   sequences (transformers ``generate``), the text it sees when serving greedy requests
+   - so it learns the target as trained, whatever its agreement with the source.  Loss: cross-entropy of the target's
    LM head on the drafter's hidden states at block positions ``1..blk-1``, weighted
    ``exp(-(k-1)/gamma)`` as in DFlash.
 3. **Offline estimate**: on the held-out prompts and the target's greedy
@@ -82,14 +84,23 @@ flex-attention or SDPA mask, decayed CE).  Those two modules import and run with
   that the kit needs anyway to stay runnable with torch + transformers + safetensors
   alone (the integrator's constraint), and its ``DFlashDraftModel`` subclasses
   ``Qwen3PreTrainedModel`` from transformers' private module layout (5.8.1 pinned).
-So the trainer is plain torch; when SpecForge is importable (a test venv), the tests
-check :class:`DFlashDrafter` against SpecForge's ``DFlashDraftModel`` with its
-``create_dflash_sdpa_mask`` on the same weights.
+So the trainer is plain torch.  Checked once against SpecForge 0.2.0 (its wheel unpacked
+on the CPU, transformers 5.12.1): SpecForge's ``DFlashDraftModel`` (SDPA) loads
+:class:`DFlashDrafter`'s ``state_dict`` with no missing or unexpected keys, its
+``create_dflash_sdpa_mask`` equals :func:`block_layout`'s mask, and on random weights
+with three anchors the two forwards agree exactly (max abs difference 0.0, fp32).  The
+test suite checks the drafter against SGLang 0.5.17's own ``DFlashDraftModel`` code
+(``tests/plugin/test_trainkit.py``), which is what serves it.
 
-Budget: the ``full`` preset is sized for one H200 in under 4 minutes for both
-families (printed per phase); ``toy`` runs the whole pipeline on a CPU in seconds
-(tests).  CUDA runs are seeded but not bit-identical (atomic adds in backward);
-CPU runs are.
+Budget: the ``full`` preset is meant for one H200 in under 4 minutes for both
+families: each family's target and drafter training are capped at 60 s and 22 s of
+wall clock (the learning-rate schedule runs on ``max(step / steps, elapsed / cap)``,
+so a capped phase still ends annealed; the manifest says which ended it), plus data
+generation and evaluation (not yet timed on a GPU; printed per phase).  ``small``
+gives meaningful-but-weak figures on a CPU in ~10 minutes per family; ``toy`` runs
+the whole pipeline on a CPU in seconds (tests).  CUDA runs are seeded but not
+bit-identical (atomic adds in backward, and the caps depend on speed); CPU runs
+without caps are.
 """
 
 from __future__ import annotations
@@ -144,6 +155,8 @@ class Preset:
     eval_prompts: int
     eval_new: int
     loss_gamma: float = 7.0
+    member_noise: float = 0.0  # the language's knobs (markov.make_source): per-token member rules,
+    components: int = 4  # and the regime vector's length
     target_seconds: Optional[float] = None  # per-family wall-clock caps of the two training phases
     drafter_seconds: Optional[float] = None
 
@@ -155,7 +168,7 @@ PRESETS: Dict[str, Preset] = {
                    linear_head_dim=64, linear_k_heads=4, linear_v_heads=8, drafter_inter=1536, block=16,
                    seq_len=256, target_steps=3000, target_batch=256, target_lr=3e-3,
                    drafter_seqs=8192, drafter_steps=3000, drafter_batch=128, anchors=16, drafter_lr=2e-3,
-                   prompt_len=64, eval_prompts=64, eval_new=128, target_seconds=65.0, drafter_seconds=25.0),
+                   prompt_len=64, eval_prompts=64, eval_new=128, target_seconds=60.0, drafter_seconds=22.0),
     # a CPU-sized run whose figures mean something (minutes on 2 cores), to check the design without a GPU
     "small": Preset(vocab=512, hidden=128, heads=4, kv_heads=2, head_dim=32, dense_inter=384, moe_inter=128,
                     linear_head_dim=32, linear_k_heads=2, linear_v_heads=4, drafter_inter=512, block=16,
@@ -404,6 +417,13 @@ def _autocast(device):
     return contextlib.nullcontext()
 
 
+def _finite(v: float, what: str, step: int) -> float:
+    if not math.isfinite(v):
+        raise SystemExit(f"trainkit: {what} loss is {v} at step {step + 1}; stopping (lower the learning rate in the "
+                         f"preset, or report the seed and device)")
+    return v
+
+
 class _Schedule:
     """Warmup + cosine learning rate over *progress* = max(step / steps, elapsed / seconds).
 
@@ -465,14 +485,15 @@ def train_target(model, source, p: Preset, steps: int, gen, device, log_every: i
         x = pool[j * p.target_batch:(j + 1) * p.target_batch]
         with _autocast(device):
             logits = model(input_ids=x).logits
-        # token 0 is the regime marker, 1-2 uniform: predict the chain, from token 3 on
-        loss = F.cross_entropy(logits[:, 2:-1].float().reshape(-1, logits.shape[-1]), x[:, 3:].reshape(-1))
+        # the regime's markers and two uniform tokens come first: predict the chain after them
+        k = source.prefix_len
+        loss = F.cross_entropy(logits[:, k - 1:-1].float().reshape(-1, logits.shape[-1]), x[:, k:].reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         if step % log_every == 0 or sched.last():
-            v = float(loss.detach())
+            v = _finite(float(loss.detach()), "target", step)
             losses.append([step, round(v, 5)])
             _log(f"  target step {step + 1}/{steps} loss {v:.4f} lr {sched.lr:.2e} ({sched.elapsed():.1f}s)")
     model.eval()
@@ -520,7 +541,7 @@ def drafter_dataset(target, source, p: Preset, gen, device, chunk: int = 4096):
     seqs, feats, starts = [], [], []
     agree = total = 0
     n = p.drafter_seqs
-    lo, hi = max(8, p.prompt_len // 2), p.prompt_len
+    lo, hi = max(source.prefix_len + 4, p.prompt_len // 2), p.prompt_len
     with torch.no_grad():
         for i in range(0, n, chunk):
             c = min(chunk, n - i)
@@ -555,9 +576,9 @@ def drafter_loss(drafter, embed, lm_head, seq, feats, anchors, block: int, mask_
     w = w * valid.float()
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none").view_as(w)
     loss = (ce * w).sum() / w.sum().clamp_min(1e-6)
-    with torch.no_grad():
+    with torch.no_grad():  # depth-1 accuracy, left on the device (read only when logged)
         acc1 = ((logits[:, :, 1].argmax(-1) == labels[:, :, 1]) & valid[:, :, 1]).float().sum() / valid[:, :, 1].sum().clamp_min(1)
-    return loss, float(acc1)
+    return loss, acc1
 
 
 def train_drafter(drafter, target, data, p: Preset, steps: int, gen, device, log_every: int,
@@ -586,28 +607,12 @@ def train_drafter(drafter, target, data, p: Preset, steps: int, gen, device, log
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
         opt.step()
         if step % log_every == 0 or sched.last():
-            v = float(loss.detach())
+            v = _finite(float(loss.detach()), "drafter", step)
             losses.append([step, round(v, 5)])
-            _log(f"  drafter step {step + 1}/{steps} loss {v:.4f} depth-1 acc {acc1:.3f} lr {sched.lr:.2e} "
+            _log(f"  drafter step {step + 1}/{steps} loss {v:.4f} depth-1 acc {float(acc1):.3f} lr {sched.lr:.2e} "
                  f"({sched.elapsed():.1f}s)")
     drafter.eval()
     return sched.summary(losses)
-
-
-def _tree_accept(tree, truth):
-    """Accept length (bonus included) of the greedy truth ``[R, L]`` through a TreeBatch."""
-    torch = _torch()
-    r = truth.shape[0]
-    cur = torch.zeros(r, dtype=torch.int64, device=truth.device)
-    acc = torch.zeros(r, dtype=torch.int64, device=truth.device)
-    alive = torch.ones(r, dtype=torch.bool, device=truth.device)
-    for d in range(truth.shape[1]):
-        hit = (tree.parents == cur.unsqueeze(1)) & (tree.token_ids == truth[:, d:d + 1]) & tree.valid
-        found = hit.any(1) & alive
-        cur = torch.where(found, hit.to(torch.int64).argmax(1), cur)
-        acc += found.long()
-        alive &= found
-    return acc + 1
 
 
 def draft_rows(drafter, embed, lm_head, seq, feats, anchors, block: int, mask_id: int):
@@ -632,8 +637,7 @@ def offline_accept(drafter, target, prompts, gen_tokens, p: Preset, device, budg
     tie rule, K = B) and ``build_tree_from_candidates`` on CPU tensors (its torch builder, identical
     to the Triton one), walked with the true continuation."""
     torch = _torch()
-    from .markov import expected_accept
-    from .step import build_tree_from_candidates, draft_topk_candidates, merge_vocab_shards
+    from .markov import accept_lengths, expected_accept
 
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
     seq_all = torch.cat([prompts, gen_tokens], 1)
@@ -656,22 +660,15 @@ def offline_accept(drafter, target, prompts, gen_tokens, p: Preset, device, budg
             with torch.no_grad(), _autocast(device):
                 logits, truth = draft_rows(drafter, embed, lm_head, seq_all[sq], feats_all[sq], an, blk, p.vocab - 1)
             logits = logits.float()
-            pred = logits.argmax(-1)
-            chain.append((1 + (pred == truth).long().cumprod(1).sum(1)).cpu())
+            acc = accept_lengths(logits, truth, budgets if blk == p.block else ())
+            chain.append(acc["chain"])
             if blk != p.block:
                 continue
             ranks.append((logits > logits.gather(2, truth.unsqueeze(-1))).sum(-1).cpu())
-            lp = torch.log_softmax(logits, -1)
-            top = torch.topk(lp, kmax, -1).values.exp().sum(0).double().cpu()
+            top = torch.topk(torch.softmax(logits, -1), kmax, -1).values.sum(0).double().cpu()
             prof_sum = top if prof_sum is None else prof_sum + top
-            flat = logits.reshape(-1, logits.shape[-1])
             for b in budgets:
-                k = min(b, p.vocab)
-                vals, cids, lse = draft_topk_candidates(flat, k)
-                clp, cid = merge_vocab_shards(vals.unsqueeze(0), cids.unsqueeze(0), lse.unsqueeze(0), k)
-                rr = logits.shape[0]
-                tree = build_tree_from_candidates(clp.view(rr, blk - 1, k).cpu(), cid.view(rr, blk - 1, k).cpu(), b)
-                trees[b].append(_tree_accept(tree, truth.cpu()))
+                trees[b].append(acc[f"tree_B{b}"])
         chain_t = torch.cat(chain).float()
         res[f"chain_block{blk}"] = round(float(chain_t.mean()), 3)
         if blk != p.block:
@@ -750,7 +747,8 @@ def run(out_dir: str, seed: int, families, device: str, preset: Preset, preset_n
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise SystemExit(f"trainkit: {out} exists and is not empty; pick a new OUT (nothing was changed)")
     part = out.with_name(out.name + ".partial")
-    if part.exists():
+    if part.exists():  # a failed earlier run's output, never renamed to OUT
+        _log(f"removing {part} left by an earlier run that did not finish")
         shutil.rmtree(part)
     part.mkdir(parents=True)
     p = dataclasses.replace(preset, **{k: v for k, v in (("target_steps", target_steps),
@@ -762,16 +760,19 @@ def run(out_dir: str, seed: int, families, device: str, preset: Preset, preset_n
     dev = torch.device(device)
     if dev.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # the fp32 master weights' matmuls outside autocast
-    source = markov.make_source(seed, vocab=p.vocab, device=dev)
+    source = markov.make_source(seed, vocab=p.vocab, member_noise=p.member_noise, components=p.components,
+                                device=dev)
     eval_gen = torch.Generator(device=dev).manual_seed(seed + 7919)
     prompts, regimes = source.sample(p.eval_prompts, p.prompt_len, eval_gen, device=dev)
     src_greedy = source.greedy_continuation(prompts, regimes, p.eval_new)
     entropy = -sum(q * math.log(q) for q in source.probs) - source.tail_prob * math.log(source.tail_prob / source.tail.shape[1])
     _log(f"torch {torch.__version__}, transformers {transformers.__version__}, device {dev}, preset {preset_name}, "
          f"seed {seed}; source: vocab {p.vocab}, slot probs {source.probs}, entropy rate {entropy:.4f} nats")
-    manifest = {"seed": seed, "preset": preset_name, "params": dataclasses.asdict(p), "device": str(dev),
+    manifest = {"argv": sys.argv, "seed": seed, "preset": preset_name, "params": dataclasses.asdict(p), "device": str(dev),
                 "torch": torch.__version__, "transformers": transformers.__version__,
-                "source": {"vocab": p.vocab, "probs": list(source.probs), "tail_prob": round(source.tail_prob, 6),
+                "source": {"vocab": p.vocab, "families": source.num_families, "member_noise": source.member_noise,
+                           "components": source.components,
+                           "probs": list(source.probs), "tail_prob": round(source.tail_prob, 6),
                            "n_tail": int(source.tail.shape[1]), "entropy_rate_nats": round(entropy, 5),
                            "mask_token_id": source.mask_token_id},
                 "target_layer_ids": TARGET_LAYER_IDS, "families": {}}
@@ -831,6 +832,11 @@ def run(out_dir: str, seed: int, families, device: str, preset: Preset, preset_n
         out.rmdir()
     os.replace(part, out)
     _log(f"wrote {out} ({weights / 2**20:.1f} MiB of checkpoints) in {manifest['seconds']}s")
+    for fam, fm in manifest["families"].items():
+        o, g = fm["offline"], fm["greedy"]
+        _log(f"SUMMARY {fam}: target greedy = source greedy on {g['greedy_all_equal']}/{g['prompts']} prompts "
+             f"(prefix agreement {g['greedy_prefix_agreement']}, teacher-forced {g['teacher_forced_agreement']}); "
+             + "; ".join(f"{k} {v}" for k, v in o.items() if k.startswith(("chain", "tree"))))
     return manifest
 
 
@@ -848,6 +854,12 @@ def main(argv=None) -> int:
                     help="wall-clock cap of each target's training (0: none; default: the preset's)")
     ap.add_argument("--drafter-seconds", type=float, default=None,
                     help="wall-clock cap of each drafter's training (0: none; default: the preset's)")
+    ap.add_argument("--member-noise", type=float, default=None,
+                    help="the language's share of per-token member rules, 0..1 (default 0): higher makes the "
+                         "drafter's deeper guesses harder (and the target's training longer)")
+    ap.add_argument("--components", type=int, default=None,
+                    help="length of the language's regime vector, 1..9 (default 4): fewer makes the drafter's job "
+                         "easier (1 let it memorise the greedy future at small scale)")
     ap.add_argument("--log-every", type=int, default=None)
     a = ap.parse_args(argv)
     name = a.preset or ("full" if a.device.startswith("cuda") else "toy")
@@ -861,6 +873,14 @@ def main(argv=None) -> int:
             if v is not None}
     if any(v is not None and v < 0 for v in caps.values()):
         ap.error("--target-seconds / --drafter-seconds must be >= 0")
+    if a.member_noise is not None:
+        if not 0.0 <= a.member_noise <= 1.0:
+            ap.error("--member-noise must be in [0, 1]")
+        caps["member_noise"] = a.member_noise
+    if a.components is not None:
+        if not 1 <= a.components <= 9:
+            ap.error("--components must be in [1, 9]")
+        caps["components"] = a.components
     preset = dataclasses.replace(preset, **caps)
     run(a.out_dir, a.seed, fams, a.device, preset, name, a.target_steps, a.drafter_steps, log_every)
     return 0
