@@ -62,14 +62,13 @@ import signal
 import socket
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable, List, Optional, Sequence
 
-from .servers import (Server, ServerSpec, free_port, get, gpu_device_problem, gpu_memory_mib, gpu_name,
+from .servers import (Server, ServerSpec, free_port, get, gpu_device_problem, gpu_memory_mib, gpu_name, map_concurrent,
                       server_argv, server_env, server_mem_fraction, wait_healthy)
 
 SCHEMA = "ddtree-bench/1"
@@ -563,26 +562,8 @@ def stream_request(base: str, input_ids: Sequence[int], max_new: int, timeout: f
 
 def run_level(base: str, prompts: Sequence[Sequence[int]], max_new: int, concurrency: int, timeout: float):
     """Send every prompt with ``concurrency`` requests in flight; (records, wall seconds)."""
-    out: List[Optional[RequestRecord]] = [None] * len(prompts)
-    lock = threading.Lock()
-    nxt = [0]
-
-    def worker():
-        while True:
-            with lock:
-                i = nxt[0]
-                nxt[0] += 1
-            if i >= len(prompts):
-                return
-            out[i] = stream_request(base, prompts[i], max_new, timeout)
-
-    threads = [threading.Thread(target=worker, daemon=True) for _ in range(min(concurrency, len(prompts)))]
     t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        while t.is_alive():  # a bounded join, so Ctrl-C reaches the main thread
-            t.join(0.5)
+    out = map_concurrent(lambda _i, p: stream_request(base, p, max_new, timeout), list(prompts), concurrency)
     return [r for r in out if r is not None], time.perf_counter() - t0
 
 

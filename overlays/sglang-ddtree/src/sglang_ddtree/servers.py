@@ -38,6 +38,7 @@ MODES = ("tree-verify", "shadow-linear", "linear", "dflash", "plain")  # linear 
 __all__ = [
     "MODES", "ServerSpec", "server_argv", "server_env", "gpu_device_problem", "shared_gpu_fraction",
     "server_mem_fraction", "gpu_memory_mib", "gpu_name", "free_port", "Server", "post", "get", "wait_healthy",
+    "map_concurrent",
 ]
 
 
@@ -262,3 +263,30 @@ def wait_healthy(base: str, server: Server, timeout: float) -> float:
             raise RuntimeError(f"server exited during start-up:\n{server.log_tail()}")
         time.sleep(1)
     raise RuntimeError(f"server not healthy after {timeout:.0f}s:\n{server.log_tail()}")
+
+
+def map_concurrent(fn, items, concurrency: int) -> list:
+    """``[fn(i, item) for ...]`` with ``concurrency`` calls in flight (threads taking the next item in order);
+    results in item order. The joins are bounded, so Ctrl-C reaches the main thread."""
+    import threading
+
+    out: list = [None] * len(items)
+    lock = threading.Lock()
+    nxt = [0]
+
+    def worker():
+        while True:
+            with lock:
+                i = nxt[0]
+                nxt[0] += 1
+            if i >= len(items):
+                return
+            out[i] = fn(i, items[i])
+
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(max(1, min(concurrency, len(items))))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        while t.is_alive():
+            t.join(0.5)
+    return out

@@ -37,7 +37,6 @@ import random
 import shutil
 import sys
 import tempfile
-import threading
 import time
 import urllib.error
 from dataclasses import dataclass, field
@@ -48,6 +47,7 @@ from typing import Dict, List, Optional, Sequence
 from .servers import (MODES, Server, ServerSpec, free_port, gpu_device_problem, gpu_memory_mib,  # noqa: F401
                       server_argv, server_env, shared_gpu_fraction, wait_healthy)
 from .servers import get as _get
+from .servers import map_concurrent
 from .servers import post as _post
 DEFAULT_MARGIN = 0.05
 EXIT_OK, EXIT_FAILED, EXIT_CANNOT_RUN = 0, 1, 2
@@ -104,27 +104,17 @@ def generate(base: str, prompts: Sequence[Sequence[int]], max_new: int, concurre
              sampling: Optional[dict] = None) -> List[dict]:
     """``/generate`` by input_ids; returns per prompt {output_ids, meta_info}, in order."""
     sp = dict(sampling or {"temperature": 0}, max_new_tokens=max_new, ignore_eos=True)
-    out: List[Optional[dict]] = [None] * len(prompts)
     errors: List[str] = []
-    lock = threading.Lock()
-    nxt = [0]
 
-    def worker():
-        while True:
-            with lock:
-                i = nxt[0]
-                nxt[0] += 1
-            if i >= len(prompts):
-                return
-            try:
-                r = _post(base + "/generate", {"input_ids": list(prompts[i]), "sampling_params": sp})
-                out[i] = {"output_ids": r["output_ids"], "meta_info": r.get("meta_info", {})}
-            except Exception as e:  # noqa: BLE001 - reported, the caller decides
-                errors.append(f"prompt {i}: {type(e).__name__}: {e}")
+    def one(i, prompt):
+        try:
+            r = _post(base + "/generate", {"input_ids": list(prompt), "sampling_params": sp})
+            return {"output_ids": r["output_ids"], "meta_info": r.get("meta_info", {})}
+        except Exception as e:  # noqa: BLE001 - reported, the caller decides
+            errors.append(f"prompt {i}: {type(e).__name__}: {e}")
+            return None
 
-    threads = [threading.Thread(target=worker) for _ in range(max(1, concurrency))]
-    [t.start() for t in threads]
-    [t.join() for t in threads]
+    out = map_concurrent(one, list(prompts), concurrency)
     if errors:
         raise RuntimeError("; ".join(errors[:3]))
     return out  # type: ignore[return-value]
