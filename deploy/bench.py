@@ -44,6 +44,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from . import modes, values
+from . import smoke as smokemod
 from .inventory import Host, Inventory
 from .release import hybrid
 
@@ -198,14 +199,7 @@ def plan_bench(host: Host, probe: dict, *, gpu: int | None = None, modes_: tuple
                seed: int = DEFAULTS["seed"], prompts: list | None = None, prompts_source: str = "random",
                server_args: tuple = (), deadline: float = 3600.0) -> BenchPlan:
     """The benchmark run for `host` from its inventory entry and a `release.probe` result. Raises BenchRefused."""
-    if gpu is not None and gpu not in host.gpus:
-        raise BenchRefused(f"{host.name} has no GPU {gpu} (its GPUs: {', '.join(map(str, host.gpus)) or 'none'})")
-    services = [s for s in host.services if s.enabled]
-    svc = next((s for s in services if gpu is None or s.gpu == gpu), None)
-    if gpu is None:
-        if svc is None:
-            raise BenchRefused(f"{host.name} has no enabled service: pass --gpu (and --tiny)")
-        gpu = svc.gpu
+    gpu, svc = smokemod.gpu_and_service(host, gpu, BenchRefused, "pass --gpu (and --tiny)")
     if graphs not in ("on", "off", "both"):
         raise BenchRefused(f"--graphs {graphs!r}: on, off or both")
     if family is not None and family not in ("hybrid", "dense"):

@@ -53,17 +53,23 @@ class SmokePlan:
         return asdict(self)
 
 
+def gpu_and_service(host: Host, gpu: int | None, refused: type, hint: str):
+    """(gpu, its enabled service or None) for a one-GPU run on `host` (smoke, bench): the given GPU, else the
+    first enabled service's. Raises `refused` (with `hint` when no GPU can be chosen)."""
+    if gpu is not None and gpu not in host.gpus:
+        raise refused(f"{host.name} has no GPU {gpu} (its GPUs: {', '.join(map(str, host.gpus)) or 'none'})")
+    svc = next((s for s in host.services if s.enabled and (gpu is None or s.gpu == gpu)), None)
+    if gpu is None:
+        if svc is None:
+            raise refused(f"{host.name} has no enabled service: {hint}")
+        gpu = svc.gpu
+    return gpu, svc
+
+
 def plan_smoke(host: Host, probe: dict, gpu: int | None = None, mode: str | None = None, budget: int | None = None,
                prompts: int = 8, tokens: int = 32, deadline: float = 900.0) -> SmokePlan:
     """The smoke run for `host` from its inventory entry and a `release.probe` result. Raises SmokeRefused."""
-    if gpu is not None and gpu not in host.gpus:
-        raise SmokeRefused(f"{host.name} has no GPU {gpu} (its GPUs: {', '.join(map(str, host.gpus)) or 'none'})")
-    services = [s for s in host.services if s.enabled]
-    svc = next((s for s in services if gpu is None or s.gpu == gpu), None)
-    if gpu is None:
-        if svc is None:
-            raise SmokeRefused(f"{host.name} has no enabled service: pass --gpu and --mode")
-        gpu = svc.gpu
+    gpu, svc = gpu_and_service(host, gpu, SmokeRefused, "pass --gpu and --mode")
     configured = svc.mode if svc else None
     if configured == "auto":  # what the last deploy chose for it (mode auto is resolved at deploy from bench)
         man = probe.get("manifest") if isinstance(probe.get("manifest"), dict) else {}
