@@ -515,3 +515,28 @@ def test_reads_what_the_training_kit_writes(tmp_path):
     assert bench.drafter_block(dcfg) == dcfg["dflash_config"]["block_size"] and not bench.is_hybrid(tcfg)
     assert bench.trainkit_argv(sys.executable, str(out), "dense", 3)[2:] == ["sglang_ddtree.trainkit", str(out), "--seed",
                                                                           "3", "--family", "dense", "--device", "cuda"]
+
+
+def test_cold_warm_caches_are_the_ones_a_deployed_service_keeps_and_reach_a_systemd_run_server(tmp_path):
+    from pathlib import Path
+
+    env = bench.jit_cache_env(str(tmp_path))
+    assert all(v.startswith(str(tmp_path) + os.sep) for v in env.values())
+    assert len(set(env.values())) == len(env)
+    # deploy/release/render.py gives each release's services these caches; bench must time the same ones
+    render = (Path(__file__).resolve().parents[2] / "deploy" / "release" / "render.py").read_text()
+    for name, _ in bench.JIT_CACHE_ENV:
+        if name != "XDG_CACHE_HOME":
+            assert f'"{name}"' in render, name
+        assert name in servers.Server.ENV_KEEP  # systemd-run --setenv passes only these
+    a = bench.parse_args(["--tiny-random", "--cold-warm"])
+    assert a.cold_warm and not bench.parse_args(["--tiny-random"]).cold_warm
+
+
+def test_first_request_figures():
+    rec = bench.RequestRecord(sent=10.0, chunks=[(10.25, 0), (10.5, 4), (11.0, 8)], done=11.0)
+    assert bench.first_request_figures(rec, 61.23) == {"server_start_s": 61.2, "ttft_ms": 500.0,
+                                                       "total_ms": 1000.0, "tokens": 8, "error": None}
+    bad = bench.RequestRecord(sent=1.0, error="URLError: refused", done=1.5)
+    f = bench.first_request_figures(bad, 5.0)
+    assert f["ttft_ms"] is None and f["tokens"] == 0 and f["error"] == "URLError: refused"

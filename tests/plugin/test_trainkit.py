@@ -95,6 +95,31 @@ def test_time_cap_ends_a_phase_with_the_schedule_completed():
     assert info["ended_by"] == "seconds" and 1 <= info["steps"] < 10_000
 
 
+def test_chain_target_stops_the_drafter_on_held_out_sequences_and_says_so():
+    p = dataclasses.replace(TOY, drafter_steps=40, drafter_eval_every=10)
+    target, _ = tk.build_target("dense", p, 0, "cpu")
+    data = tk.drafter_dataset(target, markov.make_source(0, vocab=p.vocab), p, torch.Generator().manual_seed(0), "cpu")
+
+    def train(chain_target, steps=40):
+        torch.manual_seed(3)  # the same drafter and batches each time: the same trajectory up to a stop
+        return tk.train_drafter(tk.DFlashDrafter(tk.drafter_config("dense", p)), target, data[:3],
+                                dataclasses.replace(p, drafter_chain_target=chain_target), steps,
+                                torch.Generator().manual_seed(1), "cpu", log_every=1000)
+
+    never = train(float(p.block))  # unreachable: trained to the end, checked every 10 steps on held-out rows
+    assert never["ended_by"] == "steps" and never["steps"] == 40
+    assert [s for s, _ in never["held_out_chain_checks"]] == [10, 20, 30, 40]
+    assert all(1.0 <= c <= p.block for _, c in never["held_out_chain_checks"])
+    first, c1 = never["held_out_chain_checks"][0]
+    hit = train(c1)  # reached at the first check: stops there
+    assert hit["ended_by"] == "chain_target" and hit["steps"] == first
+    assert hit["held_out_chain_checks"] == [[first, c1]]
+    torch.manual_seed(3)
+    plain = tk.train_drafter(tk.DFlashDrafter(tk.drafter_config("dense", p)), target, data[:3], p, 2,
+                             torch.Generator().manual_seed(1), "cpu", log_every=1000)
+    assert "held_out_chain_checks" not in plain and plain["steps"] == 2
+
+
 @pytest.fixture(scope="module")
 def kit(tmp_path_factory):
     out = tmp_path_factory.mktemp("kit") / "tiny"
@@ -370,7 +395,8 @@ def test_draft_rows_is_the_training_layout_one_block_per_row():
 
 def test_cli_refuses_bad_flags_before_writing(tmp_path, capsys):
     out = tmp_path / "never"
-    for argv in (["--member-noise", "2"], ["--target-steps", "0"], ["--target-seconds", "-1"], ["--components", "0"]):
+    for argv in (["--member-noise", "2"], ["--target-steps", "0"], ["--target-seconds", "-1"], ["--components", "0"],
+                 ["--drafter-chain-target", "1"], ["--drafter-chain-target", "99"]):
         with pytest.raises(SystemExit) as e:
             tk.main([str(out), "--device", "cpu", *argv])
         assert e.value.code == 2

@@ -29,8 +29,11 @@ GRAPHS_ON = ("--cuda-graph-backend-decode", "full")
 
 
 def _pair(family, a):
-    if a.pairs:
-        return {"target": os.path.join(a.pairs, family, "target"), "drafter": os.path.join(a.pairs, family, "drafter")}
+    if a.pairs:  # either layout: DIR/FAMILY/{target,drafter} or the training kit's DIR/FAMILY-{target,drafter}
+        from sglang_ddtree.bench import resolve_tiny
+
+        got = resolve_tiny(a.pairs, family)
+        return {"target": got["target"], "drafter": got["drafter"]}
     return tiny.write_family(os.path.join(a.work, "models"), family, seed=0)
 
 
@@ -81,7 +84,7 @@ def run_family(family, a, log=print):
                 srv.start()
                 row["healthy_after_s"] = round(smoke.wait_healthy(base, srv, 400), 1)
                 smoke.generate(base, ps[:2], 16)  # warm-up
-                for conc in (1, 4):
+                for conc in a.concurrency:
                     t0 = time.time()
                     got = smoke.generate(base, ps, a.tokens, concurrency=conc)
                     wall = time.time() - t0
@@ -129,6 +132,7 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--profile-steps", type=int, default=30)
     ap.add_argument("--only", nargs="*", help="run only the servers whose name contains one of these")
+    ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 4], help="requests in flight (default 1 4)")
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     os.makedirs(a.work, exist_ok=True)

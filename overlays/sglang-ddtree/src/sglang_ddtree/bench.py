@@ -66,7 +66,7 @@ import time
 import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterable, List, Optional, Sequence
+from typing import Dict, Iterable, List, Optional, Sequence
 
 from .servers import (Server, ServerSpec, free_port, get, gpu_device_problem, gpu_memory_mib, gpu_name, map_concurrent,
                       server_argv, server_env, server_mem_fraction, wait_healthy)
@@ -560,6 +560,26 @@ def stream_request(base: str, input_ids: Sequence[int], max_new: int, timeout: f
     return rec
 
 
+# The JIT caches a deployed service keeps per release under its CacheDirectory (deploy/release/render.py's
+# CACHE_ENV: Triton, FlashInfer, SGLang's own and DeepGEMM's, torch inductor's), here under one root a run owns.
+JIT_CACHE_ENV = (("TRITON_CACHE_DIR", "triton"), ("FLASHINFER_WORKSPACE_BASE", "flashinfer"),
+                 ("SGLANG_CACHE_DIR", "sglang"), ("SGLANG_DG_CACHE_DIR", "deep_gemm"),
+                 ("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("XDG_CACHE_HOME", "xdg"))
+
+
+def jit_cache_env(root: str) -> Dict[str, str]:
+    """Every JIT cache of a server under ``root`` (empty at first: a cold start; kept: a warm one)."""
+    return {k: os.path.join(root, sub) for k, sub in JIT_CACHE_ENV}
+
+
+def first_request_figures(rec: "RequestRecord", start_s: float) -> dict:
+    """One request's figures for the cold/warm comparison (ms; None where it failed)."""
+    ttft = rec.ttft()
+    total = None if rec.done is None else rec.done - rec.sent
+    return {"server_start_s": round(start_s, 1), "ttft_ms": _ms(ttft), "total_ms": _ms(total),
+            "tokens": rec.tokens, "error": rec.error}
+
+
 def run_level(base: str, prompts: Sequence[Sequence[int]], max_new: int, concurrency: int, timeout: float):
     """Send every prompt with ``concurrency`` requests in flight; (records, wall seconds)."""
     t0 = time.perf_counter()
@@ -626,7 +646,15 @@ def run_bench(a, runs: List[RunSpec], prompts: List[List[int]], target: str, dra
         argv = server_argv(a.python, spec, port)
         entry.update(server_argv=argv[1:], gpu_used_mib_before=used, mem_fraction=frac)
         slug = f"{k:02d}-{run.mode}-{run.budget or run.block or 0}-{'g' if run.graphs else 'e'}"
-        srv = Server(argv, server_env(spec, a.gpu), os.path.join(logdir, slug + ".log"), launcher=a.launcher,
+        env = server_env(spec, a.gpu)
+        if a.cold_warm:  # fresh, empty JIT caches for this run: its first start is cold, its restart warm
+            cache_root = os.path.join(workdir, "jit-" + slug)
+            env.update(jit_cache_env(cache_root))
+            for d in jit_cache_env(cache_root).values():
+                os.makedirs(d, exist_ok=True)
+                if a.user:
+                    shutil.chown(d, user=a.user)
+        srv = Server(argv, env, os.path.join(logdir, slug + ".log"), launcher=a.launcher,
                      user=a.user, runtime_max_s=a.runtime_max,
                      unit=f"{a.unit_prefix}-{slug}" if a.unit_prefix else None)
         log(f"[{k + 1}/{len(runs)}] {run.label}: starting ({used:.0f} of {total:.0f} MiB in use on GPU {a.gpu})")
@@ -639,6 +667,13 @@ def run_bench(a, runs: List[RunSpec], prompts: List[List[int]], target: str, dra
                     "speculative_algorithm")
             except Exception:  # noqa: BLE001 - informative only
                 entry["algorithm"] = None
+            if a.cold_warm:  # before any warm-up: the first request a cold server gets, then the next one
+                fr = entry["first_request"] = {}
+                fr["cold"] = first_request_figures(stream_request(base, prompts[0], a.max_new_tokens,
+                                                                  a.request_timeout), entry["start_s"])
+                fr["cold_second"] = first_request_figures(stream_request(base, prompts[0], a.max_new_tokens,
+                                                                         a.request_timeout), entry["start_s"])
+                log(f"    first request, cold caches: {fr['cold']}; the next: {fr['cold_second']}")
             for c in a.concurrency:
                 if a.warmup_tokens:
                     run_level(base, level_prompts(prompts, c, c), a.warmup_tokens, c, a.request_timeout)
@@ -662,7 +697,34 @@ def run_bench(a, runs: List[RunSpec], prompts: List[List[int]], target: str, dra
                 raise
         finally:
             srv.stop()
+        if a.cold_warm and entry["status"] == "ok":
+            _warm_restart(a, entry, argv, env, prompts, logdir, slug, log, baseline)
         save(doc)
+
+
+def _warm_restart(a, entry: dict, argv, env, prompts, logdir: str, slug: str, log, baseline: float) -> None:
+    """The same server again with the caches its first start filled: its first request is the warm one."""
+    port = free_port()
+    argv = list(argv)
+    argv[argv.index("--port") + 1] = str(port)
+    base = f"http://127.0.0.1:{port}"
+    wait_gpu_released(a.gpu, baseline)
+    srv = Server(argv, env, os.path.join(logdir, slug + "-warm.log"), launcher=a.launcher, user=a.user,
+                 runtime_max_s=a.runtime_max, unit=f"{a.unit_prefix}-{slug}-warm" if a.unit_prefix else None)
+    try:
+        srv.start()
+        start = wait_healthy(base, srv, a.start_timeout)
+        fr = entry["first_request"]
+        fr["warm"] = first_request_figures(stream_request(base, prompts[0], a.max_new_tokens, a.request_timeout),
+                                           start)
+        fr["warm_second"] = first_request_figures(stream_request(base, prompts[0], a.max_new_tokens,
+                                                                 a.request_timeout), start)
+        log(f"    first request, warm caches (restarted): {fr['warm']}; the next: {fr['warm_second']}")
+    except Exception as e:  # noqa: BLE001 - the cold figures and the levels stand; say what failed
+        entry.setdefault("first_request", {})["warm_error"] = f"{type(e).__name__}: {e}"[:1000]
+        log(f"    warm restart FAILED: {entry['first_request']['warm_error'][:300]}")
+    finally:
+        srv.stop()
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -689,6 +751,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--warmup-tokens", type=int, default=16, help="tokens of each warm-up request (0: none)")
     ap.add_argument("--gpu", type=int, default=0)
+    ap.add_argument("--cold-warm", action="store_true",
+                    help="each server starts with empty JIT caches (Triton, FlashInfer, SGLang): time its first "
+                         "request, then restart it on the filled caches and time the first request again")
     ap.add_argument("--server-args", default="", help="extra server arguments for every server (one string)")
     ap.add_argument("--mem-fraction", type=float, help="--mem-fraction-static (default: sized to the weights and pools)")
     ap.add_argument("--launcher", choices=("auto", "systemd-run", "process"), default="auto")
@@ -823,6 +888,7 @@ def main(argv=None) -> int:
                            "concurrency": a.concurrency, "max_new_tokens": a.max_new_tokens, "greedy": True,
                            "requests_per_level": {str(c): max(a.requests or len(prompts), c) for c in a.concurrency},
                            "warmup_tokens": a.warmup_tokens, "server_args": a.server_args,
+                           "cold_warm": bool(a.cold_warm),
                            "prompts": {"source": psrc, "count": len(prompts),
                                        "mean_len": round(sum(map(len, prompts)) / len(prompts), 1)},
                            "launcher": a.launcher, "tiny_train_s": train_s}

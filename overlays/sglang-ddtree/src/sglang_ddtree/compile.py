@@ -37,7 +37,7 @@ import torch
 
 from .tree import TreeBatch
 
-__all__ = ["FULL_MASK", "QLEN_ONLY", "VerifyInputs", "ancestor_mask", "compile_tree"]
+__all__ = ["FULL_MASK", "QLEN_ONLY", "VerifyInputs", "ancestor_mask", "compile_tree", "full_mask_layout", "with_full_mask"]
 
 FULL_MASK = "full"
 QLEN_ONLY = "qlen"
@@ -123,21 +123,7 @@ def compile_tree(
     if mask_mode == QLEN_ONLY:
         custom_mask = tmask.reshape(-1)
     elif mask_mode == FULL_MASK:
-        total = int(prefix.sum().item()) if prefix_lens_sum is None else int(prefix_lens_sum)
-        total = total * d + n * d * d
-        custom_mask = torch.ones(total, dtype=torch.bool, device=dev)
-        # start of request n: D * sum(prefix[:n]) + n * D * D
-        req_start = d * (torch.cumsum(prefix, 0) - prefix) + torch.arange(n, device=dev) * d * d
-        row_len = prefix + d  # [N]
-        r = torch.arange(d, device=dev)
-        c = torch.arange(d, device=dev)
-        idx = (
-            req_start.view(n, 1, 1)
-            + r.view(1, d, 1) * row_len.view(n, 1, 1)
-            + prefix.view(n, 1, 1)
-            + c.view(1, 1, d)
-        )
-        custom_mask[idx.reshape(-1)] = tmask.reshape(-1)
+        custom_mask = full_mask_layout(tmask, prefix, prefix_lens_sum)
     else:
         raise ValueError(f"mask_mode must be {FULL_MASK!r} or {QLEN_ONLY!r}, got {mask_mode!r}")
 
@@ -155,3 +141,35 @@ def compile_tree(
         max_tree_depth=int(tree.max_depth),
         mask_mode=mask_mode,
     )
+
+
+def full_mask_layout(tree_mask: torch.Tensor, prefix_lens: torch.Tensor, prefix_lens_sum: Optional[int] = None):
+    """The FULL_MASK layout (see the module docstring) of ``[N, D, D]`` ancestor-or-self masks.
+
+    Its size depends on ``sum(prefix_lens)``, so it is the one piece of a compile that a fixed-shape CUDA graph
+    cannot hold: the glue graph captures everything else (:func:`compile_tree` with ``QLEN_ONLY``) and this
+    runs after it (:func:`with_full_mask`). ``prefix_lens_sum``: the host-side sum, to avoid a device sync."""
+    n, d, _ = tree_mask.shape
+    dev = tree_mask.device
+    prefix = prefix_lens.to(device=dev, dtype=torch.int64).view(n)
+    total = int(prefix.sum().item()) if prefix_lens_sum is None else int(prefix_lens_sum)
+    total = total * d + n * d * d
+    custom_mask = torch.ones(total, dtype=torch.bool, device=dev)
+    # start of request n: D * sum(prefix[:n]) + n * D * D
+    req_start = d * (torch.cumsum(prefix, 0) - prefix) + torch.arange(n, device=dev) * d * d
+    row_len = prefix + d  # [N]
+    r = torch.arange(d, device=dev)
+    idx = req_start.view(n, 1, 1) + r.view(1, d, 1) * row_len.view(n, 1, 1) + prefix.view(n, 1, 1) + r.view(1, 1, d)
+    custom_mask[idx.reshape(-1)] = tree_mask.reshape(-1)
+    return custom_mask
+
+
+def with_full_mask(vin: VerifyInputs, prefix_lens: torch.Tensor, prefix_lens_sum: Optional[int] = None) -> VerifyInputs:
+    """``vin`` (compiled ``QLEN_ONLY``) with its ``custom_mask`` in the FULL_MASK layout: equal to compiling
+    with ``FULL_MASK`` directly (tests/plugin/test_compile.py)."""
+    import dataclasses
+
+    if vin.mask_mode != QLEN_ONLY:
+        raise ValueError(f"with_full_mask expects a QLEN_ONLY compile, got {vin.mask_mode!r}")
+    return dataclasses.replace(vin, custom_mask=full_mask_layout(vin.tree_mask, prefix_lens, prefix_lens_sum),
+                               mask_mode=FULL_MASK)

@@ -179,7 +179,10 @@ class Server:
     where systemd runs, else a process session killed as a group."""
 
     ENV_KEEP = ("CUDA_VISIBLE_DEVICES", "PYTHONUNBUFFERED", "SGLANG_PLUGINS", MODE_ENV, BUDGET_ENV,
-                "PATH", "HOME", "SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK", "PYTHONPATH")
+                "PATH", "HOME", "SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK", "PYTHONPATH",
+                # the JIT caches (bench --cold-warm points them at a run's own directories)
+                "TRITON_CACHE_DIR", "FLASHINFER_WORKSPACE_BASE", "SGLANG_CACHE_DIR", "SGLANG_DG_CACHE_DIR",
+                "TORCHINDUCTOR_CACHE_DIR", "XDG_CACHE_HOME", "SGLANG_DDTREE_GLUE_GRAPHS")
 
     def __init__(self, argv, env, log_path, launcher="auto", runtime_max_s=1800, user=None, unit=None):
         self.argv, self.env, self.log_path = argv, env, log_path

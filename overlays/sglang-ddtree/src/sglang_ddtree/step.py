@@ -502,7 +502,8 @@ class TreeAcceptStats:
 
     def add(self, counts: torch.Tensor) -> Optional[Dict]:
         """Fold one step's :func:`tree_accept_counts` in; returns the totals when it is time to log."""
-        self._sum = counts if self._sum is None else self._sum + counts
+        # a copy: ``counts`` may live in a glue graph's buffer, which the next replay overwrites
+        self._sum = counts.clone() if self._sum is None else self._sum + counts
         self._pending += 1
         if self._pending < self.every:
             return None

@@ -159,6 +159,11 @@ class Preset:
     components: int = 4  # and the regime vector's length
     target_seconds: Optional[float] = None  # per-family wall-clock caps of the two training phases
     drafter_seconds: Optional[float] = None
+    # Stop the drafter's training at the first check (every drafter_eval_every steps, held-out sequences) whose
+    # chain accept length at the preset's block reaches this; None trains to the end. A near-perfect drafter
+    # leaves a tree nothing to win (a chain already accepts ~15 of 16); real DFlash drafters accept ~3-7.
+    drafter_chain_target: Optional[float] = None
+    drafter_eval_every: int = 50
 
 
 PRESETS: Dict[str, Preset] = {
@@ -581,6 +586,23 @@ def drafter_loss(drafter, embed, lm_head, seq, feats, anchors, block: int, mask_
     return loss, acc1
 
 
+def held_out_chain(drafter, embed, lm_head, seqs, feats, starts, block: int, mask_id: int, gen, rows: int = 512):
+    """Chain accept length (bonus included) of ``drafter`` at ``rows`` seeded anchors of held-out sequences."""
+    torch = _torch()
+    n, s = seqs.shape
+    i = torch.randint(0, n, (rows,), generator=gen, device=gen.device).to(seqs.device)
+    st = starts[i]
+    u = torch.rand(rows, generator=gen, device=gen.device).to(seqs.device)
+    anc = st + (u * (s - block - st).clamp_min(1).float()).long()  # a full block inside the sequence
+    was = drafter.training
+    drafter.eval()
+    with torch.no_grad(), _autocast(seqs.device):
+        logits, truth = draft_rows(drafter, embed, lm_head, seqs[i], feats[i], anc, block, mask_id)
+    drafter.train(was)
+    hit = (logits.float().argmax(-1) == truth).long()
+    return float((1 + torch.cumprod(hit, 1).sum(1)).float().mean())
+
+
 def train_drafter(drafter, target, data, p: Preset, steps: int, gen, device, log_every: int,
                   seconds: Optional[float] = None) -> dict:
     torch = _torch()
@@ -592,6 +614,12 @@ def train_drafter(drafter, target, data, p: Preset, steps: int, gen, device, log
     opt = torch.optim.AdamW(drafter.parameters(), lr=p.drafter_lr, betas=(0.9, 0.98), weight_decay=0.01)
     sched = _Schedule(opt, p.drafter_lr, steps, seconds)
     n, s = seqs.shape
+    held = 0
+    if p.drafter_chain_target is not None:  # the last sequences are the stop check's, never trained on
+        held = max(1, min(256, n // 8))
+        n -= held
+        eval_gen = torch.Generator(device=gen.device).manual_seed(12345)
+    checks = []
     losses = []
     while sched.next():
         step = sched.step
@@ -611,8 +639,22 @@ def train_drafter(drafter, target, data, p: Preset, steps: int, gen, device, log
             losses.append([step, round(v, 5)])
             _log(f"  drafter step {step + 1}/{steps} loss {v:.4f} depth-1 acc {float(acc1):.3f} lr {sched.lr:.2e} "
                  f"({sched.elapsed():.1f}s)")
+        if held and (step + 1) % p.drafter_eval_every == 0:
+            eval_gen.manual_seed(12345)  # the same anchors at every check
+            c = held_out_chain(drafter, embed, lm_head, seqs[n:], feats[n:], starts[n:], p.block, p.vocab - 1,
+                               eval_gen)
+            checks.append([step + 1, round(c, 3)])
+            if c >= p.drafter_chain_target:
+                _log(f"  drafter step {step + 1}: held-out chain accept {c:.3f} >= {p.drafter_chain_target}: stop")
+                sched.reason = "chain_target"
+                break
     drafter.eval()
-    return sched.summary(losses)
+    out = sched.summary(losses)
+    if held:
+        out["chain_target"] = p.drafter_chain_target
+        out["held_out_chain_checks"] = checks
+        out["held_out_sequences"] = held
+    return out
 
 
 def draft_rows(drafter, embed, lm_head, seq, feats, anchors, block: int, mask_id: int):
@@ -860,6 +902,9 @@ def main(argv=None) -> int:
     ap.add_argument("--components", type=int, default=None,
                     help="length of the language's regime vector, 1..9 (default 4): fewer makes the drafter's job "
                          "easier (1 let it memorise the greedy future at small scale)")
+    ap.add_argument("--drafter-chain-target", type=float, default=None,
+                    help="stop the drafter's training once its held-out chain accept length (preset block, bonus "
+                         "included) reaches this (default: train to the end)")
     ap.add_argument("--log-every", type=int, default=None)
     a = ap.parse_args(argv)
     name = a.preset or ("full" if a.device.startswith("cuda") else "toy")
@@ -881,6 +926,10 @@ def main(argv=None) -> int:
         if not 1 <= a.components <= 9:
             ap.error("--components must be in [1, 9]")
         caps["components"] = a.components
+    if a.drafter_chain_target is not None:
+        if not 1.0 < a.drafter_chain_target <= preset.block:
+            ap.error(f"--drafter-chain-target must be in (1, {preset.block}]")
+        caps["drafter_chain_target"] = a.drafter_chain_target
     preset = dataclasses.replace(preset, **caps)
     run(a.out_dir, a.seed, fams, a.device, preset, name, a.target_steps, a.drafter_steps, log_every)
     return 0

@@ -39,13 +39,30 @@ def handle_server_args(self, server_args) -> None:
     _resolve_dflash_draft_attention_backend(server_args)
 
 
+# The drafter's graph width. SGLang captures the draft model's decode graphs at the target's verify width
+# (D = B + 1 for DDTREE), so a block-16 drafter under B = 31 ran eagerly (~25 launches a step). The worker sets
+# this to its drafter block before the graphs are captured (init_cuda_graphs), only when blk <= D: buffers
+# sized earlier at D then hold the blk-wide graph too.
+DRAFTER_GRAPH_WIDTH = {"value": None}
+
+
+def num_tokens_per_req_for_target_verify(self, num_draft_tokens: int, is_draft_worker: bool) -> int:
+    """SpeculativeAlgorithm's hook: the target verifies D tokens a request; the drafter runs its own block."""
+    w = DRAFTER_GRAPH_WIDTH["value"]
+    if is_draft_worker and w is not None and 1 <= int(w) <= int(num_draft_tokens):
+        return int(w)
+    return int(num_draft_tokens)
+
+
 def make_spec_class():
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
     from sglang.srt.speculative.spec_registry import CustomSpecAlgo
 
     from .common import spec_class
 
-    return spec_class(CustomSpecAlgo, SpeculativeAlgorithm, {"handle_server_args": handle_server_args})
+    return spec_class(CustomSpecAlgo, SpeculativeAlgorithm, {
+        "handle_server_args": handle_server_args,
+        "get_num_tokens_per_req_for_target_verify": num_tokens_per_req_for_target_verify})
 
 
 def worker_factory(server_args):

@@ -90,7 +90,11 @@ class DDTreeWorker(DDTreeWorkerBase):
         return blk
 
     def _ddtree_set_drafter_block(self, blk: int) -> None:
-        pass  # 0.5.17's DFlash drafter has no layer built from its block width (no set_block_size)
+        # 0.5.17's DFlash drafter has no layer built from its block width (no set_block_size); its decode graphs
+        # are captured (init_cuda_graphs, after this) at the width the spec class answers for the draft worker.
+        from .v0_5_17 import DRAFTER_GRAPH_WIDTH
+
+        DRAFTER_GRAPH_WIDTH["value"] = int(blk)
 
     def _ddtree_install_tree_mask_capture(self) -> None:
         _install_tree_mask_capture()

@@ -117,7 +117,7 @@ from sglang.srt.speculative.draft_worker_common import build_block_pos_offsets, 
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
 from ..admission import tree_verify_rejection
-from ..compile import FULL_MASK, compile_tree
+from ..compile import QLEN_ONLY, compile_tree, with_full_mask
 from ..config import SHADOW_LINEAR, TREE_VERIFY, resolve_ddtree_config
 from ..indexing import recurrent_state_step
 from ..step import (
@@ -130,6 +130,7 @@ from ..step import (
     merge_vocab_shards,
     tree_accept_counts,
 )
+from ..glue_graphs import GlueGraph, glue_graphs_enabled
 from ..tree_sampling import max_bytes_from_env, sample_tree_accept
 from . import common
 
@@ -170,8 +171,7 @@ class DDTreeVerifyInput(DFlashVerifyInput):
 @dataclass
 class _Draft:
     window: torch.Tensor  # [bs, w] KV locations req_to_token[prefix : prefix + w]
-    cand_logprobs: torch.Tensor  # [bs, blk-1, K] float64
-    cand_ids: torch.Tensor  # [bs, blk-1, K] int64
+    hidden: torch.Tensor  # [bs, blk-1, H] the drafter's hidden states at the mask positions
     kv_loc_plan: Any = None  # the KV index translator's plan for the window (0.5.23); None where there is none
 
 
@@ -198,6 +198,7 @@ class DDTreeWorkerBase(DFlashWorkerV2):
         self._verify_used_graph = False
         self.accept_stats = None
         self._graph_widths = None
+        self._glue_build = self._glue_commit = None
         self._unsafe_chain_state = os.environ.get(UNSAFE_CHAIN_STATE_ENV) == "1"
         if self._unsafe_chain_state:
             logger.warning("DDTREE: %s=1 - recurrent state is processed in CHAIN order (siblings leak into each "
@@ -210,6 +211,11 @@ class DDTreeWorkerBase(DFlashWorkerV2):
                 self._ddtree_install_tree_mask_capture()
             self.accept_stats = TreeAcceptStats(int(self.block_size) - 1,
                                                 int(os.environ.get(STATS_EVERY_ENV, "50") or 50))
+            # The step's own glue, replayed from CUDA graphs per batch size (glue_graphs.py). One GPU only:
+            # with tensor parallelism the drafter's top-K all-gathers across ranks, kept eager.
+            glue = glue_graphs_enabled() and int(getattr(server_args, "tp_size", 1) or 1) == 1
+            self._glue_build = GlueGraph("build", self._glue_build_fn, enabled=glue)
+            self._glue_commit = GlueGraph("accept_commit", self._glue_commit_fn, enabled=glue)
         logger.info("DDTreeWorker (SGLang %s adapter): %s, drafter block %d", adapter.VERSION, self.ddtree,
                     int(self.block_size))
 
@@ -349,13 +355,36 @@ class DDTreeWorkerBase(DFlashWorkerV2):
         with record_function("ddtree.tree_verify"):
             tree, vin, target_out, target_predict = self._tree_verify(batch, draft)
         with record_function("ddtree.accept"):
-            predict, accept_index, accept_num = self._tree_accept(batch, vin, target_out.logits_output, target_predict)
-            totals = self.accept_stats.add(tree_accept_counts(tree.ranks, accept_index, accept_num,
-                                                              self.accept_stats.max_depth))
+            commit = None
+            greedy_predict = self._greedy_target_predict(batch, vin, target_out.logits_output, target_predict)
+            if greedy_predict is not None:  # accept + counters + commit indices: one graph replay
+                d = int(vin.draft_token_num)
+                predict, accept_index, accept_num, counts, commit = self._glue_commit(
+                    greedy_predict, vin.draft_token.view(-1, d), vin.retrieve_index, vin.retrieve_next_token,
+                    vin.retrieve_next_sibling, tree.ranks, batch.seq_lens, draft.window[:, :d],
+                    self._ddtree_draft_window_ids(draft, draft.window[:, :d]), batch.req_pool_indices)
+            else:
+                predict, accept_index, accept_num = self._tree_accept(batch, vin, target_out.logits_output)
+                counts = tree_accept_counts(tree.ranks, accept_index, accept_num, self.accept_stats.max_depth)
+            totals = self.accept_stats.add(counts)
             if totals is not None and self._ddtree_tp_rank() == 0:
+                totals["glue_graphs"] = {g.name: g.stats() for g in (self._glue_build, self._glue_commit)}
                 logger.info("DDTREE accept stats %s", json.dumps(totals, sort_keys=True))
         with record_function("ddtree.commit"):
-            return self._tree_commit(batch, draft, vin, target_out, predict, accept_index, accept_num, on_publish)
+            return self._tree_commit(batch, draft, vin, target_out, predict, accept_index, accept_num, on_publish,
+                                     commit)
+
+    def _greedy_target_predict(self, batch, vin, logits_output, target_predict=None):
+        """The target's greedy ids ``[N, D]`` int64 where the batch is all greedy (else None: sampling)."""
+        si = batch.sampling_info
+        if not (target_predict is not None or si is None or si.is_all_greedy):
+            return None
+        bs, d = len(batch.seq_lens), int(vin.draft_token_num)
+        if target_predict is None:
+            target_predict = torch.argmax(logits_output.next_token_logits, dim=-1)
+        target_predict = target_predict.view(bs, d).to(torch.int64)
+        self._ddtree_sync_greedy(target_predict)
+        return target_predict
 
     def _tree_draft(self, batch) -> _Draft:
         draft_input = batch.spec_info
@@ -409,11 +438,52 @@ class DDTreeWorkerBase(DFlashWorkerV2):
         if hidden is None:
             raise RuntimeError("DDTREE: the DFlash draft model returned no hidden states.")
         hidden = hidden[: bs * blk].view(bs, blk, -1)
+        return _Draft(window=window, hidden=hidden[:, 1:, :], kv_loc_plan=kv_loc_plan)
+
+    # ----- the step's glue (pure functions of tensors: replayed from CUDA graphs, glue_graphs.py) -----
+    def _glue_build_fn(self, hidden, bonus, prefix):
+        """Drafter hidden states -> global top-K per depth -> the tree -> its verify inputs (``QLEN_ONLY`` mask;
+        the FULL layout's size depends on the prefix lengths and is written after, eagerly)."""
+        bs, depths, h = hidden.shape
         k = min(self.ddtree.budget, self._vocab_size)
         with record_function("ddtree.draft_topk"), self._ddtree_draft_tp():
-            lp, ids = self._draft_candidates(hidden[:, 1:, :].reshape(-1, hidden.shape[-1]), self._ddtree_lm_head(), k)
-        return _Draft(window=window, cand_logprobs=lp.view(bs, blk - 1, k), cand_ids=ids.view(bs, blk - 1, k),
-                      kv_loc_plan=kv_loc_plan)
+            lp, ids = self._draft_candidates(hidden.reshape(-1, h), self._ddtree_lm_head(), k)
+        tree = build_tree_from_candidates(lp.view(bs, depths, k), ids.view(bs, depths, k), self.ddtree.budget)
+        vin = compile_tree(tree, bonus, prefix, mask_mode=QLEN_ONLY, topk=self.ddtree.topk)
+        return tree, vin
+
+    def _glue_commit_fn(self, target_predict, candidates, retrieve_index, retrieve_next_token,
+                        retrieve_next_sibling, ranks, prefix, window, draft_window_ids, req_pool_indices):
+        """Greedy tree accept (SGLang's kernel), the accept counters and every commit index, and the accepted
+        path's KV window written to ``req_to_token`` (idempotent: a re-run writes the same values)."""
+        bs, d = ranks.shape
+        device = ranks.device
+        m = min(int(self.block_size) - 1, int(self.ddtree.budget)) + 1  # = compile's max_tree_depth + 1
+        predict = torch.zeros((bs * d,), dtype=torch.int32, device=device)
+        accept_index = torch.full((bs, m), -1, dtype=torch.int32, device=device)
+        accept_num = torch.zeros((bs,), dtype=torch.int32, device=device)
+        predict, accept_index, accept_num = self._ddtree_verify_tree_greedy(
+            predicts=predict,
+            accept_index=accept_index,
+            accept_token_num=accept_num,
+            candidates=candidates,
+            retrieve_index=retrieve_index,
+            retrieve_next_token=retrieve_next_token,
+            retrieve_next_sibling=retrieve_next_sibling,
+            target_predict=target_predict,
+            topk=int(self.ddtree.topk),
+        )
+        counts = tree_accept_counts(ranks, accept_index, accept_num, self.accept_stats.max_depth)
+        c = commit_from_accept(predicts=predict, accept_index=accept_index, accept_token_num=accept_num, d=d,
+                               prefix=prefix, window_locs=window, draft_window_ids=draft_window_ids, out_width=d)
+        self._write_window(prefix, req_pool_indices, c.window_locs, d)
+        return predict, accept_index, accept_num, counts, c
+
+    def _write_window(self, prefix, req_pool_indices, window_locs, d: int) -> None:
+        """The accepted path becomes the sequence: the step's permuted window into req_to_token."""
+        req_to_token = self.model_runner.req_to_token_pool.req_to_token
+        cols = prefix.to(torch.int64).unsqueeze(1) + torch.arange(d, device=prefix.device).unsqueeze(0)
+        req_to_token[req_pool_indices.to(torch.int64).unsqueeze(1), cols] = window_locs.to(req_to_token.dtype)
 
     def _tree_verify(self, batch, draft: _Draft):
         """Tree over the candidates -> compiled verify inputs -> one target verify forward.
@@ -421,17 +491,11 @@ class DDTreeWorkerBase(DFlashWorkerV2):
         finished a deferred vocab shard by argmax, the target's greedy ids (else None)."""
         draft_input = batch.spec_info
         bs, d = len(batch.seq_lens), int(self.ddtree.num_draft_tokens)
-        with record_function("ddtree.tree_build"):
-            tree = build_tree_from_candidates(draft.cand_logprobs, draft.cand_ids, self.ddtree.budget)
+        with record_function("ddtree.tree_build"):  # drafter top-K, tree, verify inputs: one graph replay
+            tree, vin = self._glue_build(draft.hidden, draft_input.bonus_tokens, batch.seq_lens)
         with record_function("ddtree.compile"):
-            vin = compile_tree(
-                tree,
-                draft_input.bonus_tokens,
-                batch.seq_lens,
-                mask_mode=FULL_MASK,
-                prefix_lens_sum=batch.seq_lens_sum if batch.seq_lens_cpu is not None else None,
-                topk=self.ddtree.topk,
-            )
+            vin = with_full_mask(vin, batch.seq_lens,
+                                 batch.seq_lens_sum if batch.seq_lens_cpu is not None else None)
             assert vin.draft_token_num == d
             verify_input = DDTreeVerifyInput(
                 draft_token=vin.draft_token,
@@ -473,7 +537,8 @@ class DDTreeWorkerBase(DFlashWorkerV2):
         return tree, vin, out, target_predict
 
     def _tree_accept(self, batch, vin, logits_output, target_predict=None):
-        """SGLang's tree accept: greedy kernel, or bounded-memory target-only tree sampling."""
+        """SGLang's tree accept: greedy kernel, or bounded-memory target-only tree sampling (the eager path;
+        a greedy batch goes through :meth:`_glue_commit_fn` instead)."""
         bs, d = len(batch.seq_lens), int(vin.draft_token_num)
         device = self.device
         candidates = vin.draft_token.view(bs, d)
@@ -545,29 +610,31 @@ class DDTreeWorkerBase(DFlashWorkerV2):
             req_pool_indices=batch.req_pool_indices[: commit_lens.shape[0]],
         )
 
-    def _tree_commit(self, batch, draft: _Draft, vin, target_out, predict, accept_index, accept_num, on_publish):
+    def _tree_commit(self, batch, draft: _Draft, vin, target_out, predict, accept_index, accept_num, on_publish,
+                     c=None):
         """The accepted path becomes the sequence (KV window permutation, recurrent
-        state, drafter KV append) and the DFlash-shaped result."""
-        bs, d = len(batch.seq_lens), int(vin.draft_token_num)
-        device = self.device
+        state, drafter KV append) and the DFlash-shaped result. ``c``: the commit the glue graph computed
+        (and whose window it wrote); None on the eager (sampling) path."""
+        d = int(vin.draft_token_num)
         prefix = batch.seq_lens
         logits_output = target_out.logits_output
         window = draft.window[:, :d]
-        c = commit_from_accept(
-            predicts=predict,
-            accept_index=accept_index,
-            accept_token_num=accept_num,
-            d=d,
-            prefix=prefix,
-            window_locs=window,
-            draft_window_ids=self._ddtree_draft_window_ids(draft, window),
-            out_width=d,
-        )
-        new_seq_lens = c.new_seq_lens.to(prefix.dtype)
-        # The accepted path becomes the sequence: permute the step's window in req_to_token.
-        req_to_token = self.model_runner.req_to_token_pool.req_to_token
-        cols = prefix.to(torch.int64).unsqueeze(1) + torch.arange(d, device=device).unsqueeze(0)
-        req_to_token[batch.req_pool_indices.to(torch.int64).unsqueeze(1), cols] = c.window_locs.to(req_to_token.dtype)
+        if c is None:
+            c = commit_from_accept(
+                predicts=predict,
+                accept_index=accept_index,
+                accept_token_num=accept_num,
+                d=d,
+                prefix=prefix,
+                window_locs=window,
+                draft_window_ids=self._ddtree_draft_window_ids(draft, window),
+                out_width=d,
+            )
+            self._write_window(prefix, batch.req_pool_indices, c.window_locs, d)
+        # What leaves the step (the scheduler keeps it past the next step) must not live in a glue graph's
+        # buffers, which the next replay overwrites.
+        out_tokens, commit_lens, bonus = c.out_tokens.clone(), c.commit_lens.clone(), c.bonus.clone()
+        new_seq_lens = c.new_seq_lens.to(prefix.dtype, copy=True)
 
         if self._need_mamba_verify_commit:
             with record_function("ddtree.commit_recurrent_state"):
@@ -589,10 +656,10 @@ class DDTreeWorkerBase(DFlashWorkerV2):
         logits_output.hidden_states = None
         return GenerationBatchResult(
             logits_output=logits_output,
-            next_token_ids=c.out_tokens.reshape(-1),
-            accept_lens=c.commit_lens,
+            next_token_ids=out_tokens.reshape(-1),
+            accept_lens=commit_lens,
             can_run_cuda_graph=self._verify_used_graph,
-            next_draft_input=self._make_next_draft_input_decode(bonus_tokens=c.bonus, new_seq_lens=new_seq_lens),
+            next_draft_input=self._make_next_draft_input_decode(bonus_tokens=bonus, new_seq_lens=new_seq_lens),
             speculative_num_draft_tokens=d,
             new_seq_lens=new_seq_lens,
             **self._ddtree_result_extra(target_out),

@@ -1,0 +1,209 @@
+"""CUDA graphs of a tree-verify step's own glue, captured per batch size (no SGLang import).
+
+A decode step of a small model is launch-bound: on the H200 the tree-verify step's index arithmetic around
+SGLang's forwards (drafter top-K, tree build, verify-input compile; greedy accept, accept counters, commit
+indices) was ~250 small kernels and ~60% of the step's host time, while the GPU was busy for ~7% of it
+(benchmarks/results/ddtree_issue12_h200.md). Those pieces are pure functions of a few tensors with shapes
+fixed by the batch size, so each is captured once per batch size and replayed: one launch instead of ~100.
+
+:class:`GlueGraph` wraps one such function ``fn(*tensors) -> outputs`` (outputs: tensors, or tuples, lists,
+dicts and dataclasses of them, plus Python constants):
+
+* the first call for a key (the batch size and every input's shape and dtype) runs ``fn`` eagerly - that is
+  the step's result - and then captures ``fn`` on static copies of the inputs (capture runs no kernel, so
+  nothing is done twice; the eager run has already tuned every Triton kernel in it);
+* the next call copies the inputs into the static ones, replays, and checks the replay against an eager run
+  once (``check_first``): a mismatch logs an error and that key stays eager for good, so a graph can cost
+  speed, never an output;
+* a capture that fails (an op that syncs or allocates by data) is logged once and the key stays eager.
+
+Replayed outputs live in the graph's static buffers and are overwritten by the next replay of the same key:
+a caller clones what outlives the step (:func:`clone_out`). Off CUDA (CPU tests) or when disabled it is
+``fn`` itself. ``SGLANG_DDTREE_GLUE_GRAPHS=0`` disables every glue graph (A/B runs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import torch
+
+__all__ = ["GLUE_GRAPHS_ENV", "GlueGraph", "glue_graphs_enabled", "clone_out", "flatten", "unflatten", "same"]
+
+logger = logging.getLogger(__name__)
+
+GLUE_GRAPHS_ENV = "SGLANG_DDTREE_GLUE_GRAPHS"
+MAX_KEYS = 64  # batch sizes a server sees are bounded by --max-running-requests; this bounds memory too
+
+
+def glue_graphs_enabled(environ=None) -> bool:
+    v = (environ if environ is not None else os.environ).get(GLUE_GRAPHS_ENV, "1").strip().lower()
+    if v not in ("0", "1", "false", "true", "off", "on", ""):
+        raise ValueError(f"{GLUE_GRAPHS_ENV} must be 0 or 1, got {v!r}")
+    return v in ("1", "true", "on", "")
+
+
+# ----- outputs as leaves (tensors are captured buffers, the rest constants) -------------------------
+def flatten(obj) -> Tuple[list, Any]:
+    """``obj`` -> (tensor leaves, spec). Spec rebuilds ``obj`` from leaves; non-tensor values are kept in it."""
+    leaves: list = []
+
+    def walk(o):
+        if isinstance(o, torch.Tensor):
+            leaves.append(o)
+            return ("T", len(leaves) - 1)
+        if dataclasses.is_dataclass(o) and not isinstance(o, type):
+            return ("D", type(o), tuple((f.name, walk(getattr(o, f.name))) for f in dataclasses.fields(o)
+                                        if f.init))
+        if isinstance(o, (tuple, list)):
+            return ("S", type(o), tuple(walk(x) for x in o))
+        if isinstance(o, dict):
+            return ("M", tuple((k, walk(v)) for k, v in o.items()))
+        return ("C", o)
+
+    return leaves, walk(obj)
+
+
+def unflatten(leaves, spec):
+    kind = spec[0]
+    if kind == "T":
+        return leaves[spec[1]]
+    if kind == "D":
+        return spec[1](**{name: unflatten(leaves, s) for name, s in spec[2]})
+    if kind == "S":
+        return spec[1](unflatten(leaves, s) for s in spec[2])
+    if kind == "M":
+        return {k: unflatten(leaves, s) for k, s in spec[1]}
+    return spec[1]
+
+
+def _consts(spec):
+    """The spec with tensor slots erased: two results of one key must agree on it."""
+    kind = spec[0]
+    if kind == "T":
+        return ("T",)
+    if kind == "D":
+        return ("D", spec[1], tuple((n, _consts(s)) for n, s in spec[2]))
+    if kind == "S":
+        return ("S", spec[1], tuple(_consts(s) for s in spec[2]))
+    if kind == "M":
+        return ("M", tuple((k, _consts(s)) for k, s in spec[1]))
+    return spec
+
+
+def same(a, b) -> bool:
+    """Bit-equal results (tensors: shape, dtype and every element; NaN equals NaN)."""
+    la, sa = flatten(a)
+    lb, sb = flatten(b)
+    if _consts(sa) != _consts(sb) or len(la) != len(lb):
+        return False
+    for x, y in zip(la, lb):
+        if x.shape != y.shape or x.dtype != y.dtype:
+            return False
+        if x.is_floating_point():
+            if not torch.equal(torch.nan_to_num(x, nan=0.0), torch.nan_to_num(y, nan=0.0)) or \
+                    not torch.equal(torch.isnan(x), torch.isnan(y)):
+                return False
+        elif not torch.equal(x, y):
+            return False
+    return True
+
+
+def clone_out(obj):
+    """A copy of a replayed result whose tensors no later replay overwrites."""
+    leaves, spec = flatten(obj)
+    return unflatten([t.clone() for t in leaves], spec)
+
+
+@dataclasses.dataclass
+class _Entry:
+    graph: Any = None  # torch.cuda.CUDAGraph
+    inputs: Tuple[torch.Tensor, ...] = ()
+    out_leaves: list = dataclasses.field(default_factory=list)
+    spec: Any = None
+    checked: bool = False
+    eager: bool = False  # capture failed or the check did: this key runs fn for good
+    replays: int = 0
+
+
+class GlueGraph:
+    """One pure step function, replayed from a CUDA graph per input signature (see the module docstring)."""
+
+    def __init__(self, name: str, fn: Callable, *, enabled: bool = True, check_first: bool = True,
+                 pool=None) -> None:
+        self.name, self.fn = name, fn
+        self.enabled = bool(enabled)
+        self.check_first = bool(check_first)
+        self._pool = pool
+        self._entries: Dict[tuple, _Entry] = {}
+        self.captures = 0
+        self.failures = 0
+
+    @staticmethod
+    def _key(inputs) -> tuple:
+        return tuple((tuple(t.shape), t.dtype, t.device) for t in inputs)
+
+    def stats(self) -> Dict[str, int]:
+        e = self._entries.values()
+        return {"graphs": sum(1 for x in e if x.graph is not None and not x.eager),
+                "eager_keys": sum(1 for x in e if x.eager), "replays": sum(x.replays for x in e),
+                "failures": self.failures}
+
+    def __call__(self, *inputs: torch.Tensor):
+        if not self.enabled or not inputs or not all(isinstance(t, torch.Tensor) and t.is_cuda for t in inputs):
+            return self.fn(*inputs)
+        key = self._key(inputs)
+        e = self._entries.get(key)
+        if e is None:
+            if len(self._entries) >= MAX_KEYS:
+                return self.fn(*inputs)
+            out = self.fn(*inputs)  # this step's result; also warms (tunes) every kernel in fn
+            self._entries[key] = self._capture(key, inputs, out)
+            return out
+        if e.eager:
+            return self.fn(*inputs)
+        for s, x in zip(e.inputs, inputs):
+            s.copy_(x)
+        e.graph.replay()
+        e.replays += 1
+        out = unflatten(e.out_leaves, e.spec)
+        if self.check_first and not e.checked:
+            e.checked = True
+            ref = self.fn(*inputs)
+            if not same(out, ref):
+                e.eager = True
+                self.failures += 1
+                logger.error("DDTREE glue graph %s: the replay differs from the eager run for inputs %s; this "
+                             "batch size runs eagerly from now on", self.name, [tuple(s) for s, _, _ in key])
+                return ref
+        return out
+
+    def _capture(self, key, inputs, eager_out) -> _Entry:
+        e = _Entry()
+        try:
+            e.inputs = tuple(x.clone() for x in inputs)
+            g = torch.cuda.CUDAGraph()
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            torch.cuda.synchronize()
+            with torch.cuda.graph(g, pool=self._pool, capture_error_mode="thread_local"):
+                out = self.fn(*e.inputs)
+            leaves, spec = flatten(out)
+            _, espec = flatten(eager_out)
+            if _consts(spec) != _consts(espec):
+                raise RuntimeError("the captured run's constants differ from the eager run's")
+            e.graph, e.out_leaves, e.spec = g, leaves, spec
+            self.captures += 1
+        except Exception as exc:  # a graph is an optimisation: never let it fail the step
+            e = _Entry(eager=True)
+            self.failures += 1
+            logger.warning("DDTREE glue graph %s: capture failed for inputs %s (%s: %s); this batch size runs "
+                           "eagerly", self.name, [tuple(s) for s, _, _ in key], type(exc).__name__, exc)
+            try:
+                torch.cuda.synchronize()
+            except Exception:
+                pass
+        return e
