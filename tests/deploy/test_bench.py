@@ -437,3 +437,23 @@ def test_smoke_of_an_auto_service_runs_the_mode_the_last_deploy_chose(tmp_path):
     assert plan_smoke(h, pr, gpu=1, mode="plain").mode == "plain"
     with pytest.raises(SmokeRefused, match="gpu1 has mode auto and no deployed choice yet"):
         plan_smoke(h, probe(manifest=None), gpu=1)
+
+
+@pytest.mark.parametrize("family,expect", [
+    ("hybrid", {1: ("linear", None), 4: ("tree-verify", 31), 16: ("tree-verify", 31)}),
+    ("dense", {1: ("tree-verify", 31), 4: ("tree-verify", 31), 16: ("tree-verify", 31)}),
+])
+def test_mode_auto_on_the_h200_figures_picks_each_levels_winner(family, expect):
+    """The real reports of the H200 run (benchmarks/results/bench_h200_*_glue.json, all servers with decode CUDA
+    graphs), read as any kept result is: `mode: auto` gets the fastest speculative mode at the service's level."""
+    from pathlib import Path
+
+    doc = json.loads((Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+                      / f"bench_h200_{family}_glue.json").read_text())
+    rs = [record(doc)]
+    for conc, (mode, budget) in expect.items():
+        c = pick(rs, conc, graphs_for=lambda m: True)
+        fastest = max((lv["output_tok_s"], r["mode"], r["budget"]) for r in doc["runs"] if r["mode"] != "plain"
+                      for lv in r["levels"] if lv["concurrency"] == conc)
+        assert (c.mode, c.budget, c.concurrency) == (mode, budget, conc)
+        assert c.tok_s == fastest[0] and bench.DEPLOY_MODE[fastest[1]] == c.mode
