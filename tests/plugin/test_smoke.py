@@ -19,8 +19,18 @@ def test_lossless_stats_counts_violations_beyond_the_margin():
     assert (st["tokens"], st["off_argmax"], st["violations"]) == (5, 2, 1)
     assert st["worst_violation"] == {"prompt": 0, "position": 2, "token": 7, "argmax": 1, "gap": 2.0}
     assert smoke.lossless_stats(outs, rescored, margin=3.0)["violations"] == 0
+    assert st["off_argmax_gaps"] == {"<=0.01": 0, "<=0.07": 1, "<=0.5": 0, ">0.5": 1}
     with pytest.raises(ValueError, match="re-scored"):
         smoke.lossless_stats(outs, [rescored[0][:2], rescored[1]])
+
+
+def test_gap_buckets_tell_one_bf16_step_from_a_wrong_token():
+    outs = [[1, 2, 3, 4]]
+    # off by 0.0 (a tie), by 0.0625 (one bf16 step of a logit in [8, 16)), by 0.3, by 4.0
+    rescored = [[(-1.0, -1.0, 9), (-1.0625, -1.0, 9), (-1.3, -1.0, 9), (-5.0, -1.0, 9)]]
+    st = smoke.lossless_stats(outs, rescored, margin=0.05)
+    assert st["off_argmax_gaps"] == {"<=0.01": 1, "<=0.07": 1, "<=0.5": 1, ">0.5": 1}
+    assert st["violations"] == 3 and sum(st["off_argmax_gaps"].values()) == st["off_argmax"] == 4
 
 
 def test_exact_match_and_prompts():

@@ -1,6 +1,8 @@
 """Serve the tiny models with real SGLang on one GPU in every mode and measure them.
 
 ``python -m ddtree_checks.serve_matrix --out DIR [--families hybrid dense] [--quick]``
+``python -m ddtree_checks.serve_matrix --out DIR --pairs /tmp/tiny --block 16 --graphs --prompts 64 --tokens 128``
+(the training kit's pairs and held-out prompts, decode CUDA graphs on: issue 12's item 6 in one command)
 
 Per family (``hybrid``: Qwen3-Next with GDN layers; ``dense``: Qwen3), servers
 started side by side on the GPU (each its own port and memory fraction):
@@ -18,6 +20,11 @@ more than the margin), exact-match rate against plain decoding, SGLang's
 reported accept length (and DDTREE shadow's would-accept length), tokens/s;
 sampling (temperature 1, top-p 0.9): all requests complete; an unsupported
 request (return_logprob) is rejected alone and the next one is served.
+With ``--graphs`` every server but the leaky one runs SGLang's decode CUDA graphs (tree-verify: the target's
+verify graph captured with the tree mask, the step's glue replayed from graphs); the leaky variant stays eager (it
+drops the tree links, which a graph captured with them would refill). Each DDTREE tree-verify server's last
+``DDTREE accept stats`` line (accepted tokens off the first branch, own rank > 0, the depth histogram, the glue
+graphs' replays and failures) is read from its log into the result.
 Writes ``serve_matrix.json`` and a readable ``serve_matrix.txt``.
 """
 
@@ -33,29 +40,59 @@ from concurrent.futures import ThreadPoolExecutor
 
 from sglang_ddtree import smoke, tiny
 
+from .graph_check import GRAPHS_ON, _log_facts
+
 
 def _specs(family: str, paths: dict, quick: bool, a=None):
     t, d = paths["target"], paths["drafter"]
     mf = a.mem_fraction
+    blk = a.block
+    g = GRAPHS_ON if a.graphs else ()
     specs = {
-        "plain": (smoke.ServerSpec("plain", t, mem_fraction=mf), {}),
-        "dflash": (smoke.ServerSpec("dflash", t, d, block=8, mem_fraction=mf), {}),
-        "shadow-linear B=15": (smoke.ServerSpec("shadow-linear", t, d, budget=15, block=8, mem_fraction=mf), {}),
+        "plain": (smoke.ServerSpec("plain", t, mem_fraction=mf, extra_args=g), {}),
+        "dflash": (smoke.ServerSpec("dflash", t, d, block=blk, mem_fraction=mf, extra_args=g), {}),
+        "shadow-linear B=15": (smoke.ServerSpec("shadow-linear", t, d, budget=15, block=blk, mem_fraction=mf,
+                                                extra_args=g), {}),
     }
-    for b in ((15,) if quick else (7, 15, 31, 63)):
-        specs[f"tree-verify B={b}"] = (smoke.ServerSpec("tree-verify", t, d, budget=b, mem_fraction=mf), {})
+    for b in ((15,) if quick else tuple(a.budgets)):
+        specs[f"tree-verify B={b}"] = (smoke.ServerSpec("tree-verify", t, d, budget=b, mem_fraction=mf,
+                                                        extra_args=g), {})
     if family == "hybrid":
         specs["LEAKY tree-verify B=15"] = (smoke.ServerSpec("tree-verify", t, d, budget=15, mem_fraction=mf),
                                            {"SGLANG_DDTREE_UNSAFE_CHAIN_STATE": "1"})
     return specs
 
 
+def _pair_and_prompts(family: str, a):
+    """The models (the kit's trained pair with --pairs, else the random tiny kit) and the prompts (--prompts-file,
+    else the kit's held-out prompts.jsonl beside a trained pair, else seeded random ones)."""
+    if a.pairs:
+        from sglang_ddtree.bench import resolve_tiny
+
+        got = resolve_tiny(a.pairs, family)
+        paths = {"target": got["target"], "drafter": got["drafter"]}
+        pfile = a.prompts_file or got["prompts"]
+    else:
+        paths = tiny.write_family(os.path.join(a.work, "models"), family, seed=0)
+        pfile = a.prompts_file
+    if pfile:
+        from sglang_ddtree.bench import load_prompts
+
+        prompts = load_prompts(pfile)[: a.prompts]
+        if len(prompts) < a.prompts:
+            raise SystemExit(f"{pfile}: {len(prompts)} prompts, --prompts {a.prompts} asked")
+        return paths, prompts
+    return paths, smoke.make_prompts(a.prompts)
+
+
 def run_family(family: str, out: str, a) -> dict:
-    paths = tiny.write_family(os.path.join(a.work, "models"), family, seed=0)
+    paths, prompts = _pair_and_prompts(family, a)
     specs = _specs(family, paths, a.quick, a)
     if a.server_args:
         import dataclasses
-        specs = {n: (dataclasses.replace(sp, extra_args=tuple(a.server_args.split())), e) for n, (sp, e) in specs.items()}
+        specs = {n: (dataclasses.replace(sp, extra_args=sp.extra_args + tuple(a.server_args.split())), e)
+                 for n, (sp, e) in specs.items()}
+    logs = {}
     servers, bases = {}, {}
     res = {"family": family, "models": paths, "servers": {}}
     try:
@@ -63,7 +100,7 @@ def run_family(family: str, out: str, a) -> dict:
             port = smoke.free_port()
             env = smoke.server_env(spec, a.gpu)
             env.update(extra_env)
-            log = os.path.join(a.work, f"{family}-{name.replace(' ', '_').replace('=', '')}.log")
+            log = logs[name] = os.path.join(a.work, f"{family}-{name.replace(' ', '_').replace('=', '')}.log")
             srv = smoke.Server(smoke.server_argv(sys.executable, spec, port), env, log, launcher="process")
             srv.start()
             servers[name], bases[name] = srv, f"http://127.0.0.1:{port}"
@@ -84,7 +121,6 @@ def run_family(family: str, out: str, a) -> dict:
                 res["servers"][name]["error"] = err
                 print(f"[{family}] {name} FAILED to start:\n{err}", flush=True)
         plain = bases["plain"]
-        prompts = smoke.make_prompts(a.prompts)
         if res["servers"]["plain"].get("error"):
             return res
         plain_seq = [g["output_ids"] for g in smoke.generate(plain, prompts, a.tokens)]
@@ -123,6 +159,8 @@ def run_family(family: str, out: str, a) -> dict:
                     r["unsupported_request"] = smoke.unsupported_request_check(base, prompts[0], specs[name][0].mode)
             except Exception as e:  # noqa: BLE001
                 r["error"] = f"{type(e).__name__}: {e}"[-3000:] + "\n" + servers[name].log_tail(40)
+            if "tree-verify" in name:
+                r["log"] = _log_facts(logs[name])
             with open(os.path.join(out, f"partial-{family}.json"), "w") as fh:  # survives a timeout
                 json.dump(res, fh, indent=1)
             print(f"[{family}] {name}: " + json.dumps({k: v for k, v in r.items() if k != "error"})[:1500]
@@ -151,6 +189,12 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="B=15 only (a first look)")
     ap.add_argument("--mem-fraction", type=float, default=0.05)
     ap.add_argument("--server-args", default="", help="extra flags for every server (e.g. pool caps when many share a GPU)")
+    ap.add_argument("--pairs", help="the training kit's DIR (DIR/FAMILY-{target,drafter}, DIR/prompts.jsonl) or "
+                                    "DIR/FAMILY/{target,drafter}; default: the random tiny kit")
+    ap.add_argument("--prompts-file", help="JSON/JSONL token-id prompts (default: the kit's held-out ones)")
+    ap.add_argument("--block", type=int, default=8, help="DFLASH and shadow-linear chain block (the drafter's)")
+    ap.add_argument("--budgets", nargs="+", type=int, default=[7, 15, 31, 63])
+    ap.add_argument("--graphs", action="store_true", help="decode CUDA graphs on (all but the leaky server)")
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     os.makedirs(a.work, exist_ok=True)
@@ -161,7 +205,8 @@ def main(argv=None) -> int:
     doc = {"argv": sys.argv, "python": platform.python_version(), "torch": torch.__version__,
            "sglang": md.version("sglang"), "sglang_ddtree": md.version("sglang-ddtree"),
            "gpu": torch.cuda.get_device_name(a.gpu) if torch.cuda.is_available() else None,
-           "margin": a.margin, "prompts": a.prompts, "tokens": a.tokens, "families": {}}
+           "margin": a.margin, "prompts": a.prompts, "tokens": a.tokens, "graphs": a.graphs, "block": a.block,
+           "pairs": a.pairs, "families": {}}
     t0 = time.time()
     for fam in a.families:
         doc["families"][fam] = run_family(fam, a.out, a)
@@ -201,6 +246,15 @@ def summary(doc: dict) -> str:
                     f"{st['mean_shadow_tree_accept_length'] if st['mean_shadow_tree_accept_length'] is not None else '-':>6} "
                     f"{st['tokens_per_s']:7.1f}  {samp.get('completed', '-')}/{samp.get('requests', '-')}  "
                     f"{('rejected, next served' if un.get('rejected') and un.get('served_after') else un) if un else '-'}")
+            stats = (r.get("log") or {}).get("accept_stats")
+            if stats:
+                gg = stats.get("glue_graphs") or {}
+                lines.append(f"{fam:7} {name:24} counters: {stats.get('accepted')} accepted, "
+                             f"{stats.get('off_first_branch')} off the first branch "
+                             f"({stats.get('off_first_branch_share')}), own rank > 0 {stats.get('own_rank_gt0')}, "
+                             f"depths {stats.get('depth_hist')}, glue graphs "
+                             + ", ".join(f"{k} {v.get('replays')} replays / {v.get('failures')} failures"
+                                         for k, v in gg.items()))
             if r.get("error"):
                 lines.append(f"{fam:7} {name:24} ERROR after measuring: {r['error'].splitlines()[0][:120]}")
     return "\n".join(lines) + "\n"
