@@ -107,3 +107,113 @@ def test_0517_drafter_graph_width_is_its_block_only_where_the_verify_buffers_hol
         assert A.num_tokens_per_req_for_target_verify(None, 8, True) == 8  # blk > D: buffers sized at D
     finally:
         A.DRAFTER_GRAPH_WIDTH["value"] = None
+
+
+class _StandInGraphs:
+    """A stand-in for the GPU's CUDA graphs (the real ones ran on the H200: ddtree_checks.glue_check): a "graph"
+    replays by re-running the captured function on the static inputs and writing the results INTO the output
+    tensors captured the first time - a CUDA graph's static-buffer semantics - so what GlueGraph does around
+    capture and replay (keys, input copies, overwritten outputs, the first-replay check, the fallbacks) is tested
+    on a CPU host. ``corrupt``: replays write a wrong value (a graph that does not compute what eager does)."""
+
+    def __init__(self, corrupt=False):
+        self.corrupt, self.captures, self.replays = corrupt, 0, 0
+
+    @staticmethod
+    def usable(inputs):
+        return all(isinstance(t, torch.Tensor) for t in inputs)
+
+    def new_graph(self):
+        outer = self
+
+        class _G:
+            def record(self, fn, inputs, leaves):
+                self.fn, self.inputs, self.leaves = fn, inputs, leaves
+                outer.captures += 1
+
+            def replay(self):
+                outer.replays += 1
+                fresh, _ = G.flatten(self.fn(*self.inputs))
+                for dst, src in zip(self.leaves, fresh):
+                    dst.copy_(src + 1 if outer.corrupt and dst.is_floating_point() else src)
+
+        return _G()
+
+    @staticmethod
+    def new_pool():
+        return object()
+
+    @staticmethod
+    def capture(graph, pool):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def synchronize():
+        pass
+
+
+def _fn(x, y):
+    return {"s": x + y, "n": int(x.shape[0]), "box": _Box(x * y, 3, (y.sum(0, keepdim=True),))}
+
+
+def test_replays_copy_inputs_in_and_overwrite_the_same_output_buffers():
+    dev = _StandInGraphs()
+    g = G.GlueGraph("t", _fn, device=dev)
+    a, b = torch.arange(4.0), torch.ones(4)
+    first = g(a, b)  # eager: the step's own result, then captured
+    assert dev.captures == 1 and dev.replays == 0 and G.same(first, _fn(a, b))
+    second = g(a * 2, b)  # replayed (and checked against eager once)
+    assert dev.replays == 1 and G.same(second, _fn(a * 2, b))
+    kept = G.clone_out(second)
+    third = g(a * 3, b)
+    assert G.same(third, _fn(a * 3, b)) and third["s"] is second["s"]  # the same buffer, overwritten ...
+    assert not G.same(second, kept) and G.same(kept, _fn(a * 2, b))  # ... so what outlives a step is cloned
+    g(torch.ones(2), torch.ones(2))  # another batch size: its own graph
+    assert dev.captures == 2 and g.stats() == {"graphs": 2, "eager_keys": 0, "replays": 2, "failures": 0}
+
+
+def test_a_replay_that_differs_from_eager_returns_eager_and_keeps_that_key_eager():
+    dev = _StandInGraphs(corrupt=True)
+    g = G.GlueGraph("t", _fn, device=dev)
+    a, b = torch.arange(4.0), torch.ones(4)
+    g(a, b)
+    assert G.same(g(a, b), _fn(a, b))  # the check caught the replay: eager's result, not the graph's
+    for k in range(3):
+        assert G.same(g(a + k, b), _fn(a + k, b))
+    assert dev.replays == 1 and g.stats()["eager_keys"] == 1 and g.stats()["failures"] == 1
+
+
+def test_a_capture_that_fails_keeps_the_key_eager_and_the_step_going():
+    dev = _StandInGraphs()
+    calls = {"n": 0}
+
+    def fn(x):
+        calls["n"] += 1
+        if calls["n"] == 2:  # the capture's run (the first call is the eager step)
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return x + 1
+
+    g = G.GlueGraph("t", fn, device=dev)
+    x = torch.zeros(3)
+    assert [int(g(x).sum()) for _ in range(3)] == [3, 3, 3]
+    assert dev.captures == 0 and g.stats() == {"graphs": 0, "eager_keys": 1, "replays": 0, "failures": 1}
+
+
+def test_disabled_or_off_device_inputs_run_the_function():
+    dev = _StandInGraphs()
+    g = G.GlueGraph("t", lambda x: x + 1, device=dev, enabled=False)
+    for _ in range(3):
+        g(torch.zeros(2))
+    assert dev.captures == 0
+    assert G.GlueGraph("t", lambda x: x, device=dev)(3) == 3  # not a tensor: never captured
+
+
+def test_keys_are_bounded(monkeypatch):
+    monkeypatch.setattr(G, "MAX_KEYS", 2)
+    dev = _StandInGraphs()
+    g = G.GlueGraph("t", lambda x: x * 2, device=dev)
+    for n in (1, 2, 3, 3):
+        assert torch.equal(g(torch.ones(n)), torch.full((n,), 2.0))
+    assert dev.captures == 2  # the third size runs eagerly: no graph beyond the bound

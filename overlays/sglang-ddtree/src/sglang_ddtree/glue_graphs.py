@@ -31,7 +31,8 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
-__all__ = ["GLUE_GRAPHS_ENV", "GlueGraph", "glue_graphs_enabled", "clone_out", "flatten", "unflatten", "same"]
+__all__ = ["GLUE_GRAPHS_ENV", "GlueGraph", "CudaGraphs", "glue_graphs_enabled", "clone_out", "flatten", "unflatten",
+           "same"]
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +119,31 @@ def clone_out(obj):
     return unflatten([t.clone() for t in leaves], spec)
 
 
+class CudaGraphs:
+    """What :class:`GlueGraph` asks of the device: CUDA graphs (the only backend that serves; tests on a CPU host
+    pass a stand-in for the GPU with the same five calls)."""
+
+    @staticmethod
+    def usable(inputs) -> bool:
+        return all(isinstance(t, torch.Tensor) and t.is_cuda for t in inputs)
+
+    @staticmethod
+    def new_graph():
+        return torch.cuda.CUDAGraph()
+
+    @staticmethod
+    def new_pool():
+        return torch.cuda.graph_pool_handle()
+
+    @staticmethod
+    def capture(graph, pool):
+        return torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local")
+
+    @staticmethod
+    def synchronize() -> None:
+        torch.cuda.synchronize()
+
+
 @dataclasses.dataclass
 class _Entry:
     graph: Any = None  # torch.cuda.CUDAGraph
@@ -133,8 +159,9 @@ class GlueGraph:
     """One pure step function, replayed from a CUDA graph per input signature (see the module docstring)."""
 
     def __init__(self, name: str, fn: Callable, *, enabled: bool = True, check_first: bool = True,
-                 pool=None) -> None:
+                 pool=None, device=CudaGraphs) -> None:
         self.name, self.fn = name, fn
+        self._dev = device
         self.enabled = bool(enabled)
         self.check_first = bool(check_first)
         self._pool = pool
@@ -153,7 +180,7 @@ class GlueGraph:
                 "failures": self.failures}
 
     def __call__(self, *inputs: torch.Tensor):
-        if not self.enabled or not inputs or not all(isinstance(t, torch.Tensor) and t.is_cuda for t in inputs):
+        if not self.enabled or not inputs or not self._dev.usable(inputs):
             return self.fn(*inputs)
         key = self._key(inputs)
         e = self._entries.get(key)
@@ -185,17 +212,19 @@ class GlueGraph:
         e = _Entry()
         try:
             e.inputs = tuple(x.clone() for x in inputs)
-            g = torch.cuda.CUDAGraph()
+            g = self._dev.new_graph()
             if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-            torch.cuda.synchronize()
-            with torch.cuda.graph(g, pool=self._pool, capture_error_mode="thread_local"):
+                self._pool = self._dev.new_pool()
+            self._dev.synchronize()
+            with self._dev.capture(g, self._pool):
                 out = self.fn(*e.inputs)
             leaves, spec = flatten(out)
             _, espec = flatten(eager_out)
             if _consts(spec) != _consts(espec):
                 raise RuntimeError("the captured run's constants differ from the eager run's")
             e.graph, e.out_leaves, e.spec = g, leaves, spec
+            if hasattr(g, "record"):  # a stand-in graph (tests without a GPU) re-runs fn into these buffers at replay
+                g.record(self.fn, e.inputs, leaves)
             self.captures += 1
         except Exception as exc:  # a graph is an optimisation: never let it fail the step
             e = _Entry(eager=True)
@@ -203,7 +232,7 @@ class GlueGraph:
             logger.warning("DDTREE glue graph %s: capture failed for inputs %s (%s: %s); this batch size runs "
                            "eagerly", self.name, [tuple(s) for s, _, _ in key], type(exc).__name__, exc)
             try:
-                torch.cuda.synchronize()
+                self._dev.synchronize()
             except Exception:
                 pass
         return e
