@@ -416,3 +416,16 @@ def test_sglang_0517_reads_the_written_drafter_config(kit):
         assert dc.mask_token_id == TOY.vocab - 1
         assert list(dc.resolve_target_layer_ids(target_num_layers=tk.NUM_LAYERS, draft_num_layers=1)) == \
             tk.TARGET_LAYER_IDS
+
+
+def test_the_gpu_kit_stops_its_drafter_at_chain_4_by_default_and_0_trains_to_the_end(monkeypatch, tmp_path):
+    got = {}
+    monkeypatch.setattr(tk, "run", lambda out, seed, fams, dev, preset, name, *a, **k: got.update(p=preset, name=name))
+    tk.main([str(tmp_path / "a"), "--device", "cuda"])
+    assert got["name"] == "full" and got["p"].drafter_chain_target == 4.0  # what ran on the H200
+    tk.main([str(tmp_path / "b"), "--device", "cuda", "--drafter-chain-target", "0"])
+    assert got["p"].drafter_chain_target is None
+    tk.main([str(tmp_path / "c"), "--device", "cpu", "--drafter-chain-target", "2.5"])
+    assert got["name"] == "toy" and got["p"].drafter_chain_target == 2.5
+    tk.main([str(tmp_path / "d"), "--device", "cpu"])
+    assert got["p"].drafter_chain_target is None  # the toy preset trains to the end

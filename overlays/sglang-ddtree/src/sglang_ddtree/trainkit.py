@@ -173,7 +173,8 @@ PRESETS: Dict[str, Preset] = {
                    linear_head_dim=64, linear_k_heads=4, linear_v_heads=8, drafter_inter=1536, block=16,
                    seq_len=256, target_steps=3000, target_batch=256, target_lr=3e-3,
                    drafter_seqs=8192, drafter_steps=3000, drafter_batch=128, anchors=16, drafter_lr=2e-3,
-                   prompt_len=64, eval_prompts=64, eval_new=128, target_seconds=60.0, drafter_seconds=22.0),
+                   prompt_len=64, eval_prompts=64, eval_new=128, target_seconds=60.0, drafter_seconds=22.0,
+                   drafter_chain_target=4.0),
     # a CPU-sized run whose figures mean something (minutes on 2 cores), to check the design without a GPU
     "small": Preset(vocab=512, hidden=128, heads=4, kv_heads=2, head_dim=32, dense_inter=384, moe_inter=128,
                     linear_head_dim=32, linear_k_heads=2, linear_v_heads=4, drafter_inter=512, block=16,
@@ -904,7 +905,7 @@ def main(argv=None) -> int:
                          "easier (1 let it memorise the greedy future at small scale)")
     ap.add_argument("--drafter-chain-target", type=float, default=None,
                     help="stop the drafter's training once its held-out chain accept length (preset block, bonus "
-                         "included) reaches this (default: train to the end)")
+                         "included) reaches this; 0 trains to the end (default: the preset's, full 4.0, else none)")
     ap.add_argument("--log-every", type=int, default=None)
     a = ap.parse_args(argv)
     name = a.preset or ("full" if a.device.startswith("cuda") else "toy")
@@ -927,9 +928,9 @@ def main(argv=None) -> int:
             ap.error("--components must be in [1, 9]")
         caps["components"] = a.components
     if a.drafter_chain_target is not None:
-        if not 1.0 < a.drafter_chain_target <= preset.block:
-            ap.error(f"--drafter-chain-target must be in (1, {preset.block}]")
-        caps["drafter_chain_target"] = a.drafter_chain_target
+        if a.drafter_chain_target != 0 and not 1.0 < a.drafter_chain_target <= preset.block:
+            ap.error(f"--drafter-chain-target must be 0 (none) or in (1, {preset.block}]")
+        caps["drafter_chain_target"] = a.drafter_chain_target or None
     preset = dataclasses.replace(preset, **caps)
     run(a.out_dir, a.seed, fams, a.device, preset, name, a.target_steps, a.drafter_steps, log_every)
     return 0
