@@ -217,3 +217,26 @@ def test_keys_are_bounded(monkeypatch):
     for n in (1, 2, 3, 3):
         assert torch.equal(g(torch.ones(n)), torch.full((n,), 2.0))
     assert dev.captures == 2  # the third size runs eagerly: no graph beyond the bound
+
+
+def test_the_two_glue_halves_are_the_steps_they_stand_for():
+    from sglang_ddtree import step as S
+    from sglang_ddtree.tree import rank_draft_tokens
+
+    g = torch.Generator().manual_seed(4)
+    lp = torch.log_softmax(torch.randn(2, 7, 50, generator=g) * 3, -1).double()
+    vals, ids = rank_draft_tokens(lp, 15)
+    bonus, prefix = torch.tensor([3, 4]), torch.tensor([10, 2])
+    tree, vin = S.tree_verify_inputs(vals, ids, bonus, prefix, 15, 2)
+    ref_tree = S.build_tree_from_candidates(vals, ids, 15)
+    assert G.same((tree, vin), (ref_tree, C.compile_tree(ref_tree, bonus, prefix, mask_mode=C.QLEN_ONLY)))
+    d = vin.draft_token_num
+    pred = torch.roll(vin.draft_token.view(2, d), -1, 1)
+    predicts, acc, num = S.tree_accept_greedy_reference(vin.draft_token.view(2, d), vin.retrieve_index,
+                                                        vin.retrieve_next_token, vin.retrieve_next_sibling, pred,
+                                                        vin.max_tree_depth + 1)
+    window = torch.arange(2 * d).view(2, d) + 100
+    counts, c = S.accept_commit(predicts, acc, num, tree.ranks, prefix, window, window, vin.max_tree_depth)
+    assert torch.equal(counts, S.tree_accept_counts(tree.ranks, acc, num, vin.max_tree_depth))
+    assert G.same(c, S.commit_from_accept(predicts=predicts, accept_index=acc, accept_token_num=num, d=d,
+                                          prefix=prefix, window_locs=window, draft_window_ids=window, out_width=d))

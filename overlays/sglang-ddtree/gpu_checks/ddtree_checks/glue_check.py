@@ -2,7 +2,8 @@
 
 ``python -m ddtree_checks.glue_check [--budgets 15 31] [--batch-sizes 1 4 16]``
 
-For each budget and batch size: the worker's two glue functions rebuilt from the plugin's pure parts (drafter
+For each budget and batch size: the worker's two glue functions from the same pure parts (``step.tree_verify_inputs``,
+``step.accept_commit``; drafter
 top-K over a random LM head -> tree -> ``QLEN_ONLY`` compile; a greedy accept walk (the plugin's reference of
 SGLang's kernel, on device here) -> accept counters -> commit indices), each wrapped in
 :class:`sglang_ddtree.glue_graphs.GlueGraph`; random inputs per step, every replay compared with an eager run,
@@ -20,9 +21,8 @@ import time
 import torch
 
 from sglang_ddtree import glue_graphs as G
-from sglang_ddtree.compile import QLEN_ONLY, compile_tree, with_full_mask
-from sglang_ddtree.step import (build_tree_from_candidates, commit_from_accept, draft_topk_candidates,
-                                merge_vocab_shards, tree_accept_counts)
+from sglang_ddtree.compile import compile_tree, with_full_mask
+from sglang_ddtree.step import accept_commit, draft_topk_candidates, merge_vocab_shards, tree_verify_inputs
 from sglang_ddtree.verify import walk_tree
 
 
@@ -38,8 +38,7 @@ def make_fns(weight, budget, depths):
         bs = hidden.shape[0]
         v, i, l = draft_topk_candidates(torch.matmul(hidden.reshape(-1, hidden.shape[-1]), weight.T), k)
         lp, ids = merge_vocab_shards(v.unsqueeze(0), i.unsqueeze(0), l.unsqueeze(0), k)
-        tree = build_tree_from_candidates(lp.view(bs, depths, k), ids.view(bs, depths, k), budget)
-        return tree, compile_tree(tree, bonus, prefix, mask_mode=QLEN_ONLY, topk=2)
+        return tree_verify_inputs(lp.view(bs, depths, k), ids.view(bs, depths, k), bonus, prefix, budget, 2)
 
     def commit(tokens, parents, valid, max_depth_t, target_predict, ranks, prefix, window):
         bs, d = ranks.shape
@@ -50,10 +49,7 @@ def make_fns(weight, budget, depths):
         acc[:, 0] = (torch.arange(bs, device=ranks.device) * d).to(torch.int32)
         num = w.accept_length.to(torch.int32)
         predicts = torch.zeros(bs * d, dtype=torch.int32, device=ranks.device)
-        counts = tree_accept_counts(ranks, acc, num, m - 1)
-        c = commit_from_accept(predicts=predicts, accept_index=acc, accept_token_num=num, d=d, prefix=prefix,
-                               window_locs=window, draft_window_ids=window, out_width=d)
-        return counts, c
+        return accept_commit(predicts, acc, num, ranks, prefix, window, window, m - 1)
 
     return build, commit
 

@@ -38,9 +38,9 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from sglang_ddtree import smoke, tiny
+from sglang_ddtree import smoke
 
-from .graph_check import GRAPHS_ON, _log_facts
+from .graph_check import GRAPHS_ON, _log_facts, _pair
 
 
 def _specs(family: str, paths: dict, quick: bool, a=None):
@@ -66,18 +66,11 @@ def _specs(family: str, paths: dict, quick: bool, a=None):
 def _pair_and_prompts(family: str, a):
     """The models (the kit's trained pair with --pairs, else the random tiny kit) and the prompts (--prompts-file,
     else the kit's held-out prompts.jsonl beside a trained pair, else seeded random ones)."""
-    if a.pairs:
-        from sglang_ddtree.bench import resolve_tiny
+    from sglang_ddtree.bench import load_prompts, resolve_tiny
 
-        got = resolve_tiny(a.pairs, family)
-        paths = {"target": got["target"], "drafter": got["drafter"]}
-        pfile = a.prompts_file or got["prompts"]
-    else:
-        paths = tiny.write_family(os.path.join(a.work, "models"), family, seed=0)
-        pfile = a.prompts_file
+    paths = _pair(family, a)
+    pfile = a.prompts_file or (resolve_tiny(a.pairs, family)["prompts"] if a.pairs else None)
     if pfile:
-        from sglang_ddtree.bench import load_prompts
-
         prompts = load_prompts(pfile)[: a.prompts]
         if len(prompts) < a.prompts:
             raise SystemExit(f"{pfile}: {len(prompts)} prompts, --prompts {a.prompts} asked")

@@ -74,6 +74,8 @@ __all__ = [
     "mamba_track_steps",
     "StepCommit",
     "commit_from_accept",
+    "tree_verify_inputs",
+    "accept_commit",
     "chain_nodes_of_tree",
     "shadow_tree_accept",
     "ShadowStats",
@@ -364,6 +366,28 @@ def commit_from_accept(
         verify_window_locs=window_locs,
         d=int(d),
     )
+
+
+def tree_verify_inputs(cand_logprobs: torch.Tensor, cand_ids: torch.Tensor, bonus: torch.Tensor,
+                       prefix: torch.Tensor, budget: int, topk: int):
+    """The tree over the drafter's candidates and its verify inputs with the ``QLEN_ONLY`` mask: the part of a
+    compile whose shapes the batch size fixes (the worker's first glue graph; the FULL mask, sized by the prefix
+    lengths, is ``compile.with_full_mask`` after it). Returns ``(tree, VerifyInputs)``."""
+    from .compile import QLEN_ONLY, compile_tree
+
+    tree = build_tree_from_candidates(cand_logprobs, cand_ids, budget)
+    return tree, compile_tree(tree, bonus, prefix, mask_mode=QLEN_ONLY, topk=topk)
+
+
+def accept_commit(predict: torch.Tensor, accept_index: torch.Tensor, accept_num: torch.Tensor, ranks: torch.Tensor,
+                  prefix: torch.Tensor, window_locs: torch.Tensor, draft_window_ids: torch.Tensor, max_depth: int):
+    """A step's accept counters and its commit from the tree accept's outputs (greedy kernel or sampling alike):
+    ``(tree_accept_counts, StepCommit)``; ``ranks`` / ``window_locs`` / ``draft_window_ids``: ``[N, D]``."""
+    d = int(ranks.shape[1])
+    counts = tree_accept_counts(ranks, accept_index, accept_num, max_depth)
+    return counts, commit_from_accept(predicts=predict, accept_index=accept_index, accept_token_num=accept_num, d=d,
+                                      prefix=prefix, window_locs=window_locs, draft_window_ids=draft_window_ids,
+                                      out_width=d)
 
 
 def gather_hidden_for_append(hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

@@ -600,8 +600,9 @@ def held_out_chain(drafter, embed, lm_head, seqs, feats, starts, block: int, mas
     with torch.no_grad(), _autocast(seqs.device):
         logits, truth = draft_rows(drafter, embed, lm_head, seqs[i], feats[i], anc, block, mask_id)
     drafter.train(was)
-    hit = (logits.float().argmax(-1) == truth).long()
-    return float((1 + torch.cumprod(hit, 1).sum(1)).float().mean())
+    from .markov import accept_lengths
+
+    return float(accept_lengths(logits, truth)["chain"].float().mean())
 
 
 def train_drafter(drafter, target, data, p: Preset, steps: int, gen, device, log_every: int,

@@ -24,9 +24,11 @@ layer over SGLang's forwards and kernels with every index computation in
    attention with the custom mask; the hybrid linear-attention backend takes
    its tree path because ``speculative_eagle_topk >= 2``, so each node starts
    from its parent's conv window and SSM state);
-3. :meth:`DDTreeWorkerBase._tree_accept` - SGLang's tree accept: the
-   ``verify_tree_greedy`` kernel (greedy) or ``tree_speculative_sampling_target_only``
-   with zero draft probabilities (lossless sampling, in bounded-memory groups);
+3. SGLang's tree accept: the ``verify_tree_greedy`` kernel (greedy, in
+   :meth:`DDTreeWorkerBase._glue_commit_fn`) or ``tree_speculative_sampling_target_only``
+   with zero draft probabilities (:meth:`DDTreeWorkerBase._tree_sample_accept`:
+   lossless sampling, in bounded-memory groups), then the accept counters and
+   the commit indices (``step.accept_commit``);
 4. :meth:`DDTreeWorkerBase._tree_commit` - the accepted path becomes the sequence:
    ``req_to_token[prefix : prefix + D]`` is permuted so the path's KV slots come
    first, the recurrent state of the deepest accepted node is committed, the
@@ -117,18 +119,17 @@ from sglang.srt.speculative.draft_worker_common import build_block_pos_offsets, 
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
 from ..admission import tree_verify_rejection
-from ..compile import QLEN_ONLY, compile_tree, with_full_mask
+from ..compile import with_full_mask
 from ..config import SHADOW_LINEAR, TREE_VERIFY, resolve_ddtree_config
 from ..indexing import recurrent_state_step
 from ..step import (
     ShadowStats,
     TreeAcceptStats,
-    build_tree_from_candidates,
-    commit_from_accept,
+    accept_commit,
     draft_topk_candidates,
     mamba_track_steps,
     merge_vocab_shards,
-    tree_accept_counts,
+    tree_verify_inputs,
 )
 from ..glue_graphs import GlueGraph, glue_graphs_enabled
 from ..tree_sampling import max_bytes_from_env, sample_tree_accept
@@ -355,24 +356,26 @@ class DDTreeWorkerBase(DFlashWorkerV2):
         with record_function("ddtree.tree_verify"):
             tree, vin, target_out, target_predict = self._tree_verify(batch, draft)
         with record_function("ddtree.accept"):
-            commit = None
+            d = int(vin.draft_token_num)
+            window = draft.window[:, :d]
+            draft_window_ids = self._ddtree_draft_window_ids(draft, window)
             greedy_predict = self._greedy_target_predict(batch, vin, target_out.logits_output, target_predict)
             if greedy_predict is not None:  # accept + counters + commit indices: one graph replay
-                d = int(vin.draft_token_num)
                 predict, accept_index, accept_num, counts, commit = self._glue_commit(
                     greedy_predict, vin.draft_token.view(-1, d), vin.retrieve_index, vin.retrieve_next_token,
-                    vin.retrieve_next_sibling, tree.ranks, batch.seq_lens, draft.window[:, :d],
-                    self._ddtree_draft_window_ids(draft, draft.window[:, :d]), batch.req_pool_indices)
+                    vin.retrieve_next_sibling, tree.ranks, batch.seq_lens, window, draft_window_ids,
+                    batch.req_pool_indices)
             else:
-                predict, accept_index, accept_num = self._tree_accept(batch, vin, target_out.logits_output)
-                counts = tree_accept_counts(tree.ranks, accept_index, accept_num, self.accept_stats.max_depth)
+                predict, accept_index, accept_num = self._tree_sample_accept(batch, vin, target_out.logits_output)
+                counts, commit = accept_commit(predict, accept_index, accept_num, tree.ranks, batch.seq_lens, window,
+                                               draft_window_ids, self.accept_stats.max_depth)
+                self._write_window(batch.seq_lens, batch.req_pool_indices, commit.window_locs, d)
             totals = self.accept_stats.add(counts)
             if totals is not None and self._ddtree_tp_rank() == 0:
                 totals["glue_graphs"] = {g.name: g.stats() for g in (self._glue_build, self._glue_commit)}
                 logger.info("DDTREE accept stats %s", json.dumps(totals, sort_keys=True))
         with record_function("ddtree.commit"):
-            return self._tree_commit(batch, draft, vin, target_out, predict, accept_index, accept_num, on_publish,
-                                     commit)
+            return self._tree_commit(batch, vin, target_out, commit, on_publish)
 
     def _greedy_target_predict(self, batch, vin, logits_output, target_predict=None):
         """The target's greedy ids ``[N, D]`` int64 where the batch is all greedy (else None: sampling)."""
@@ -448,9 +451,8 @@ class DDTreeWorkerBase(DFlashWorkerV2):
         k = min(self.ddtree.budget, self._vocab_size)
         with record_function("ddtree.draft_topk"), self._ddtree_draft_tp():
             lp, ids = self._draft_candidates(hidden.reshape(-1, h), self._ddtree_lm_head(), k)
-        tree = build_tree_from_candidates(lp.view(bs, depths, k), ids.view(bs, depths, k), self.ddtree.budget)
-        vin = compile_tree(tree, bonus, prefix, mask_mode=QLEN_ONLY, topk=self.ddtree.topk)
-        return tree, vin
+        return tree_verify_inputs(lp.view(bs, depths, k), ids.view(bs, depths, k), bonus, prefix,
+                                  self.ddtree.budget, self.ddtree.topk)
 
     def _glue_commit_fn(self, target_predict, candidates, retrieve_index, retrieve_next_token,
                         retrieve_next_sibling, ranks, prefix, window, draft_window_ids, req_pool_indices):
@@ -473,9 +475,8 @@ class DDTreeWorkerBase(DFlashWorkerV2):
             target_predict=target_predict,
             topk=int(self.ddtree.topk),
         )
-        counts = tree_accept_counts(ranks, accept_index, accept_num, self.accept_stats.max_depth)
-        c = commit_from_accept(predicts=predict, accept_index=accept_index, accept_token_num=accept_num, d=d,
-                               prefix=prefix, window_locs=window, draft_window_ids=draft_window_ids, out_width=d)
+        counts, c = accept_commit(predict, accept_index, accept_num, ranks, prefix, window, draft_window_ids,
+                                  self.accept_stats.max_depth)
         self._write_window(prefix, req_pool_indices, c.window_locs, d)
         return predict, accept_index, accept_num, counts, c
 
@@ -536,9 +537,9 @@ class DDTreeWorkerBase(DFlashWorkerV2):
         target_predict = self._ddtree_finish_verify_logits(batch, out.logits_output)
         return tree, vin, out, target_predict
 
-    def _tree_accept(self, batch, vin, logits_output, target_predict=None):
-        """SGLang's tree accept: greedy kernel, or bounded-memory target-only tree sampling (the eager path;
-        a greedy batch goes through :meth:`_glue_commit_fn` instead)."""
+    def _tree_sample_accept(self, batch, vin, logits_output):
+        """SGLang's target-only tree sampling (zero draft probabilities: lossless), in bounded-memory groups.
+        A greedy batch is accepted by :meth:`_glue_commit_fn` instead."""
         bs, d = len(batch.seq_lens), int(vin.draft_token_num)
         device = self.device
         candidates = vin.draft_token.view(bs, d)
@@ -548,49 +549,32 @@ class DDTreeWorkerBase(DFlashWorkerV2):
         accept_num = torch.zeros((bs,), dtype=torch.int32, device=device)
         si = batch.sampling_info
         logits = logits_output.next_token_logits
-        if target_predict is not None or si is None or si.is_all_greedy:
-            if target_predict is None:
-                target_predict = torch.argmax(logits, dim=-1)
-            target_predict = target_predict.view(bs, d).to(torch.int64)
-            self._ddtree_sync_greedy(target_predict)
-            predict, accept_index, accept_num = self._ddtree_verify_tree_greedy(
-                predicts=predict,
-                accept_index=accept_index,
-                accept_token_num=accept_num,
-                candidates=candidates,
-                retrieve_index=vin.retrieve_index,
-                retrieve_next_token=vin.retrieve_next_token,
-                retrieve_next_sibling=vin.retrieve_next_sibling,
-                target_predict=target_predict,
-                topk=vin.topk,
-            )
-        else:
-            verify_coins, kernel, top_k_renorm, top_p_renorm = self._ddtree_sampling_ops()
-            coins, coins_final = verify_coins(
-                sampling_info=si, seq_lens=batch.seq_lens, draft_token_num=d, candidates=candidates, device=device
-            )
-            sample_tree_accept(
-                logits=logits,
-                d=d,
-                temperatures=si.temperatures,
-                top_ks=si.top_ks if si.need_top_k_sampling else None,
-                top_ps=si.top_ps if si.need_top_p_sampling else None,
-                min_ps=si.min_ps if si.need_min_p_sampling else None,
-                candidates=candidates,
-                retrieve_index=vin.retrieve_index,
-                retrieve_next_token=vin.retrieve_next_token,
-                retrieve_next_sibling=vin.retrieve_next_sibling,
-                coins=coins,
-                coins_final=coins_final,
-                predicts=predict,
-                accept_index=accept_index,
-                accept_num=accept_num,
-                kernel=kernel,
-                top_k_renorm=top_k_renorm,
-                top_p_renorm=top_p_renorm,
-                max_bytes=self._sampling_bytes,
-            )
-            self._ddtree_sync_sampled(predict, accept_index, accept_num)
+        verify_coins, kernel, top_k_renorm, top_p_renorm = self._ddtree_sampling_ops()
+        coins, coins_final = verify_coins(
+            sampling_info=si, seq_lens=batch.seq_lens, draft_token_num=d, candidates=candidates, device=device
+        )
+        sample_tree_accept(
+            logits=logits,
+            d=d,
+            temperatures=si.temperatures,
+            top_ks=si.top_ks if si.need_top_k_sampling else None,
+            top_ps=si.top_ps if si.need_top_p_sampling else None,
+            min_ps=si.min_ps if si.need_min_p_sampling else None,
+            candidates=candidates,
+            retrieve_index=vin.retrieve_index,
+            retrieve_next_token=vin.retrieve_next_token,
+            retrieve_next_sibling=vin.retrieve_next_sibling,
+            coins=coins,
+            coins_final=coins_final,
+            predicts=predict,
+            accept_index=accept_index,
+            accept_num=accept_num,
+            kernel=kernel,
+            top_k_renorm=top_k_renorm,
+            top_p_renorm=top_p_renorm,
+            max_bytes=self._sampling_bytes,
+        )
+        self._ddtree_sync_sampled(predict, accept_index, accept_num)
         return predict, accept_index, accept_num
 
     def _commit_tree_recurrent_state(self, batch, seq_lens_pre, seq_lens_post, commit_lens, slots, length) -> None:
@@ -610,27 +594,11 @@ class DDTreeWorkerBase(DFlashWorkerV2):
             req_pool_indices=batch.req_pool_indices[: commit_lens.shape[0]],
         )
 
-    def _tree_commit(self, batch, draft: _Draft, vin, target_out, predict, accept_index, accept_num, on_publish,
-                     c=None):
-        """The accepted path becomes the sequence (KV window permutation, recurrent
-        state, drafter KV append) and the DFlash-shaped result. ``c``: the commit the glue graph computed
-        (and whose window it wrote); None on the eager (sampling) path."""
-        d = int(vin.draft_token_num)
+    def _tree_commit(self, batch, vin, target_out, c, on_publish):
+        """The accepted path becomes the sequence (its KV window already written by the accept step; recurrent
+        state, drafter KV append) and the DFlash-shaped result. ``c``: the step's ``StepCommit``."""
         prefix = batch.seq_lens
         logits_output = target_out.logits_output
-        window = draft.window[:, :d]
-        if c is None:
-            c = commit_from_accept(
-                predicts=predict,
-                accept_index=accept_index,
-                accept_token_num=accept_num,
-                d=d,
-                prefix=prefix,
-                window_locs=window,
-                draft_window_ids=self._ddtree_draft_window_ids(draft, window),
-                out_width=d,
-            )
-            self._write_window(prefix, batch.req_pool_indices, c.window_locs, d)
         # What leaves the step (the scheduler keeps it past the next step) must not live in a glue graph's
         # buffers, which the next replay overwrites.
         out_tokens, commit_lens, bonus = c.out_tokens.clone(), c.commit_lens.clone(), c.bonus.clone()
@@ -660,7 +628,7 @@ class DDTreeWorkerBase(DFlashWorkerV2):
             accept_lens=commit_lens,
             can_run_cuda_graph=self._verify_used_graph,
             next_draft_input=self._make_next_draft_input_decode(bonus_tokens=bonus, new_seq_lens=new_seq_lens),
-            speculative_num_draft_tokens=d,
+            speculative_num_draft_tokens=int(vin.draft_token_num),
             new_seq_lens=new_seq_lens,
             **self._ddtree_result_extra(target_out),
         )
