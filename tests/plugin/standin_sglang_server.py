@@ -7,7 +7,10 @@ CPU.  It reads the flags SGLang would (``--port``, ``--speculative-algorithm``, 
 streams ``/generate`` in SGLang 0.5.17's shape (cumulative ``output_ids``, ``meta_info.completion_tokens`` and
 ``spec_verify_ct``): an accept length of 1 (plain), 2 (DFLASH) or 3 (DDTREE) tokens a step, one step per 5 ms
 whatever the concurrency.  Each server holds ``$STANDIN_DIR/running`` while it lives: a second server started
-while one runs exits at once with "two servers at once" (the benchmark must start them one at a time)."""
+while one runs exits at once with "two servers at once" (the benchmark must start them one at a time).
+``/start_profile`` writes, a moment later, a small trace in torch.profiler's Chrome-trace form into the
+``output_dir`` asked for (one kernel launch and its kernel a step, and the plugin's ``ddtree.draft`` range under
+DDTREE): what ``--profile-steps`` reads, without a profiler."""
 import argparse
 import http.server
 import json
@@ -70,7 +73,33 @@ class H(http.server.BaseHTTPRequestHandler):
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        if self.path == "/start_profile":
+            steps, out = int(body["num_steps"]), body["output_dir"]
+            ev = []
+            for s in range(steps):
+                t = 1000.0 * s
+                if a.speculative_algorithm == "DDTREE":
+                    ev.append({"ph": "X", "name": "ddtree.draft", "cat": "user_annotation", "ts": t, "dur": 50,
+                               "pid": 1, "tid": 1})
+                ev += [{"ph": "X", "name": "cudaLaunchKernel", "cat": "cuda_runtime", "ts": t + 1, "dur": 5,
+                        "pid": 1, "tid": 1, "args": {"correlation": s + 1}},
+                       {"ph": "X", "name": "standin_kernel", "cat": "kernel", "ts": t + 10, "dur": 100, "pid": 1,
+                        "tid": 9, "args": {"correlation": s + 1}}]
+
+            def write():
+                time.sleep(0.2)
+                os.makedirs(out, exist_ok=True)
+                with open(os.path.join(out, "standin.partial"), "w") as f:
+                    json.dump({"traceEvents": ev}, f)
+                os.replace(os.path.join(out, "standin.partial"), os.path.join(out, "standin.trace.json"))
+
+            import threading
+            threading.Thread(target=write, daemon=True).start()
+            return self._json({"ok": True})
         n = body["sampling_params"]["max_new_tokens"]
+        if not body.get("stream"):
+            time.sleep(0.005 * -(-n // step))
+            return self._json({"output_ids": [7] * n, "meta_info": {"completion_tokens": n}})
         self.send_response(200)
         self.send_header("content-type", "text/event-stream")
         self.send_header("transfer-encoding", "chunked")

@@ -540,3 +540,48 @@ def test_first_request_figures():
     bad = bench.RequestRecord(sent=1.0, error="URLError: refused", done=1.5)
     f = bench.first_request_figures(bad, 5.0)
     assert f["ttft_ms"] is None and f["tokens"] == 0 and f["error"] == "URLError: refused"
+
+
+def test_profile_steps_keeps_a_step_profile_of_every_server(tmp_path, monkeypatch, capsys):
+    """``--profile-steps``: after its levels each server is asked for a trace (the stand-in writes one, as
+    SGLang's /start_profile does) and its summary lands in the report and the log, per step."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    fake_py = tmp_path / "python"
+    fake_py.write_text(f"#!/bin/sh\nexec {sys.executable} {here}/standin_sglang_server.py \"$@\"\n")
+    fake_py.chmod(0o755)
+    state = tmp_path / "state"
+    state.mkdir()
+    monkeypatch.setenv("STANDIN_DIR", str(state))
+    monkeypatch.setattr(bench, "gpu_device_problem", lambda gpu: None)
+    monkeypatch.setattr(bench, "gpu_memory_mib", lambda gpu: (512.0, 81559.0))
+    for n in ("target", "drafter"):
+        (tmp_path / "tiny" / "dense" / n).mkdir(parents=True)
+    (tmp_path / "tiny" / "dense" / "target" / "config.json").write_text(json.dumps({"vocab_size": 512}))
+    (tmp_path / "tiny" / "dense" / "drafter" / "config.json").write_text(json.dumps({"block_size": 4}))
+    (tmp_path / "tiny" / "dense" / "prompts.jsonl").write_text("[1, 2, 3]\n[4, 5]\n")
+    out = tmp_path / "out"
+    code = bench.main(["--tiny", str(tmp_path / "tiny"), "--family", "dense", "--modes", "dflash,tree-verify",
+                       "--budgets", "7", "--concurrency", "1", "--max-new-tokens", "12", "--launcher", "process",
+                       "--python", str(fake_py), "--start-timeout", "30", "--request-timeout", "30",
+                       "--out", str(out), "--profile-steps", "3"])
+    logged = capsys.readouterr()
+    assert code == 0
+    doc = json.loads((out / "bench.json").read_text())
+    assert bench.validate_report(doc) == []
+    dfl, tv = doc["runs"]
+    for r in (dfl, tv):
+        p = r["profile"]
+        assert p["steps_for_per_step"] == 3 and p["totals_per_step"]["gpu_ms"] == 0.1
+        assert p["totals_per_step"]["launches"] == 1 and p["kernels"][0]["name"] == "standin_kernel"
+    assert dfl["profile"]["steps"] == 0 and tv["profile"]["steps"] == 3  # the plugin's own step count
+    assert "profile per step: span" in logged.out + logged.err and "standin_kernel 100us" in logged.out + logged.err
+    assert not (state / "running").exists()
+
+
+def test_profile_line_names_the_phases_and_the_heaviest_kernels():
+    p = {"totals_per_step": {"span_ms": 6.0, "gpu_ms": 1.5, "launches": 40, "graph_launches": 3, "syncs": 2},
+         "ranges": {"ddtree.commit": {"per_step": {"host_ms": 0.8, "gpu_ms": 0.05, "launches": 12}}},
+         "kernels": [{"name": "fused_recurrent_kernel", "per_step_us": 420.0}]}
+    line = bench.profile_line(p)
+    assert line.startswith("per step: span 6.000 ms, GPU busy 1.500 ms, 40 launches (3.0 graphs), 2.0 syncs")
+    assert "commit 0.80/0.050 ms 12L" in line and "fused_recurrent_kernel 420us" in line

@@ -1,4 +1,4 @@
-"""ddtree_checks.profile_step.summarize_trace on a trace in the Chrome-trace form torch.profiler writes (the
+"""sglang_ddtree.profile_step.summarize_trace on a trace in the Chrome-trace form torch.profiler writes (the
 event categories, names and correlation links of a real SGLang 0.5.17 trace on the H200): nested ranges,
 kernel launches, a CUDA-graph launch, a blocking copy and an aten::item sync."""
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "overlays" / "sglang-ddtree" / "gpu_checks"))
 
-from ddtree_checks.profile_step import summarize_trace  # noqa: E402
+from sglang_ddtree.profile_step import summarize_trace  # noqa: E402
 
 
 def _x(name, cat, ts, dur, tid=1, corr=None, pid=7):
@@ -60,3 +60,28 @@ def test_per_step_figures_by_range():
 def test_a_trace_without_ranges_is_an_empty_summary():
     out = summarize_trace({"traceEvents": [_x("k", "kernel", 0, 10, corr=1)]})
     assert out["steps"] == 0 and out["ranges"] == {} and out["gpu_ms_total"] == 0.01
+
+
+def test_whole_trace_totals_and_kernels_without_ranges():
+    """A server without the plugin's ranges (plain, SGLang's DFLASH) is measured the same way, per requested step."""
+    ev = [e for e in trace(steps=2)["traceEvents"] if not str(e.get("name", "")).startswith("ddtree.")]
+    out = summarize_trace({"traceEvents": ev}, steps_hint=2)
+    assert out["steps"] == 0 and out["steps_for_per_step"] == 2
+    t = out["totals_per_step"]
+    # per step: 3 kernel launches, 1 graph launch, 1 async copy; a blocking sync and an aten::item
+    assert t["launches"] == 5 and t["graph_launches"] == 1 and t["syncs"] == 2
+    assert abs(t["gpu_ms"] - (0.04 + 0.01 + 0.3 + 0.002 + 0.05)) < 1e-9
+    names = [k["name"] for k in out["kernels"]]
+    assert names[0] == "graph_kernel_a" and names[1] == "graph_kernel_b"  # a graph's kernels by their own names
+    assert out["kernels"][0]["per_step_us"] == 200.0 and out["kernels"][0]["calls_per_step"] == 1
+
+
+def test_range_top_kernels_are_inclusive():
+    r = summarize_trace(trace(steps=2))["ranges"]
+    assert r["ddtree.tree_verify"]["top_kernels"][0] == ["graph_kernel_a", 200.0]
+    assert [n for n, _ in r["ddtree.draft"]["top_kernels"]] == ["k1", "k2"]  # the child's kernel rolls up
+
+
+def test_long_kernel_names_are_cut():
+    ev = [_x("x" * 500, "kernel", 0, 10, corr=1)]
+    assert len(summarize_trace({"traceEvents": ev})["kernels"][0]["name"]) == 120

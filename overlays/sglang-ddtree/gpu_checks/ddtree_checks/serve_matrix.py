@@ -45,20 +45,24 @@ from .graph_check import GRAPHS_ON, _log_facts, _pair
 
 def _specs(family: str, paths: dict, quick: bool, a=None):
     t, d = paths["target"], paths["drafter"]
-    mf = a.mem_fraction
     blk = a.block
     g = GRAPHS_ON if a.graphs else ()
+    # The servers start side by side, and SGLang sizes its pools from the memory it finds free at start-up
+    # (budget = free - total * (1 - fraction)): uncapped, the first ones up take their whole budget and a later
+    # one finds none (on the H200, tree-verify B=31 started last and failed with "Not enough GPU memory for
+    # hybrid state cache"). Capped pools keep each server small, so a generous fraction fits them all.
+    caps = dict(mem_fraction=a.mem_fraction, max_total_tokens=a.max_total_tokens,
+                max_mamba_cache=max(48, 4 * a.concurrency) if family == "hybrid" else None)
     specs = {
-        "plain": (smoke.ServerSpec("plain", t, mem_fraction=mf, extra_args=g), {}),
-        "dflash": (smoke.ServerSpec("dflash", t, d, block=blk, mem_fraction=mf, extra_args=g), {}),
-        "shadow-linear B=15": (smoke.ServerSpec("shadow-linear", t, d, budget=15, block=blk, mem_fraction=mf,
-                                                extra_args=g), {}),
+        "plain": (smoke.ServerSpec("plain", t, extra_args=g, **caps), {}),
+        "dflash": (smoke.ServerSpec("dflash", t, d, block=blk, extra_args=g, **caps), {}),
+        "shadow-linear B=15": (smoke.ServerSpec("shadow-linear", t, d, budget=15, block=blk, extra_args=g, **caps),
+                               {}),
     }
     for b in ((15,) if quick else tuple(a.budgets)):
-        specs[f"tree-verify B={b}"] = (smoke.ServerSpec("tree-verify", t, d, budget=b, mem_fraction=mf,
-                                                        extra_args=g), {})
+        specs[f"tree-verify B={b}"] = (smoke.ServerSpec("tree-verify", t, d, budget=b, extra_args=g, **caps), {})
     if family == "hybrid":
-        specs["LEAKY tree-verify B=15"] = (smoke.ServerSpec("tree-verify", t, d, budget=15, mem_fraction=mf),
+        specs["LEAKY tree-verify B=15"] = (smoke.ServerSpec("tree-verify", t, d, budget=15, **caps),
                                            {"SGLANG_DDTREE_UNSAFE_CHAIN_STATE": "1"})
     return specs
 
@@ -141,7 +145,7 @@ def run_family(family: str, out: str, a) -> dict:
                     st["mean_shadow_tree_accept_length"] = round(sum(cap) / len(cap), 3) if cap else None
                     r[label] = st
                 t1 = time.time()
-                samp = smoke.generate(base, smoke.make_prompts(a.sampling_requests, seed=7), a.tokens,
+                samp = smoke.generate(base, [prompts[i % len(prompts)] for i in range(a.sampling_requests)], a.tokens,
                                       concurrency=a.concurrency, sampling={"temperature": 1.0, "top_p": 0.9})
                 r["sampling"] = {"requests": a.sampling_requests,
                                  "completed": sum(1 for g in samp if len(g["output_ids"]) == a.tokens),
@@ -180,7 +184,10 @@ def main(argv=None) -> int:
     ap.add_argument("--margin", type=float, default=smoke.DEFAULT_MARGIN)
     ap.add_argument("--start-timeout", type=float, default=300)
     ap.add_argument("--quick", action="store_true", help="B=15 only (a first look)")
-    ap.add_argument("--mem-fraction", type=float, default=0.05)
+    ap.add_argument("--mem-fraction", type=float, default=0.25,
+                    help="--mem-fraction-static of every server (default 0.25: the pools are capped, see below)")
+    ap.add_argument("--max-total-tokens", type=int, default=32768,
+                    help="each server's KV pool cap (default 32768: 8 requests of 4k tokens)")
     ap.add_argument("--server-args", default="", help="extra flags for every server (e.g. pool caps when many share a GPU)")
     ap.add_argument("--pairs", help="the training kit's DIR (DIR/FAMILY-{target,drafter}, DIR/prompts.jsonl) or "
                                     "DIR/FAMILY/{target,drafter}; default: the random tiny kit")

@@ -684,6 +684,8 @@ def run_bench(a, runs: List[RunSpec], prompts: List[List[int]], target: str, dra
                 log(f"    c={c}: {row['output_tok_s']} tok/s, accept {row['accept_length']}, "
                     f"ttft p50 {row['ttft_ms']['p50']} ms, itl p50 {row['itl_ms']['p50']} ms"
                     + (f", {row['errors']} errors ({row['first_error']})" if row["errors"] else ""))
+            if a.profile_steps:
+                _profile_run(a, entry, base, prompts, os.path.join(workdir, "prof-" + slug), log)
             failed = [lv for lv in entry["levels"] if lv["errors"]]
             entry["status"] = "failed" if failed else "ok"
             if failed:
@@ -700,6 +702,37 @@ def run_bench(a, runs: List[RunSpec], prompts: List[List[int]], target: str, dra
         if a.cold_warm and entry["status"] == "ok":
             _warm_restart(a, entry, argv, env, prompts, logdir, slug, log, baseline)
         save(doc)
+
+
+def profile_line(p: dict) -> str:
+    """One log line of a step profile: per step, the GPU's busy time against the span, launches, syncs, the
+    plugin's phases (host ms / GPU ms) where the server has them, and the heaviest kernels."""
+    t = p.get("totals_per_step") or {}
+    parts = [f"per step: span {t.get('span_ms', 0):.3f} ms, GPU busy {t.get('gpu_ms', 0):.3f} ms, "
+             f"{t.get('launches', 0):.0f} launches ({t.get('graph_launches', 0):.1f} graphs), {t.get('syncs', 0):.1f} syncs"]
+    for name in ("ddtree.draft", "ddtree.tree_verify", "ddtree.verify_forward", "ddtree.accept", "ddtree.commit",
+                 "ddtree.commit_recurrent_state", "ddtree.commit_draft_kv"):
+        ps = ((p.get("ranges") or {}).get(name) or {}).get("per_step")
+        if ps:
+            parts.append(f"{name[7:]} {ps['host_ms']:.2f}/{ps['gpu_ms']:.3f} ms {ps['launches']:.0f}L")
+    ks = p.get("kernels") or []
+    parts.append("top: " + ", ".join(f"{k['name'][:48]} {k.get('per_step_us', 0):.0f}us" for k in ks[:6]))
+    return "; ".join(parts)
+
+
+def _profile_run(a, entry: dict, base: str, prompts, out_dir: str, log) -> None:
+    """A torch-profiler trace of ``--profile-steps`` decode steps at one request (SGLang's /start_profile),
+    summarized into ``entry["profile"]`` (:mod:`sglang_ddtree.profile_step`); a failure is reported, not fatal."""
+    from .profile_step import profile_server
+
+    try:
+        entry["profile"] = profile_server(base, out_dir, a.profile_steps, prompts[0],
+                                          max_new=a.max_new_tokens, concurrency=1,
+                                          timeout=a.request_timeout)
+        log("    profile " + profile_line(entry["profile"]))
+    except Exception as e:  # noqa: BLE001 - the measured levels stand
+        entry["profile_error"] = f"{type(e).__name__}: {e}"[:1000]
+        log(f"    profile FAILED: {entry['profile_error'][:300]}")
 
 
 def _warm_restart(a, entry: dict, argv, env, prompts, logdir: str, slug: str, log, baseline: float) -> None:
@@ -751,6 +784,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--warmup-tokens", type=int, default=16, help="tokens of each warm-up request (0: none)")
     ap.add_argument("--gpu", type=int, default=0)
+    ap.add_argument("--profile-steps", type=int, default=0, metavar="N",
+                    help="after each server's levels, profile N decode steps at one request (torch profiler via "
+                         "SGLang's /start_profile) and keep the summary: per-step GPU time, launches, syncs, "
+                         "the plugin's phases, the heaviest kernels (default 0: no profile)")
     ap.add_argument("--cold-warm", action="store_true",
                     help="each server starts with empty JIT caches (Triton, FlashInfer, SGLang): time its first "
                          "request, then restart it on the filled caches and time the first request again")
