@@ -368,9 +368,9 @@ def test_cli_on_a_host_without_gpu_says_so_and_exits_2(tmp_path):
     assert bench.validate_report(doc) == []
 
 
-def test_a_whole_run_on_stand_in_servers_one_at_a_time(tmp_path, monkeypatch, capsys):
-    """The orchestration end to end on CPU: the stand-in (tests/plugin/standin_sglang_server.py, marked as such)
-    takes the place of SGLang's server and nvidia-smi's figures are patched in; everything else is the module's."""
+def _standin_bench(tmp_path, monkeypatch, prompts_jsonl: str):
+    """The bench's CPU set-up: a fake interpreter that runs the stand-in server (tests/plugin/standin_sglang_server.py,
+    marked as such), nvidia-smi's figures patched in, a dense tiny pair and its prompts. Returns (python, state dir)."""
     here = os.path.dirname(os.path.abspath(__file__))
     fake_py = tmp_path / "python"
     fake_py.write_text(f"#!/bin/sh\nexec {sys.executable} {here}/standin_sglang_server.py \"$@\"\n")
@@ -385,7 +385,14 @@ def test_a_whole_run_on_stand_in_servers_one_at_a_time(tmp_path, monkeypatch, ca
         (tmp_path / "tiny" / "dense" / n).mkdir(parents=True)
     (tmp_path / "tiny" / "dense" / "target" / "config.json").write_text(json.dumps({"vocab_size": 512}))
     (tmp_path / "tiny" / "dense" / "drafter" / "config.json").write_text(json.dumps({"block_size": 4}))
-    (tmp_path / "tiny" / "dense" / "prompts.jsonl").write_text("[1, 2, 3]\n[4, 5]\n[6]\n")  # nested layout
+    (tmp_path / "tiny" / "dense" / "prompts.jsonl").write_text(prompts_jsonl)
+    return fake_py, state
+
+
+def test_a_whole_run_on_stand_in_servers_one_at_a_time(tmp_path, monkeypatch, capsys):
+    """The orchestration end to end on CPU: the stand-in (tests/plugin/standin_sglang_server.py, marked as such)
+    takes the place of SGLang's server and nvidia-smi's figures are patched in; everything else is the module's."""
+    fake_py, state = _standin_bench(tmp_path, monkeypatch, "[1, 2, 3]\n[4, 5]\n[6]\n")  # nested layout
     out = tmp_path / "out"
     code = bench.main(["--tiny", str(tmp_path / "tiny"), "--family", "dense", "--modes", "plain,dflash,tree-verify",
                        "--budgets", "7", "--graphs", "both", "--concurrency", "1,4", "--max-new-tokens", "12",
@@ -545,20 +552,7 @@ def test_first_request_figures():
 def test_profile_steps_keeps_a_step_profile_of_every_server(tmp_path, monkeypatch, capsys):
     """``--profile-steps``: after its levels each server is asked for a trace (the stand-in writes one, as
     SGLang's /start_profile does) and its summary lands in the report and the log, per step."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    fake_py = tmp_path / "python"
-    fake_py.write_text(f"#!/bin/sh\nexec {sys.executable} {here}/standin_sglang_server.py \"$@\"\n")
-    fake_py.chmod(0o755)
-    state = tmp_path / "state"
-    state.mkdir()
-    monkeypatch.setenv("STANDIN_DIR", str(state))
-    monkeypatch.setattr(bench, "gpu_device_problem", lambda gpu: None)
-    monkeypatch.setattr(bench, "gpu_memory_mib", lambda gpu: (512.0, 81559.0))
-    for n in ("target", "drafter"):
-        (tmp_path / "tiny" / "dense" / n).mkdir(parents=True)
-    (tmp_path / "tiny" / "dense" / "target" / "config.json").write_text(json.dumps({"vocab_size": 512}))
-    (tmp_path / "tiny" / "dense" / "drafter" / "config.json").write_text(json.dumps({"block_size": 4}))
-    (tmp_path / "tiny" / "dense" / "prompts.jsonl").write_text("[1, 2, 3]\n[4, 5]\n")
+    fake_py, state = _standin_bench(tmp_path, monkeypatch, "[1, 2, 3]\n[4, 5]\n")
     out = tmp_path / "out"
     code = bench.main(["--tiny", str(tmp_path / "tiny"), "--family", "dense", "--modes", "dflash,tree-verify",
                        "--budgets", "7", "--concurrency", "1", "--max-new-tokens", "12", "--launcher", "process",

@@ -39,6 +39,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from sglang_ddtree import smoke
+from sglang_ddtree.bench import level_prompts
 
 from .graph_check import GRAPHS_ON, _log_facts, _pair
 
@@ -145,7 +146,7 @@ def run_family(family: str, out: str, a) -> dict:
                     st["mean_shadow_tree_accept_length"] = round(sum(cap) / len(cap), 3) if cap else None
                     r[label] = st
                 t1 = time.time()
-                samp = smoke.generate(base, [prompts[i % len(prompts)] for i in range(a.sampling_requests)], a.tokens,
+                samp = smoke.generate(base, level_prompts(prompts, a.sampling_requests, 1), a.tokens,
                                       concurrency=a.concurrency, sampling={"temperature": 1.0, "top_p": 0.9})
                 r["sampling"] = {"requests": a.sampling_requests,
                                  "completed": sum(1 for g in samp if len(g["output_ids"]) == a.tokens),
