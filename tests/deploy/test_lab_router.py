@@ -235,9 +235,13 @@ def test_a_failed_gate_rolls_back_drained_and_a_killed_server_is_dropped_within_
     load = loadgen.Load([(router_url(lab, "ct129"), KEY)], clients=8, total=10000, time_cap=60,
                         max_new_tokens=40).start()
     time.sleep(1.5)
-    running = ssh(lab, "ct129", f"python3 -c \"import urllib.request as u; print(u.urlopen('{url}/metrics').read()"
-                                ".decode())\" | grep '^sglang:num_running_reqs' | cut -d' ' -f2").stdout
-    ssh(lab, "ct129", "kill -9 $(systemctl show -p MainPID --value sglang-ddtree@gpu2)")
+    # the in-flight count and the kill in one remote command: read in two, clients started requests between them
+    # that the kill then cut (3 failed against a count of 2 in one CI run); what starts in the window is bounded
+    # by the requests the clients started while the command ran
+    ta = time.monotonic()
+    running = ssh(lab, "ct129", f"n=$(python3 -c \"import urllib.request as u; print(u.urlopen('{url}/metrics').read()"
+                                ".decode())\" | grep '^sglang:num_running_reqs' | cut -d' ' -f2); "
+                                "kill -9 $(systemctl show -p MainPID --value sglang-ddtree@gpu2) && echo $n").stdout
     t0 = time.monotonic()
     out_after = None
     while time.monotonic() - t0 < 10:
@@ -254,7 +258,8 @@ def test_a_failed_gate_rolls_back_drained_and_a_killed_server_is_dropped_within_
     print(f"SIGKILL ct129 gpu2 under load: it ran {running.strip()} request(s); router dropped it after "
           f"{out_after}s; {s}")
     assert out_after is not None and out_after <= 5.0
-    assert s["failed"] <= int(float(running.strip())) and not late, (s, running)
+    in_window = [x for x in load.results if ta <= x.start <= t0]
+    assert s["failed"] <= int(float(running.strip())) + len(in_window) and not late, (s, running, len(in_window))
 
 
 def test_a_gpu_removed_from_the_inventory_is_drained_out_of_the_running_router(env, fab):
