@@ -568,6 +568,9 @@ def test_profile_steps_keeps_a_step_profile_of_every_server(tmp_path, monkeypatc
         assert p["steps_for_per_step"] == 3 and p["totals_per_step"]["gpu_ms"] == 0.1
         assert p["totals_per_step"]["launches"] == 1 and p["kernels"][0]["name"] == "standin_kernel"
     assert dfl["profile"]["steps"] == 0 and tv["profile"]["steps"] == 3  # the plugin's own step count
+    # the raw traces stay beside the report, one folder a server
+    kept = sorted(p.parent.name for p in (out / "profiles").glob("*/**/*.json*"))
+    assert len(kept) == 2 and kept[0].endswith("dflash-4-e") and "tree-verify-7" in kept[1], kept
     assert "profile per step: span" in logged.out + logged.err and "standin_kernel 100us" in logged.out + logged.err
     assert not (state / "running").exists()
 
@@ -579,3 +582,6 @@ def test_profile_line_names_the_phases_and_the_heaviest_kernels():
     line = bench.profile_line(p)
     assert line.startswith("per step: span 6.000 ms, GPU busy 1.500 ms, 40 launches (3.0 graphs), 2.0 syncs")
     assert "commit 0.80/0.050 ms 12L" in line and "fused_recurrent_kernel 420us" in line
+    assert "GPU waits" not in line  # a summary from before the split says nothing of it
+    p["totals_per_step"].update(runtime_syncs=1.0, item_calls=1.5, host_items=0.5)
+    assert "2.0 syncs (1.0 GPU waits, 1.5 .item() of which 0.5 on host tensors)" in bench.profile_line(p)

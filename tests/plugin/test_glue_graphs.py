@@ -3,6 +3,7 @@ graph's replays and eager fallbacks in its ``DDTREE accept stats`` line), and co
 after a ``QLEN_ONLY`` compile being the FULL compile."""
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -60,10 +61,12 @@ def test_off_cuda_the_graph_is_the_function_itself():
 
 @pytest.mark.parametrize("v", ["0", "false", "off"])
 def test_env_switch(v):
-    assert not G.glue_graphs_enabled({G.GLUE_GRAPHS_ENV: v})
-    assert G.glue_graphs_enabled({})
-    with pytest.raises(ValueError):
-        G.glue_graphs_enabled({G.GLUE_GRAPHS_ENV: "maybe"})
+    assert not G.glue_graphs_enabled({G.GLUE_GRAPHS_ENV: v}) and G.glue_graph_level({G.GLUE_GRAPHS_ENV: v}) == 0
+    assert G.glue_graphs_enabled({}) and G.glue_graph_level({}) == 1  # the default: what was measured on the GPU
+    assert G.glue_graphs_enabled({G.GLUE_GRAPHS_ENV: "2"}) and G.glue_graph_level({G.GLUE_GRAPHS_ENV: " 2 "}) == 2
+    for bad in ("maybe", "3", "-1"):
+        with pytest.raises(ValueError, match="must be 0, 1 or 2"):
+            G.glue_graphs_enabled({G.GLUE_GRAPHS_ENV: bad})
 
 
 def _trees(seed=0, n=3, depth=7, v=40, b=15):
@@ -84,6 +87,16 @@ def test_qlen_compile_then_full_layout_equals_the_full_compile():
         assert torch.equal(w.draft_token, full.draft_token) and torch.equal(w.positions, full.positions)
     with pytest.raises(ValueError):
         C.with_full_mask(full, prefix)
+    # glue level 2: the scatter index comes with the QLEN_ONLY compile (inside graph 1), the same mask after it
+    qi = C.compile_tree(tree, bonus, prefix, mask_mode=C.QLEN_ONLY, full_index=True)
+    d = q.draft_token_num
+    assert qi.full_mask_index.shape == (3 * d * d,) and q.full_mask_index is None
+    assert torch.equal(qi.full_mask_index, C.full_mask_index(prefix, d))
+    assert C.compile_tree(tree, bonus, prefix, mask_mode=C.FULL_MASK, full_index=True).full_mask_index is None
+    for s in (None, int(prefix.sum())):
+        assert torch.equal(C.with_full_mask(qi, prefix, s).custom_mask, full.custom_mask)
+    # the index is the prefix's alone: another step's lengths with the same trees move it
+    assert not torch.equal(C.full_mask_index(prefix + 1, d), qi.full_mask_index)
 
 
 def test_accept_stats_keep_their_own_copy_of_the_first_counts():
@@ -240,3 +253,75 @@ def test_the_two_glue_halves_are_the_steps_they_stand_for():
     assert torch.equal(counts, S.tree_accept_counts(tree.ranks, acc, num, vin.max_tree_depth))
     assert G.same(c, S.commit_from_accept(predicts=predicts, accept_index=acc, accept_token_num=num, d=d,
                                           prefix=prefix, window_locs=window, draft_window_ids=window, out_width=d))
+
+
+def test_the_accept_can_carry_the_recurrent_commits_indices():
+    """Glue level 2: accept_commit(recurrent=True) computes the recurrent commit's indices (the deepest accepted
+    node's slot, the tracked state's slot) in the accept, equal to what the commit computed eagerly, int32 as
+    SGLang's scatter reads them, and replayable as graph outputs (a stand-in graph here)."""
+    from sglang_ddtree import step as S
+    from sglang_ddtree.indexing import recurrent_state_step
+    from sglang_ddtree.tree import rank_draft_tokens
+
+    g = torch.Generator().manual_seed(9)
+    lp = torch.log_softmax(torch.randn(3, 7, 50, generator=g) * 3, -1).double()
+    vals, ids = rank_draft_tokens(lp, 15)
+    bonus = torch.tensor([3, 4, 5])
+    tree, vin = S.tree_verify_inputs(vals, ids, bonus, torch.tensor([10, 2, 7]), 15, 2)
+    d = vin.draft_token_num
+    window = torch.arange(3 * d).view(3, d) + 100
+
+    def accept(prefix, pred, interval):
+        predicts, acc, num = S.tree_accept_greedy_reference(vin.draft_token.view(3, d), vin.retrieve_index,
+                                                            vin.retrieve_next_token, vin.retrieve_next_sibling,
+                                                            pred, vin.max_tree_depth + 1)
+        return S.accept_commit(predicts, acc, num, tree.ranks, prefix, window, window, vin.max_tree_depth,
+                               recurrent=True, track_interval=interval)
+
+    # the target agrees with the first branch for a while (deep accepts), then with nothing
+    pred = torch.roll(vin.draft_token.view(3, d), -1, 1)
+    crossed = 0
+    for prefix in (torch.tensor([10, 2, 7]), torch.tensor([15, 13, 1])):
+        for interval in (0, 4):
+            _, c = accept(prefix, pred, interval)
+            eager_state = recurrent_state_step(c.accept_slots, c.accept_length)
+            assert c.recurrent_step.dtype == torch.int32 and torch.equal(c.recurrent_step.long(), eager_state)
+            assert torch.equal(c.state_step.long(), eager_state)
+            if interval == 0:
+                assert c.track_steps is None
+                continue
+            eager_track = S.mamba_track_steps(prefix, prefix + c.commit_lens.long(), c.commit_lens, interval,
+                                              c.accept_slots, c.accept_length)
+            assert c.track_steps.dtype == torch.int32 and torch.equal(c.track_steps.long(), eager_track)
+            crossed += int((eager_track >= 0).sum())
+    assert crossed > 0  # a track boundary fell inside an accepted path: the case the indices are for
+    # without recurrent=True the commit is what it was (the indices stay in the commit, eager)
+    predicts, acc, num = S.tree_accept_greedy_reference(vin.draft_token.view(3, d), vin.retrieve_index,
+                                                        vin.retrieve_next_token, vin.retrieve_next_sibling, pred,
+                                                        vin.max_tree_depth + 1)
+    _, plain = S.accept_commit(predicts, acc, num, tree.ranks, torch.tensor([10, 2, 7]), window, window,
+                               vin.max_tree_depth)
+    assert plain.recurrent_step is None and plain.track_steps is None
+    # as graph outputs: captured once, replayed for other prefixes, equal to the eager accept every time
+    dev = _StandInGraphs()
+    gg = G.GlueGraph("accept_commit", lambda p, t: accept(p, t, 4), device=dev)
+    for prefix in (torch.tensor([10, 2, 7]), torch.tensor([15, 13, 1]), torch.tensor([3, 8, 12])):
+        out = gg(prefix, pred)
+        assert G.same(out, accept(prefix, pred, 4)) and out[1].track_steps is not None
+    assert dev.captures == 1 and dev.replays == 2 and gg.stats()["failures"] == 0
+
+
+def test_level_two_takes_the_mask_index_and_the_recurrent_indices_off_the_eager_path():
+    """benchmarks/glue_launches.py's count (ATen ops that reach a kernel, views left out): at glue level 2 the
+    FULL-mask write after graph 1 is its fill and its scatter alone, and the recurrent commit runs no index op."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "glue_launches.py"
+    spec = importlib.util.spec_from_file_location("glue_launches", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    for bs, b in ((1, 15), (4, 31)):
+        r = mod.case(bs, b, 16, 8)
+        (f1, f2), (r1, r2) = r["full_mask"], r["recurrent"]
+        assert f2 == ["ones", "index_put_"] and len(f1) > 10 and f1[-1] == "index_put_", f1
+        assert r2 == [] and {"gather", "where"} <= set(r1), r1

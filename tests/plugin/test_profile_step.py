@@ -46,7 +46,8 @@ def test_per_step_figures_by_range():
     assert out["steps"] == 2
     r = out["ranges"]
     d, df, tv = r["ddtree.draft"], r["ddtree.draft_forward"], r["ddtree.tree_verify"]
-    assert df["per_step"] == {"host_ms": 0.1, "launches": 1, "graph_launches": 0, "syncs": 0, "gpu_ms": 0.04}
+    assert df["per_step"] == {"host_ms": 0.1, "launches": 1, "graph_launches": 0, "syncs": 0, "runtime_syncs": 0,
+                              "item_calls": 0, "host_items": 0, "gpu_ms": 0.04}
     # inclusive: the draft range holds its child's launch, its own launch and both host syncs
     assert d["per_step"]["launches"] == 2 and d["per_step"]["syncs"] == 2
     assert abs(d["per_step"]["gpu_ms"] - 0.05) < 1e-9
@@ -55,6 +56,22 @@ def test_per_step_figures_by_range():
     assert abs(tv["per_step"]["gpu_ms"] - 0.302) < 1e-9
     # work on another thread belongs to no range, but the trace's GPU total has it
     assert abs(out["gpu_ms_total"] - 2 * (0.04 + 0.01 + 0.3 + 0.002 + 0.05)) < 1e-9
+
+
+def test_scalar_reads_are_told_apart_from_the_gpu_waits():
+    """A device .item() (item > _local_scalar_dense > copy + stream sync) is one GPU wait and one scalar read,
+    though the combined ``syncs`` counts it three times; a host tensor's .item() has no wait inside it."""
+    ev = [_x("ddtree.draft", "user_annotation", 0, 1000),
+          _x("aten::item", "cpu_op", 100, 50), _x("aten::_local_scalar_dense", "cpu_op", 105, 40),
+          _x("cudaMemcpyAsync", "cuda_runtime", 110, 5, corr=1), _x("cudaStreamSynchronize", "cuda_runtime", 120, 10),
+          _x("aten::item", "cpu_op", 300, 10), _x("aten::_local_scalar_dense", "cpu_op", 302, 5),  # host tensor
+          _x("aten::_local_scalar_dense", "cpu_op", 500, 5),  # called alone: still one read
+          _x("cudaStreamSynchronize", "cuda_runtime", 700, 10)]  # a wait of its own (e.g. .tolist())
+    out = summarize_trace({"traceEvents": ev})
+    d = out["ranges"]["ddtree.draft"]["per_step"]
+    assert (d["syncs"], d["runtime_syncs"], d["item_calls"], d["host_items"]) == (7, 2, 3, 2)
+    t = out["totals_per_step"]
+    assert (t["syncs"], t["runtime_syncs"], t["item_calls"], t["host_items"]) == (7, 2, 3, 2)
 
 
 def test_a_trace_without_ranges_is_an_empty_summary():

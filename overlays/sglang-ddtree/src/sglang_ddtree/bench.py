@@ -685,7 +685,10 @@ def run_bench(a, runs: List[RunSpec], prompts: List[List[int]], target: str, dra
                     f"ttft p50 {row['ttft_ms']['p50']} ms, itl p50 {row['itl_ms']['p50']} ms"
                     + (f", {row['errors']} errors ({row['first_error']})" if row["errors"] else ""))
             if a.profile_steps:
-                _profile_run(a, entry, base, prompts, os.path.join(workdir, "prof-" + slug), log)
+                # with --out the raw trace stays beside the report (the summary says what; the trace says where)
+                _profile_run(a, entry, base, prompts,
+                             os.path.join(a.out, "profiles", slug) if a.out else os.path.join(workdir, "prof-" + slug),
+                             log)
             failed = [lv for lv in entry["levels"] if lv["errors"]]
             entry["status"] = "failed" if failed else "ok"
             if failed:
@@ -709,7 +712,9 @@ def profile_line(p: dict) -> str:
     plugin's phases (host ms / GPU ms) where the server has them, and the heaviest kernels."""
     t = p.get("totals_per_step") or {}
     parts = [f"per step: span {t.get('span_ms', 0):.3f} ms, GPU busy {t.get('gpu_ms', 0):.3f} ms, "
-             f"{t.get('launches', 0):.0f} launches ({t.get('graph_launches', 0):.1f} graphs), {t.get('syncs', 0):.1f} syncs"]
+             f"{t.get('launches', 0):.0f} launches ({t.get('graph_launches', 0):.1f} graphs), {t.get('syncs', 0):.1f} syncs"
+             + (f" ({t['runtime_syncs']:.1f} GPU waits, {t.get('item_calls', 0):.1f} .item() of which "
+                f"{t.get('host_items', 0):.1f} on host tensors)" if "runtime_syncs" in t else "")]
     for name in ("ddtree.draft", "ddtree.tree_verify", "ddtree.verify_forward", "ddtree.accept", "ddtree.commit",
                  "ddtree.commit_recurrent_state", "ddtree.commit_draft_kv"):
         ps = ((p.get("ranges") or {}).get(name) or {}).get("per_step")
@@ -726,6 +731,9 @@ def _profile_run(a, entry: dict, base: str, prompts, out_dir: str, log) -> None:
     from .profile_step import profile_server
 
     try:
+        os.makedirs(out_dir, exist_ok=True)
+        if a.user:  # the server writes the trace, as that user
+            shutil.chown(out_dir, user=a.user)
         entry["profile"] = profile_server(base, out_dir, a.profile_steps, prompts[0],
                                           max_new=a.max_new_tokens, concurrency=1,
                                           timeout=a.request_timeout)
@@ -787,7 +795,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--profile-steps", type=int, default=0, metavar="N",
                     help="after each server's levels, profile N decode steps at one request (torch profiler via "
                          "SGLang's /start_profile) and keep the summary: per-step GPU time, launches, syncs, "
-                         "the plugin's phases, the heaviest kernels (default 0: no profile)")
+                         "the plugin's phases, the heaviest kernels (default 0: no profile); with --out the "
+                         "traces are kept in OUT/profiles/")
     ap.add_argument("--cold-warm", action="store_true",
                     help="each server starts with empty JIT caches (Triton, FlashInfer, SGLang): time its first "
                          "request, then restart it on the filled caches and time the first request again")

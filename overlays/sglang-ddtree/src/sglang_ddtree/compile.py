@@ -37,7 +37,8 @@ import torch
 
 from .tree import TreeBatch
 
-__all__ = ["FULL_MASK", "QLEN_ONLY", "VerifyInputs", "ancestor_mask", "compile_tree", "full_mask_layout", "with_full_mask"]
+__all__ = ["FULL_MASK", "QLEN_ONLY", "VerifyInputs", "ancestor_mask", "compile_tree", "full_mask_index",
+           "full_mask_layout", "with_full_mask"]
 
 FULL_MASK = "full"
 QLEN_ONLY = "qlen"
@@ -57,6 +58,9 @@ class VerifyInputs:
     topk: int
     max_tree_depth: int
     mask_mode: str
+    # int64 [N*D*D]: where the tree part of each row goes in the FULL layout (a function of the prefix lengths
+    # only, so a QLEN_ONLY compile inside a CUDA graph can carry it and the FULL write after it is two launches)
+    full_mask_index: Optional[torch.Tensor] = None
 
 
 def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
@@ -95,6 +99,7 @@ def compile_tree(
     mask_mode: str = FULL_MASK,
     prefix_lens_sum: Optional[int] = None,
     topk: int = 2,
+    full_index: bool = False,
 ) -> VerifyInputs:
     """Build SGLang verify inputs for a batch of trees.
 
@@ -102,7 +107,8 @@ def compile_tree(
     root).  ``prefix_lens``: int ``[N]`` committed sequence lengths *before* the
     verify tokens (SGLang's ``seq_lens``).  ``prefix_lens_sum``: pass the host-side
     sum (SGLang has ``seq_lens_sum``) to avoid a device sync when building the
-    FULL_MASK layout.
+    FULL_MASK layout.  ``full_index`` (``QLEN_ONLY`` only): also the FULL layout's scatter index
+    (:func:`full_mask_index`), for :func:`with_full_mask`.
     """
     if topk < 2:
         raise ValueError("DDTree verify must report topk >= 2 so SGLang takes its tree paths")
@@ -140,27 +146,38 @@ def compile_tree(
         topk=int(topk),
         max_tree_depth=int(tree.max_depth),
         mask_mode=mask_mode,
+        full_mask_index=full_mask_index(prefix, d) if full_index and mask_mode == QLEN_ONLY else None,
     )
 
 
-def full_mask_layout(tree_mask: torch.Tensor, prefix_lens: torch.Tensor, prefix_lens_sum: Optional[int] = None):
+def full_mask_index(prefix_lens: torch.Tensor, d: int) -> torch.Tensor:
+    """int64 ``[N*D*D]``: the flat FULL_MASK position of each ``[N, D, D]`` tree-mask entry (row ``r`` of
+    request ``n`` starts at ``D * sum(prefix[:n]) + n*D*D + r * (prefix[n] + D)``; its tree part after the
+    ``prefix[n]`` prefix columns). Fixed shape for a batch size, no host sync."""
+    prefix = prefix_lens.to(torch.int64).view(-1)
+    n, dev = prefix.shape[0], prefix.device
+    req_start = d * (torch.cumsum(prefix, 0) - prefix) + torch.arange(n, device=dev) * d * d
+    row_len = prefix + d  # [N]
+    r = torch.arange(d, device=dev)
+    idx = req_start.view(n, 1, 1) + r.view(1, d, 1) * row_len.view(n, 1, 1) + prefix.view(n, 1, 1) + r.view(1, 1, d)
+    return idx.reshape(-1)
+
+
+def full_mask_layout(tree_mask: torch.Tensor, prefix_lens: torch.Tensor, prefix_lens_sum: Optional[int] = None,
+                     index: Optional[torch.Tensor] = None):
     """The FULL_MASK layout (see the module docstring) of ``[N, D, D]`` ancestor-or-self masks.
 
     Its size depends on ``sum(prefix_lens)``, so it is the one piece of a compile that a fixed-shape CUDA graph
-    cannot hold: the glue graph captures everything else (:func:`compile_tree` with ``QLEN_ONLY``) and this
-    runs after it (:func:`with_full_mask`). ``prefix_lens_sum``: the host-side sum, to avoid a device sync."""
+    cannot hold: the glue graph captures everything else (:func:`compile_tree` with ``QLEN_ONLY``, and with
+    ``full_index`` the scatter ``index`` of :func:`full_mask_index`) and this runs after it
+    (:func:`with_full_mask`). ``prefix_lens_sum``: the host-side sum, to avoid a device sync."""
     n, d, _ = tree_mask.shape
     dev = tree_mask.device
     prefix = prefix_lens.to(device=dev, dtype=torch.int64).view(n)
     total = int(prefix.sum().item()) if prefix_lens_sum is None else int(prefix_lens_sum)
     total = total * d + n * d * d
     custom_mask = torch.ones(total, dtype=torch.bool, device=dev)
-    # start of request n: D * sum(prefix[:n]) + n * D * D
-    req_start = d * (torch.cumsum(prefix, 0) - prefix) + torch.arange(n, device=dev) * d * d
-    row_len = prefix + d  # [N]
-    r = torch.arange(d, device=dev)
-    idx = req_start.view(n, 1, 1) + r.view(1, d, 1) * row_len.view(n, 1, 1) + prefix.view(n, 1, 1) + r.view(1, 1, d)
-    custom_mask[idx.reshape(-1)] = tree_mask.reshape(-1)
+    custom_mask[full_mask_index(prefix, d) if index is None else index] = tree_mask.reshape(-1)
     return custom_mask
 
 
@@ -171,5 +188,6 @@ def with_full_mask(vin: VerifyInputs, prefix_lens: torch.Tensor, prefix_lens_sum
 
     if vin.mask_mode != QLEN_ONLY:
         raise ValueError(f"with_full_mask expects a QLEN_ONLY compile, got {vin.mask_mode!r}")
-    return dataclasses.replace(vin, custom_mask=full_mask_layout(vin.tree_mask, prefix_lens, prefix_lens_sum),
+    return dataclasses.replace(vin, custom_mask=full_mask_layout(vin.tree_mask, prefix_lens, prefix_lens_sum,
+                                                                 vin.full_mask_index),
                                mask_mode=FULL_MASK)

@@ -19,7 +19,8 @@ dicts and dataclasses of them, plus Python constants):
 
 Replayed outputs live in the graph's static buffers and are overwritten by the next replay of the same key:
 a caller clones what outlives the step (:func:`clone_out`). Off CUDA (CPU tests) or when disabled it is
-``fn`` itself. ``SGLANG_DDTREE_GLUE_GRAPHS=0`` disables every glue graph (A/B runs).
+``fn`` itself. ``SGLANG_DDTREE_GLUE_GRAPHS=0`` disables every glue graph (A/B runs); ``=2`` also captures the
+pieces of :data:`GLUE_LEVELS` that have not been measured on a GPU yet.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
-__all__ = ["GLUE_GRAPHS_ENV", "GlueGraph", "CudaGraphs", "glue_graphs_enabled", "clone_out", "flatten", "unflatten",
+__all__ = ["GLUE_GRAPHS_ENV", "GlueGraph", "CudaGraphs", "glue_graph_level", "glue_graphs_enabled", "clone_out", "flatten", "unflatten",
            "same"]
 
 logger = logging.getLogger(__name__)
@@ -40,11 +41,22 @@ GLUE_GRAPHS_ENV = "SGLANG_DDTREE_GLUE_GRAPHS"
 MAX_KEYS = 64  # batch sizes a server sees are bounded by --max-running-requests; this bounds memory too
 
 
-def glue_graphs_enabled(environ=None) -> bool:
+# What each level of SGLANG_DDTREE_GLUE_GRAPHS captures (the worker reads glue_graph_level):
+# 0 nothing (every glue op eager), 1 the two glue graphs as measured on the H200 (the default), 2 also the
+# FULL mask's scatter index (into graph 1) and the recurrent commit's indices (into graph 2) - about 40 fewer
+# eager launches a step on 0.5.17 hybrid, opt-in until it has been measured on the GPU.
+GLUE_LEVELS = {"0": 0, "off": 0, "false": 0, "1": 1, "on": 1, "true": 1, "": 1, "2": 2}
+
+
+def glue_graph_level(environ=None) -> int:
     v = (environ if environ is not None else os.environ).get(GLUE_GRAPHS_ENV, "1").strip().lower()
-    if v not in ("0", "1", "false", "true", "off", "on", ""):
-        raise ValueError(f"{GLUE_GRAPHS_ENV} must be 0 or 1, got {v!r}")
-    return v in ("1", "true", "on", "")
+    if v not in GLUE_LEVELS:
+        raise ValueError(f"{GLUE_GRAPHS_ENV} must be 0, 1 or 2, got {v!r}")
+    return GLUE_LEVELS[v]
+
+
+def glue_graphs_enabled(environ=None) -> bool:
+    return glue_graph_level(environ) >= 1
 
 
 # ----- outputs as leaves (tensors are captured buffers, the rest constants) -------------------------

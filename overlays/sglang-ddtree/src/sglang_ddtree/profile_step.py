@@ -14,6 +14,13 @@ Per range the summary gives, per step: host wall time (the range's CPU duration)
 ``aten::_local_scalar_dense`` calls) and the GPU time of the kernels those launches ran (matched by the
 trace's correlation ids; a graph launch's kernels count for the range that launched the graph).  A
 runtime call is attributed to the innermost range that encloses it on the same thread.
+
+``syncs`` adds every runtime wait and every scalar read, so a device ``.item()`` (an ``aten::item`` around
+``aten::_local_scalar_dense`` around a copy and a ``cudaStreamSynchronize``) counts two or three times and a
+host tensor's ``.item()`` (no GPU wait at all) once; it is kept as it was, comparable with earlier runs.
+Apart from it: ``runtime_syncs`` (the runtime's waits: what stalls the host on the GPU), ``item_calls``
+(scalar reads, an ``aten::item`` and its inner ``_local_scalar_dense`` once) and ``host_items`` (those of them
+with no runtime wait inside: host tensors, Python overhead only).
 """
 
 from __future__ import annotations
@@ -33,6 +40,24 @@ LAUNCH_PREFIXES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaMemcpyAsync", "cud
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
+COUNTS = ("launches", "graph_launches", "syncs", "runtime_syncs", "item_calls", "host_items")
+
+
+def _scalar_reads(ops: List[dict], runtime: List[dict]):
+    """The ids of the scalar-read events that are calls (an ``aten::item`` or a ``_local_scalar_dense`` outside
+    one: one per ``.item()``), and of those with no runtime wait inside them on their thread (host tensors)."""
+    def inside(e, outer):
+        return (e.get("pid"), e.get("tid")) == (outer.get("pid"), outer.get("tid")) and \
+            float(outer["ts"]) <= float(e.get("ts", 0)) <= float(outer["ts"]) + float(outer.get("dur", 0))
+
+    items = [e for e in ops if e.get("name") == "aten::item"]
+    calls = items + [e for e in ops if e.get("name") != "aten::item" and not any(inside(e, i) for i in items)]
+    waits = [e for e in runtime if str(e.get("name", "")).startswith(SYNC_RUNTIME)
+             and not str(e.get("name", "")).startswith("cudaMemcpyAsync")]
+    host = {id(c) for c in calls if not any(inside(w, c) for w in waits)}
+    return {id(c) for c in calls}, host
+
+
 def _events(trace) -> List[dict]:
     ev = trace.get("traceEvents", trace) if isinstance(trace, dict) else trace
     return [e for e in ev if isinstance(e, dict) and e.get("ph") == "X"]
@@ -49,6 +74,7 @@ def summarize_trace(trace, prefix: str = "ddtree.", steps_hint: int = 0, top: in
     ranges = [e for e in ev if e.get("cat") in ("user_annotation", "cpu_op") and str(e.get("name", "")).startswith(prefix)]
     runtime = [e for e in ev if e.get("cat") in ("cuda_runtime", "cuda_driver")]
     ops = [e for e in ev if e.get("cat") == "cpu_op" and e.get("name") in SYNC_OPS]
+    items, host_items = _scalar_reads(ops, runtime)
     gpu = {}
     gpu_names: Dict[object, Dict[str, float]] = {}
     kernels: Dict[str, List[float]] = {}
@@ -86,7 +112,8 @@ def summarize_trace(trace, prefix: str = "ddtree.", steps_hint: int = 0, top: in
 
     def slot(name):
         return stats.setdefault(name, {"calls": 0, "host_ms": 0.0, "launches": 0, "graph_launches": 0,
-                                       "syncs": 0, "gpu_ms": 0.0})
+                                       "syncs": 0, "runtime_syncs": 0, "item_calls": 0, "host_items": 0,
+                                       "gpu_ms": 0.0})
 
     for r in ranges:
         s = slot(r["name"])
@@ -98,11 +125,14 @@ def summarize_trace(trace, prefix: str = "ddtree.", steps_hint: int = 0, top: in
         r = innermost(e)
         if r is None:
             continue
-        st = self_stats.setdefault(id(r), {"r": r, "launches": 0, "graph_launches": 0, "syncs": 0, "gpu_ms": 0.0,
+        st = self_stats.setdefault(id(r), {"r": r, "launches": 0, "graph_launches": 0, "syncs": 0,
+                                           "runtime_syncs": 0, "item_calls": 0, "host_items": 0, "gpu_ms": 0.0,
                                            "kernels": {}})
         name = str(e.get("name", ""))
         if e.get("cat") == "cpu_op":
             st["syncs"] += 1
+            st["item_calls"] += id(e) in items
+            st["host_items"] += id(e) in host_items
             continue
         if name.startswith(LAUNCH_PREFIXES):
             st["launches"] += 1
@@ -110,6 +140,7 @@ def summarize_trace(trace, prefix: str = "ddtree.", steps_hint: int = 0, top: in
                 st["graph_launches"] += 1
         if name.startswith(SYNC_RUNTIME) and not name.startswith("cudaMemcpyAsync"):
             st["syncs"] += 1
+            st["runtime_syncs"] += 1
         c = (e.get("args") or {}).get("correlation")
         if c is not None:
             st["gpu_ms"] += gpu.get(c, 0.0) / 1000.0
@@ -121,7 +152,7 @@ def summarize_trace(trace, prefix: str = "ddtree.", steps_hint: int = 0, top: in
         for a in by_thread.get((r.get("pid"), r.get("tid")), ()):  # r itself and every range enclosing it
             if float(a["ts"]) <= t0 and t1 <= float(a["ts"]) + float(a.get("dur", 0)):
                 s = slot(a["name"])
-                for k in ("launches", "graph_launches", "syncs"):
+                for k in COUNTS:
                     s[k] += st[k]
                 s["gpu_ms"] += st["gpu_ms"]
                 kk = s.setdefault("_kernels", {})
@@ -131,10 +162,11 @@ def summarize_trace(trace, prefix: str = "ddtree.", steps_hint: int = 0, top: in
     per = steps or steps_hint
     launches = sum(1 for e in runtime if str(e.get("name", "")).startswith(LAUNCH_PREFIXES))
     graphs = sum(1 for e in runtime if str(e.get("name", "")).startswith("cudaGraphLaunch"))
-    syncs = sum(1 for e in runtime if str(e.get("name", "")).startswith(SYNC_RUNTIME)
-                and not str(e.get("name", "")).startswith("cudaMemcpyAsync")) + len(ops)
-    totals = {"launches": launches, "graph_launches": graphs, "syncs": syncs, "gpu_ms": gpu_total / 1000.0,
-              "span_ms": ((last - first) / 1000.0) if first is not None else 0.0}
+    runtime_syncs = sum(1 for e in runtime if str(e.get("name", "")).startswith(SYNC_RUNTIME)
+                        and not str(e.get("name", "")).startswith("cudaMemcpyAsync"))
+    totals = {"launches": launches, "graph_launches": graphs, "syncs": runtime_syncs + len(ops),
+              "runtime_syncs": runtime_syncs, "item_calls": len(items), "host_items": len(host_items),
+              "gpu_ms": gpu_total / 1000.0, "span_ms": ((last - first) / 1000.0) if first is not None else 0.0}
     out = {"steps": steps, "gpu_ms_total": round(gpu_total / 1000.0, 3), "ranges": {},
            "totals": {k: round(v, 3) for k, v in totals.items()}}
     if per:
@@ -149,8 +181,7 @@ def summarize_trace(trace, prefix: str = "ddtree.", steps_hint: int = 0, top: in
         row = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in s.items()}
         row["top_kernels"] = [[n, round(d / (steps or 1), 2)] for n, d in sorted(kk.items(), key=lambda kv: -kv[1])[:8]]
         if steps:
-            row["per_step"] = {k: round(s[k] / steps, 4) for k in ("host_ms", "launches", "graph_launches",
-                                                                    "syncs", "gpu_ms")}
+            row["per_step"] = {k: round(s[k] / steps, 4) for k in ("host_ms",) + COUNTS + ("gpu_ms",)}
         out["ranges"][name] = row
     return out
 

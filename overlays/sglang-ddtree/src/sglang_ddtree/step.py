@@ -319,10 +319,16 @@ class StepCommit:
     append_positions: torch.Tensor  # int64 [N*M]
     verify_window_locs: torch.Tensor  # [N, D] the verify window's KV locations in slot order (input)
     d: int
+    # The recurrent commit's indices, where the accept computed them (accept_commit(recurrent=True)): int32 [N]
+    # verify slot whose state is committed, and int32 [N] slot of the tracked state (-1: none; track_interval)
+    recurrent_step: Optional[torch.Tensor] = None
+    track_steps: Optional[torch.Tensor] = None
 
     # Derived on first use only: a decode step is launch-bound and the workers read none of these.
     @functools.cached_property
-    def state_step(self) -> torch.Tensor:  # int64 [N] verify slot whose recurrent state is committed
+    def state_step(self) -> torch.Tensor:  # [N] verify slot whose recurrent state is committed
+        if self.recurrent_step is not None:
+            return self.recurrent_step
         return recurrent_state_step(self.accept_slots, self.accept_length)
 
     @functools.cached_property
@@ -369,25 +375,36 @@ def commit_from_accept(
 
 
 def tree_verify_inputs(cand_logprobs: torch.Tensor, cand_ids: torch.Tensor, bonus: torch.Tensor,
-                       prefix: torch.Tensor, budget: int, topk: int):
+                       prefix: torch.Tensor, budget: int, topk: int, full_index: bool = False):
     """The tree over the drafter's candidates and its verify inputs with the ``QLEN_ONLY`` mask: the part of a
     compile whose shapes the batch size fixes (the worker's first glue graph; the FULL mask, sized by the prefix
-    lengths, is ``compile.with_full_mask`` after it). Returns ``(tree, VerifyInputs)``."""
+    lengths, is ``compile.with_full_mask`` after it; ``full_index``: with its scatter index computed here).
+    Returns ``(tree, VerifyInputs)``."""
     from .compile import QLEN_ONLY, compile_tree
 
     tree = build_tree_from_candidates(cand_logprobs, cand_ids, budget)
-    return tree, compile_tree(tree, bonus, prefix, mask_mode=QLEN_ONLY, topk=topk)
+    return tree, compile_tree(tree, bonus, prefix, mask_mode=QLEN_ONLY, topk=topk, full_index=full_index)
 
 
 def accept_commit(predict: torch.Tensor, accept_index: torch.Tensor, accept_num: torch.Tensor, ranks: torch.Tensor,
-                  prefix: torch.Tensor, window_locs: torch.Tensor, draft_window_ids: torch.Tensor, max_depth: int):
+                  prefix: torch.Tensor, window_locs: torch.Tensor, draft_window_ids: torch.Tensor, max_depth: int,
+                  recurrent: bool = False, track_interval: int = 0):
     """A step's accept counters and its commit from the tree accept's outputs (greedy kernel or sampling alike):
-    ``(tree_accept_counts, StepCommit)``; ``ranks`` / ``window_locs`` / ``draft_window_ids``: ``[N, D]``."""
+    ``(tree_accept_counts, StepCommit)``; ``ranks`` / ``window_locs`` / ``draft_window_ids``: ``[N, D]``.
+
+    ``recurrent``: also the recurrent commit's indices (``StepCommit.recurrent_step``, and with a
+    ``track_interval`` > 0 ``track_steps``: :func:`mamba_track_steps` from ``prefix`` to the new lengths), int32
+    as SGLang's scatter kernels read them, so a glue graph replays them instead of ~25 eager launches."""
     d = int(ranks.shape[1])
     counts = tree_accept_counts(ranks, accept_index, accept_num, max_depth)
-    return counts, commit_from_accept(predicts=predict, accept_index=accept_index, accept_token_num=accept_num, d=d,
-                                      prefix=prefix, window_locs=window_locs, draft_window_ids=draft_window_ids,
-                                      out_width=d)
+    c = commit_from_accept(predicts=predict, accept_index=accept_index, accept_token_num=accept_num, d=d,
+                           prefix=prefix, window_locs=window_locs, draft_window_ids=draft_window_ids, out_width=d)
+    if recurrent:
+        c.recurrent_step = recurrent_state_step(c.accept_slots, c.accept_length).to(torch.int32)
+        if track_interval > 0:
+            c.track_steps = mamba_track_steps(prefix.to(torch.int64), c.new_seq_lens, c.commit_lens,
+                                              int(track_interval), c.accept_slots, c.accept_length).to(torch.int32)
+    return counts, c
 
 
 def gather_hidden_for_append(hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

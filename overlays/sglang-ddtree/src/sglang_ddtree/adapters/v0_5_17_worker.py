@@ -168,10 +168,13 @@ class DDTreeWorker(DDTreeWorkerBase):
 
     def _ddtree_commit_recurrent_state(self, batch, new_seq_lens, c) -> None:
         self._commit_tree_recurrent_state(batch, self._seq_lens_pre_verify, new_seq_lens, c.commit_lens,
-                                          c.accept_slots, c.accept_length)
+                                          c.accept_slots, c.accept_length, c.recurrent_step, c.track_steps)
 
     def _ddtree_mamba_track_interval(self, batch) -> int:
         return int(get_exec().mamba.mamba_track_interval)
+
+    def _ddtree_glue_track_interval(self) -> int:
+        return int(get_exec().mamba.mamba_track_interval or 0)  # fixed at start (server args)
 
     def _ddtree_result_extra(self, target_out) -> dict:
         return {}

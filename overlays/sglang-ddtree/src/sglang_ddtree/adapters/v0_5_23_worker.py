@@ -215,6 +215,9 @@ class DDTreeWorker(DDTreeWorkerBase):
     def _ddtree_mamba_track_interval(self, batch) -> int:
         return mamba_track_grid(batch.tree_cache.page_size)
 
+    def _ddtree_glue_track_interval(self):
+        return None  # the grid depends on each batch's tree cache: the commit computes the indices (eager)
+
     def _ddtree_result_extra(self, target_out) -> dict:
         return {"routed_experts_output": target_out.routed_experts_output,
                 "indexer_topk_output": target_out.indexer_topk_output}

@@ -82,6 +82,10 @@ release's internals differ there, nothing else does:
   :meth:`DDTreeWorkerBase._commit_tree_recurrent_state`: 0.5.17 directly, with
   ``get_exec().mamba``'s interval; 0.5.23 through DFlash's overridden
   ``_update_target_mamba_state_after_verify``, with ``mamba_track_grid``;
+* ``_ddtree_glue_track_interval`` - the track interval before any batch, so the
+  accept's glue graph can compute the recurrent commit's indices (glue level 2):
+  0.5.17's ``get_exec().mamba`` is fixed at start; 0.5.23's grid depends on the
+  batch's tree cache: ``None`` (they stay in the commit, eager);
 * ``_ddtree_result_extra`` - 0.5.23's result also carries the routed-experts /
   indexer outputs.
 
@@ -131,7 +135,7 @@ from ..step import (
     merge_vocab_shards,
     tree_verify_inputs,
 )
-from ..glue_graphs import GlueGraph, glue_graphs_enabled
+from ..glue_graphs import GlueGraph, glue_graph_level
 from ..tree_sampling import max_bytes_from_env, sample_tree_accept
 from . import common
 
@@ -214,9 +218,15 @@ class DDTreeWorkerBase(DFlashWorkerV2):
                                                 int(os.environ.get(STATS_EVERY_ENV, "50") or 50))
             # The step's own glue, replayed from CUDA graphs per batch size (glue_graphs.py). One GPU only:
             # with tensor parallelism the drafter's top-K all-gathers across ranks, kept eager.
-            glue = glue_graphs_enabled() and int(getattr(server_args, "tp_size", 1) or 1) == 1
-            self._glue_build = GlueGraph("build", self._glue_build_fn, enabled=glue)
-            self._glue_commit = GlueGraph("accept_commit", self._glue_commit_fn, enabled=glue)
+            level = glue_graph_level() if int(getattr(server_args, "tp_size", 1) or 1) == 1 else 0
+            self._glue_build = GlueGraph("build", self._glue_build_fn, enabled=level >= 1)
+            self._glue_commit = GlueGraph("accept_commit", self._glue_commit_fn, enabled=level >= 1)
+            # Level 2 (opt-in until measured on the GPU): the FULL mask's scatter index in graph 1 and, where the
+            # adapter knows the track interval up front, the recurrent commit's indices in graph 2.
+            self._glue_full_index = level >= 2
+            self._glue_track_interval = self._ddtree_glue_track_interval() if level >= 2 else None
+        else:
+            self._glue_full_index, self._glue_track_interval = False, None
         logger.info("DDTreeWorker (SGLang %s adapter): %s, drafter block %d", adapter.VERSION, self.ddtree,
                     int(self.block_size))
 
@@ -452,7 +462,7 @@ class DDTreeWorkerBase(DFlashWorkerV2):
         with record_function("ddtree.draft_topk"), self._ddtree_draft_tp():
             lp, ids = self._draft_candidates(hidden.reshape(-1, h), self._ddtree_lm_head(), k)
         return tree_verify_inputs(lp.view(bs, depths, k), ids.view(bs, depths, k), bonus, prefix,
-                                  self.ddtree.budget, self.ddtree.topk)
+                                  self.ddtree.budget, self.ddtree.topk, full_index=self._glue_full_index)
 
     def _glue_commit_fn(self, target_predict, candidates, retrieve_index, retrieve_next_token,
                         retrieve_next_sibling, ranks, prefix, window, draft_window_ids, req_pool_indices):
@@ -476,9 +486,16 @@ class DDTreeWorkerBase(DFlashWorkerV2):
             topk=int(self.ddtree.topk),
         )
         counts, c = accept_commit(predict, accept_index, accept_num, ranks, prefix, window, draft_window_ids,
-                                  self.accept_stats.max_depth)
+                                  self.accept_stats.max_depth, **self._recurrent_commit_args())
         self._write_window(prefix, req_pool_indices, c.window_locs, d)
         return predict, accept_index, accept_num, counts, c
+
+    def _recurrent_commit_args(self) -> dict:
+        """accept_commit's recurrent-index arguments: computed in the accept (glue graph 2) when the glue level
+        and the adapter allow it (``_glue_track_interval`` not None) and the target has recurrent layers."""
+        if self._glue_track_interval is None or not self._need_mamba_verify_commit:
+            return {}
+        return {"recurrent": True, "track_interval": int(self._glue_track_interval)}
 
     def _write_window(self, prefix, req_pool_indices, window_locs, d: int) -> None:
         """The accepted path becomes the sequence: the step's permuted window into req_to_token."""
@@ -511,7 +528,10 @@ class DDTreeWorkerBase(DFlashWorkerV2):
                 **self._ddtree_verify_input_extra(draft, d),
             )
         batch.out_cache_loc = draft.window[:, :d].reshape(-1)
-        self._seq_lens_pre_verify = batch.seq_lens.clone() if self._need_mamba_verify_commit else None
+        # The recurrent commit's chain-order track steps start from these lengths (not needed where the accept
+        # computes them from the same prefix: glue level 2)
+        self._seq_lens_pre_verify = batch.seq_lens.clone() \
+            if self._need_mamba_verify_commit and self._glue_track_interval is None else None
         cpu_backup, sum_backup = batch.seq_lens_cpu, batch.seq_lens_sum
         reserved_cpu, reserved_sum = self._ddtree_reserved_seq_lens(draft_input)
         if cpu_backup is not None:
@@ -577,17 +597,19 @@ class DDTreeWorkerBase(DFlashWorkerV2):
         self._ddtree_sync_sampled(predict, accept_index, accept_num)
         return predict, accept_index, accept_num
 
-    def _commit_tree_recurrent_state(self, batch, seq_lens_pre, seq_lens_post, commit_lens, slots, length) -> None:
+    def _commit_tree_recurrent_state(self, batch, seq_lens_pre, seq_lens_post, commit_lens, slots, length,
+                                     state_step=None, track_steps=None) -> None:
         """Commit the recurrent state of each request's deepest accepted node (and the tracked
-        states where a track boundary falls inside the accepted path)."""
+        states where a track boundary falls inside the accepted path). ``state_step`` / ``track_steps``: those
+        indices as the accept computed them (``StepCommit.recurrent_step`` / ``track_steps``), else here."""
         backend = self.target_worker.model_runner.attn_backend
         steps_to_track = None
         if batch.mamba_track_indices is not None:
-            steps_to_track = mamba_track_steps(
+            steps_to_track = track_steps if track_steps is not None else mamba_track_steps(
                 seq_lens_pre, seq_lens_post, commit_lens, self._ddtree_mamba_track_interval(batch), slots, length,
             )
         backend.update_mamba_state_after_mtp_verify(
-            last_correct_step_indices=recurrent_state_step(slots, length),
+            last_correct_step_indices=state_step if state_step is not None else recurrent_state_step(slots, length),
             mamba_track_indices=batch.mamba_track_indices,
             mamba_steps_to_track=steps_to_track,
             model=self.target_worker.model_runner.model,

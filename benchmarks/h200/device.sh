@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# On the lent H200, from the repository root (the device tool's `run`): one step of a measuring session.
+# Every step writes what it measured under $OUT (at most 8 files of 16 MiB come back) and prints a summary.
+#   install BATCH...          carried wheel batches (.gpu/A ...; benchmarks/h200/batches.sh) into /tmp/site
+#   setup                     the plugin of this checkout into /tmp/site; SGLang and the plugin import
+#   glue                      python -m ddtree_checks.glue_check (no SGLang server)     -> $OUT/glue_check.txt
+#   kit                       train the tiny pairs (trainkit, seed 0, 180 s) into /tmp/tiny -> $OUT/kit-*.tgz
+#   unkit                     a carried kit (.gpu/kit/kit-*.tgz, prompts.jsonl, manifest.json) into /tmp/tiny
+#   bench FAMILY MODES BUDGETS CONC [GLUE]
+#                             python -m sglang_ddtree.bench, each server alone, graphs on, --profile-steps 20,
+#                             SGLANG_DDTREE_GLUE_GRAPHS=GLUE (default 1)  -> $OUT/bench-FAMILY-gGLUE.{json,txt,png}
+#                             and the logs and the DDTREE servers' traces -> $OUT/bench-FAMILY-gGLUE-raw.tgz
+#   matrix FAMILY BUDGETS     python -m ddtree_checks.serve_matrix (item 6, 64 x 128, conc 1 and 8)
+#                             -> $OUT/matrix-FAMILY.{json,txt}
+# The call sequence and what each takes: benchmarks/h200/README.md.
+set -u
+SITE=${SITE:-/tmp/site}  # the install target (kept while the machine stays warm)
+export PYTHONPATH=$SITE:$PWD/overlays/sglang-ddtree/gpu_checks SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT" "$SITE"
+step=${1:?step: install, setup, glue, kit, unkit, bench or matrix}; shift
+# never `pkill -f sglang.launch_server`: the pattern is in this shell's own command line when a caller passes it
+stop_servers() { pkill -f "[s]glang.launch_server" 2>/dev/null; sleep 2; pkill -9 -f "[s]glang.launch_server" 2>/dev/null; true; }
+case "$step" in
+  install)
+    set -o pipefail
+    for b in "$@"; do
+      [ -d "$b" ] || { echo "no batch $b here: name it in the call's carry" >&2; exit 2; }
+      for t in "$b"/*.tgz; do [ -e "$t" ] || continue; tar xzf "$t" -C "$SITE" || exit 1; done
+      if ls "$b"/*.whl >/dev/null 2>&1; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+          "$b"/*.whl 2>&1 | { grep -v WARNING || true; } | tail -3 || { echo "pip install of $b failed" >&2; exit 1; }
+      fi
+    done
+    echo "installed $* ($(ls "$SITE" | wc -l) entries in $SITE)";;
+  setup)
+    python3 -m pip install -q --no-deps --no-build-isolation --no-compile --upgrade --target "$SITE" \
+      ./overlays/sglang-ddtree 2>&1 | grep -v WARNING | tail -3
+    rm -rf overlays/sglang-ddtree/build
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+    python3 -c "import torch, triton, sglang, sgl_kernel, sglang_ddtree, transformers; \
+print('torch', torch.__version__, 'triton', triton.__version__, 'sglang', sglang.__version__, \
+'transformers', transformers.__version__, 'plugin', sglang_ddtree.__file__)";;
+  glue)
+    set -o pipefail
+    timeout 300 python3 -m ddtree_checks.glue_check 2>&1 | tee "$OUT/glue_check.txt";;
+  kit)
+    set -o pipefail
+    rm -rf /tmp/tiny
+    timeout 500 python3 -m sglang_ddtree.trainkit /tmp/tiny --seed 0 --device cuda --drafter-chain-target 4.0 \
+      2>&1 | tee "$OUT/trainkit.log" | tail -25 || exit 1
+    for f in hybrid dense; do tar czf "$OUT/kit-$f.tgz" -C /tmp tiny/$f-target tiny/$f-drafter; done
+    cp /tmp/tiny/prompts.jsonl "$OUT/" 2>/dev/null; cp /tmp/tiny/manifest.json "$OUT/" 2>/dev/null
+    ls -la "$OUT";;
+  unkit)
+    mkdir -p /tmp/tiny
+    for t in .gpu/kit/kit-*.tgz; do tar xzf "$t" -C /tmp; done
+    cp .gpu/kit/prompts.jsonl .gpu/kit/manifest.json /tmp/tiny/ 2>/dev/null
+    ls /tmp/tiny;;
+  bench)
+    fam=${1:?FAMILY} modes=${2:?MODES} budgets=${3:?BUDGETS} conc=${4:?CONC} glue=${5:-1}
+    o=/tmp/b-$fam-g$glue
+    rm -rf "$o"
+    set -o pipefail
+    SGLANG_DDTREE_GLUE_GRAPHS=$glue timeout "${BENCH_TIMEOUT:-570}" python3 -m sglang_ddtree.bench --tiny /tmp/tiny \
+      --family "$fam" --launcher process --out "$o" --modes "$modes" --budgets "$budgets" --graphs on \
+      --concurrency "$conc" --max-new-tokens 128 --requests 16 --profile-steps 20 2>&1 | tee "$OUT/bench-$fam-g$glue.log"
+    rc=$?
+    stop_servers
+    for x in json txt png; do cp "$o/bench.$x" "$OUT/bench-$fam-g$glue.$x" 2>/dev/null; done
+    # the raw traces of the DDTREE servers (the ones whose host time is being cut), within what comes back
+    (cd "$o" && tar czf "$OUT/bench-$fam-g$glue-raw.tgz" logs $(ls -d profiles/*tree-verify* 2>/dev/null))
+    [ "$(stat -c %s "$OUT/bench-$fam-g$glue-raw.tgz")" -lt 16000000 ] || \
+      (cd "$o" && tar czf "$OUT/bench-$fam-g$glue-raw.tgz" logs)
+    exit $rc;;
+  matrix)
+    fam=${1:?FAMILY} budgets=${2:?BUDGETS}
+    set -o pipefail
+    timeout "${MATRIX_TIMEOUT:-570}" python3 -m ddtree_checks.serve_matrix --out "/tmp/m-$fam" --work "/tmp/sm-$fam" \
+      --pairs /tmp/tiny --block 16 --graphs --budgets $budgets --prompts 64 --tokens 128 --concurrency 8 \
+      --families "$fam" 2>&1 | tail -60
+    rc=$?
+    stop_servers
+    cp "/tmp/m-$fam/serve_matrix.json" "$OUT/matrix-$fam.json" 2>/dev/null
+    cp "/tmp/m-$fam/serve_matrix.txt" "$OUT/matrix-$fam.txt" 2>/dev/null
+    exit $rc;;
+  *) echo "unknown step $step" >&2; exit 2;;
+esac
