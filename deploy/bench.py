@@ -176,6 +176,7 @@ class BenchPlan:
     prompts: list | None = field(default=None, repr=False)
     prompts_source: str = "random"
     warnings: tuple = ()
+    rounds: int = 1  # the whole list this many times over, a fresh server each time (medians reported)
 
     def agent_args(self) -> dict:
         return {"gpu": self.gpu, "modes": list(self.modes), "budgets": list(self.budgets),
@@ -183,7 +184,7 @@ class BenchPlan:
                 "max_new_tokens": self.max_new_tokens, "requests": self.requests, "num_prompts": self.num_prompts,
                 "prompt_len": self.prompt_len, "seed": self.seed, "tiny": self.tiny, "model": self.model,
                 "draft_model": self.draft_model, "venv": self.venv, "user": self.user, "prefix": self.prefix,
-                "server_args": list(self.server_args), "prompts": self.prompts}
+                "server_args": list(self.server_args), "prompts": self.prompts, "rounds": self.rounds}
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -197,11 +198,13 @@ def plan_bench(host: Host, probe: dict, *, gpu: int | None = None, modes_: tuple
                max_new_tokens: int = DEFAULTS["max_new_tokens"], requests: int | None = None,
                num_prompts: int = DEFAULTS["num_prompts"], prompt_len: int = DEFAULTS["prompt_len"],
                seed: int = DEFAULTS["seed"], prompts: list | None = None, prompts_source: str = "random",
-               server_args: tuple = (), deadline: float = 3600.0) -> BenchPlan:
+               server_args: tuple = (), deadline: float = 3600.0, rounds: int = 1) -> BenchPlan:
     """The benchmark run for `host` from its inventory entry and a `release.probe` result. Raises BenchRefused."""
     gpu, svc = smokemod.gpu_and_service(host, gpu, BenchRefused, "pass --gpu (and --tiny)")
     if graphs not in ("on", "off", "both"):
         raise BenchRefused(f"--graphs {graphs!r}: on, off or both")
+    if not (type(rounds) is int and 1 <= rounds <= 20):
+        raise BenchRefused(f"--rounds {rounds!r}: 1 to 20")
     if family is not None and family not in ("hybrid", "dense"):
         raise BenchRefused(f"--family {family!r}: hybrid or dense")
     if not probe.get("current"):
@@ -256,7 +259,7 @@ def plan_bench(host: Host, probe: dict, *, gpu: int | None = None, modes_: tuple
                      # the service's own extra_args, then --server-args (last, so the operator's word wins)
                      server_args=(tuple(svc.extra_args) if svc is not None and not tiny else ()) + tuple(server_args),
                      deadline=float(deadline), prompts=prompts, prompts_source=prompts_source,
-                     warnings=tuple(warnings))
+                     warnings=tuple(warnings), rounds=rounds)
 
 
 # ----------------------------------------------------------------------------- the report, hostile
@@ -321,10 +324,15 @@ def parse_report(doc) -> dict:
             if bad:
                 p.append(f"{lw}: {', '.join(sorted(set(bad)))} out of range or of the wrong type")
                 continue
+            tr = lv.get("tok_s_rounds")
+            if tr is not None and not (isinstance(tr, list) and 1 <= len(tr) <= 20 and all(map(_nonneg, tr))):
+                p.append(f"{lw}.tok_s_rounds must be a list of 1-20 non-negative numbers")
+                continue
             out_levels.append({k: lv[k] for k in ("concurrency", "requests", "errors", "output_tokens", "output_tok_s",
                                                   "wall_s", "accept_length")}
                               | {k: {"p50": lv[k]["p50"], "p99": lv[k]["p99"]} for k in ("ttft_ms", "itl_ms")}
-                              | {"first_error": _text(lv.get("first_error"), 300)})
+                              | {"first_error": _text(lv.get("first_error"), 300)}
+                              | ({"tok_s_rounds": list(tr)} if tr is not None else {}))
         out_runs.append({"mode": mode, "budget": budget if mode in ("tree-verify", "shadow-linear") else None,
                          "block": block, "graphs": graphs, "status": r.get("status"), "error": _text(r.get("error")),
                          "levels": out_levels})

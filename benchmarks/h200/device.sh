@@ -8,7 +8,8 @@
 #   unkit                     a carried kit (.gpu/kit/kit-*.tgz, prompts.jsonl, manifest.json) into /tmp/tiny
 #   bench FAMILY MODES BUDGETS CONC [GLUE]
 #                             python -m sglang_ddtree.bench, each server alone, graphs on, --profile-steps 20,
-#                             SGLANG_DDTREE_GLUE_GRAPHS=GLUE (default 1)  -> $OUT/bench-FAMILY-gGLUE.{json,txt,png}
+#                             SGLANG_DDTREE_GLUE_GRAPHS=GLUE (default 1), --rounds $ROUNDS (default 1)
+#                                                         -> $OUT/bench-FAMILY-gGLUE.{json,txt,png}
 #                             and the logs and the DDTREE servers' traces -> $OUT/bench-FAMILY-gGLUE-raw.tgz
 #   matrix FAMILY BUDGETS     python -m ddtree_checks.serve_matrix (item 6, 64 x 128, conc 1 and 8)
 #                             -> $OUT/matrix-FAMILY.{json,txt}
@@ -65,7 +66,8 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'sglang', sglang
     set -o pipefail
     SGLANG_DDTREE_GLUE_GRAPHS=$glue timeout "${BENCH_TIMEOUT:-570}" python3 -m sglang_ddtree.bench --tiny /tmp/tiny \
       --family "$fam" --launcher process --out "$o" --modes "$modes" --budgets "$budgets" --graphs on \
-      --concurrency "$conc" --max-new-tokens 128 --requests 16 --profile-steps 20 2>&1 | tee "$OUT/bench-$fam-g$glue.log"
+      --concurrency "$conc" --max-new-tokens 128 --requests 16 --profile-steps 20 --rounds "${ROUNDS:-1}" \
+      2>&1 | tee "$OUT/bench-$fam-g$glue.log"
     rc=$?
     stop_servers
     for x in json txt png; do cp "$o/bench.$x" "$OUT/bench-$fam-g$glue.$x" 2>/dev/null; done

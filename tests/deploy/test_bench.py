@@ -80,6 +80,7 @@ def test_plan_takes_the_service_its_models_block_and_extra_args(tmp_path):
     ({"server_args": ("--host", "0.0.0.0")}, {}, "the deploy tool sets --host itself"),
     ({"server_args": ("--api-key", "x")}, {}, "passes a secret"),
     ({"graphs": "sometimes"}, {}, "on, off or both"),
+    ({"rounds": 0}, {}, "--rounds 0: 1 to 20"), ({"rounds": 21}, {}, "1 to 20"),
     ({"tiny": True}, {"configs": {}}, "no readable config.json"),
 ])
 def test_plan_refusals(tmp_path, kw, pr, msg):
@@ -147,6 +148,15 @@ def test_the_plugins_report_passes_the_control_sides_check():
     assert pb.validate_report(doc) == []
     got = bench.parse_report(json.loads(json.dumps(doc)))
     assert got["runs"][0]["levels"][0]["accept_length"] == pytest.approx(8 / 3, abs=1e-3)
+    # --rounds: the median round's row with every round's tok/s, kept on the control side too
+    lv = pb.median_round([pb.aggregate_level(recs, w, 1) for w in (0.05, 0.04, 0.06)])
+    doc["runs"][0]["levels"] = [lv]
+    assert pb.validate_report(doc) == []
+    kept = bench.parse_report(json.loads(json.dumps(doc)))["runs"][0]["levels"][0]
+    assert kept["tok_s_rounds"] == lv["tok_s_rounds"] and kept["output_tok_s"] == sorted(lv["tok_s_rounds"])[1]
+    doc["runs"][0]["levels"][0]["tok_s_rounds"] = ["fast"]
+    with pytest.raises(bench.BadReport, match="tok_s_rounds"):
+        bench.parse_report(doc)
     assert bench.REPORT_SCHEMA == pb.SCHEMA
 
 
@@ -401,7 +411,7 @@ def inventory_for_args():
     ({"draft_model": None}, "needs draft_model"), ({"server_args": ["a b"]}, "plain words"),
     ({"server_args": ["--x;rm"]}, "plain words"), ({"prefix": "ddtree-smoke-0123456789ab"}, "ddtree-bench-"),
     ({"user": "r oot"}, "plain user name"), ({"prompts": [[1, -1]]}, "token ids"), ({"prompts": []}, "1-4096"),
-    ({"tiny": "moe"}, "tiny must be"),
+    ({"tiny": "moe"}, "tiny must be"), ({"rounds": 0}, "rounds must be"), ({"rounds": True}, "rounds must be"),
 ])
 def test_host_op_refuses_bad_arguments(kw, msg):
     with pytest.raises(Failure, match=msg):
@@ -426,6 +436,10 @@ def test_host_op_command_line_is_what_the_plugins_parser_reads():
     ns = pb.parse_args(hostbench.bench_argv("/py", t, "/r", 60, "/w")[3:])
     assert (ns.tiny_train, ns.family, ns.model) == (True, "dense", None)
     assert copy.deepcopy(a) == a  # check_args changed nothing
+    assert pb.parse_args(hostbench.bench_argv("/py", t, "/r", 60, "/w")[3:]).rounds == 1
+    r = agent_args(rounds=3)
+    hostbench.check_args(r)
+    assert pb.parse_args(hostbench.bench_argv("/py", r, "/r", 60, "/w")[3:]).rounds == 3
 
 
 def test_smoke_of_an_auto_service_runs_the_mode_the_last_deploy_chose(tmp_path):

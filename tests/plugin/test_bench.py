@@ -389,6 +389,13 @@ def _standin_bench(tmp_path, monkeypatch, prompts_jsonl: str):
     return fake_py, state
 
 
+def _standin_main(tmp_path, fake_py, out, *args) -> int:
+    """bench.main on _standin_bench's set-up (the dense tiny pair, process launcher) with ``args`` after."""
+    return bench.main(["--tiny", str(tmp_path / "tiny"), "--family", "dense", "--launcher", "process",
+                       "--python", str(fake_py), "--start-timeout", "30", "--request-timeout", "30",
+                       "--out", str(out), *args])
+
+
 def test_a_whole_run_on_stand_in_servers_one_at_a_time(tmp_path, monkeypatch, capsys):
     """The orchestration end to end on CPU: the stand-in (tests/plugin/standin_sglang_server.py, marked as such)
     takes the place of SGLang's server and nvidia-smi's figures are patched in; everything else is the module's."""
@@ -554,10 +561,8 @@ def test_profile_steps_keeps_a_step_profile_of_every_server(tmp_path, monkeypatc
     SGLang's /start_profile does) and its summary lands in the report and the log, per step."""
     fake_py, state = _standin_bench(tmp_path, monkeypatch, "[1, 2, 3]\n[4, 5]\n")
     out = tmp_path / "out"
-    code = bench.main(["--tiny", str(tmp_path / "tiny"), "--family", "dense", "--modes", "dflash,tree-verify",
-                       "--budgets", "7", "--concurrency", "1", "--max-new-tokens", "12", "--launcher", "process",
-                       "--python", str(fake_py), "--start-timeout", "30", "--request-timeout", "30",
-                       "--out", str(out), "--profile-steps", "3"])
+    code = _standin_main(tmp_path, fake_py, out, "--modes", "dflash,tree-verify", "--budgets", "7",
+                         "--concurrency", "1", "--max-new-tokens", "12", "--profile-steps", "3")
     logged = capsys.readouterr()
     assert code == 0
     doc = json.loads((out / "bench.json").read_text())
@@ -585,3 +590,45 @@ def test_profile_line_names_the_phases_and_the_heaviest_kernels():
     assert "GPU waits" not in line  # a summary from before the split says nothing of it
     p["totals_per_step"].update(runtime_syncs=1.0, item_calls=1.5, host_items=0.5)
     assert "2.0 syncs (1.0 GPU waits, 1.5 .item() of which 0.5 on host tensors)" in bench.profile_line(p)
+
+
+def test_median_round_takes_one_real_round_and_keeps_every_rounds_figure():
+    lv = lambda t, e=0: {"concurrency": 1, "output_tok_s": t, "accept_length": t / 100, "errors": e,
+                         "first_error": "boom" if e else None}
+    m = bench.median_round([lv(700.0), lv(650.0), lv(760.0)])
+    assert m["output_tok_s"] == 700.0 and m["accept_length"] == 7.0 and m["round"] == 0  # one round's row, whole
+    assert m["tok_s_rounds"] == [700.0, 650.0, 760.0] and m["tok_s_spread"] == round(110 / 700, 4)
+    even = bench.median_round([lv(700.0), lv(650.0, e=1)])
+    assert even["output_tok_s"] == 650.0 and even["errors"] == 1 and even["first_error"] == "boom"  # lower median
+    assert bench.median_round([lv(5.0)]) == lv(5.0)  # one round: the row as measured
+    entry = {"rounds": [{"status": "ok", "error": None, "levels": [lv(1.0)]},
+                        {"status": "failed", "error": "server exited", "levels": []}]}
+    bench._merge_rounds(entry)
+    assert entry["status"] == "failed" and entry["error"] == "round 2 of 2: server exited"
+    assert entry["levels"][0]["tok_s_rounds"] == [1.0]
+
+
+def test_rounds_run_the_whole_list_again_with_fresh_servers(tmp_path, monkeypatch, capsys):
+    """--rounds 2: A B, A B (a fresh stand-in server each time, one at a time); each level's row is a median
+    round with every round's tok/s, the table shows them, the report passes its schema."""
+    fake_py, state = _standin_bench(tmp_path, monkeypatch, "[1, 2, 3]\n[4, 5]\n")
+    out = tmp_path / "out"
+    code = _standin_main(tmp_path, fake_py, out, "--modes", "plain,tree-verify", "--budgets", "7",
+                         "--concurrency", "1,2", "--max-new-tokens", "8", "--rounds", "2")
+    table = capsys.readouterr().out
+    assert code == 0
+    assert not (state / "overlap").exists() and not (state / "running").exists()
+    doc = json.loads((out / "bench.json").read_text())
+    assert bench.validate_report(doc) == [] and doc["settings"]["rounds"] == 2
+    for r in doc["runs"]:
+        assert len(r["rounds"]) == 2 and all(x["status"] == "ok" for x in r["rounds"])
+        for i, lv in enumerate(r["levels"]):
+            per = [x["levels"][i]["output_tok_s"] for x in r["rounds"]]
+            assert lv["tok_s_rounds"] == per and lv["output_tok_s"] == min(per)  # the lower of two
+    argvs = (state / "argv.jsonl").read_text().splitlines()
+    assert len(argvs) == 4  # two servers, twice
+    assert sorted(os.listdir(out / "logs")) == ["00-plain-0-e-r2.log", "00-plain-0-e.log",
+                                                "01-tree-verify-7-e-r2.log", "01-tree-verify-7-e.log"]
+    assert "tok/s rounds" in table and "spread" in table
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--tiny-random", "--rounds", "0"])

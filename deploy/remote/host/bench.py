@@ -59,6 +59,7 @@ def check_args(a):
     _int(a, "num_prompts", 1, PROMPTS_MAX)
     _int(a, "prompt_len", 1, 8192)
     _int(a, "seed", 0, 2 ** 31)
+    _int(a, "rounds", 1, 20, optional=True)
     if a.get("user") is not None and not USER_RE.match(a["user"]):
         raise Failure("bad-args", "user must be a plain user name")
     if not PREFIX_RE.match(a.get("prefix") or ""):
@@ -100,6 +101,8 @@ def bench_argv(python, a, report, runtime_max, work):
         argv += ["--model", a["model"]] + (["--draft-model", a["draft_model"]] if a.get("draft_model") else [])
     if a.get("requests"):
         argv += ["--requests", str(a["requests"])]
+    if a.get("rounds") and a["rounds"] > 1:
+        argv += ["--rounds", str(a["rounds"])]
     if a.get("prompts") is not None:
         argv += ["--prompts", work + "/prompts.json"]
     if a.get("server_args"):

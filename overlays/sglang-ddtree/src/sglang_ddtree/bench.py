@@ -27,6 +27,10 @@ the largest concurrency).  A server that refuses to start (today DDTREE tree-ver
 recorded as a failed run with the reason and its log tail, and the others still run.  ``--server-args`` words
 are appended to every server's command line (last, so they win).
 
+``--rounds N`` runs the whole list N times over (a fresh server each time; a level's row is its median round,
+with every round's tok/s in ``tok_s_rounds``): on the H200's host the same step's host time differed by ~30%
+between two servers started one after the other, more than the gaps being measured.
+
 Each level is preceded by ``c`` unmeasured warm-up requests of ``--warmup-tokens`` tokens at that concurrency
 (Triton compiles per batch shape); a level sends ``max(--requests, c)`` requests (prompts reused in order).
 
@@ -454,6 +458,9 @@ def validate_report(doc) -> List[str]:
                 d = lv.get(k)
                 if not (isinstance(d, dict) and _is_num(d.get("p50")) and _is_num(d.get("p99"))):
                     errs.append(f"{w}.{k} must be {{p50, p99}} of non-negative numbers or null")
+            tr = lv.get("tok_s_rounds")
+            if tr is not None and not (isinstance(tr, list) and tr and all(_is_num(x, allow_none=False) for x in tr)):
+                errs.append(f"{w}.tok_s_rounds must be a non-empty list of non-negative numbers")
     return errs
 
 
@@ -485,15 +492,23 @@ def _f(v, nd=1) -> str:
 def format_table(doc: dict) -> str:
     """The report as a fixed-width text table (one line per mode/budget/graphs and concurrency)."""
     head = ("run", "conc", "req", "tok/s", "accept", "ttft p50", "ttft p99", "itl p50", "itl p99")
+    rounds = any(r.get("tok_s_rounds") for r in rows(doc))
+    if rounds:  # --rounds: the median round's row, and every round's tok/s beside it
+        head += ("tok/s rounds",)
     lines, notes = [], []
     for r in rows(doc):
         if "failed" in r:
-            lines.append((r["label"], "-", "-", "FAILED", "", "", "", "", ""))
+            lines.append((r["label"], "-", "-", "FAILED", "", "", "", "", "") + (("",) if rounds else ()))
             notes.append(f"FAILED {r['label']}: {failure_summary(r['failed'])}")
             continue
-        lines.append((r["label"], str(r["concurrency"]), f"{r['requests']}" + (f" ({r['errors']} err)" if r["errors"] else ""),
-                      _f(r["output_tok_s"]), _f(r["accept_length"], 2), _f(r["ttft_ms"]["p50"]),
-                      _f(r["ttft_ms"]["p99"]), _f(r["itl_ms"]["p50"], 2), _f(r["itl_ms"]["p99"], 2)))
+        line = (r["label"], str(r["concurrency"]), f"{r['requests']}" + (f" ({r['errors']} err)" if r["errors"] else ""),
+                _f(r["output_tok_s"]), _f(r["accept_length"], 2), _f(r["ttft_ms"]["p50"]),
+                _f(r["ttft_ms"]["p99"]), _f(r["itl_ms"]["p50"], 2), _f(r["itl_ms"]["p99"], 2))
+        if rounds:
+            tr = r.get("tok_s_rounds") or []
+            line += (" ".join(_f(x) for x in tr) + (f" (spread {100 * r['tok_s_spread']:.0f}%)"
+                                                     if r.get("tok_s_spread") is not None else ""),)
+        lines.append(line)
     widths = [max(len(h), *(len(x[i]) for x in lines)) if lines else len(h) for i, h in enumerate(head)]
     fmt = lambda row: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
     m = doc.get("model") or {}
@@ -623,88 +638,151 @@ def _on_sigterm(signum, frame):
     raise _Interrupted()
 
 
+def median_round(levels_by_round: Sequence[dict]) -> dict:
+    """One level's row over its rounds: the round with the median tok/s (the lower one of an even count, so each
+    figure of the row comes from one real measurement), with ``tok_s_rounds`` (every round, in order) and
+    ``tok_s_spread`` (max - min over the median, a fraction)."""
+    rows_ = list(levels_by_round)
+    if len(rows_) == 1:
+        return rows_[0]
+    order = sorted(range(len(rows_)), key=lambda i: rows_[i]["output_tok_s"])
+    pick = dict(rows_[order[(len(rows_) - 1) // 2]])
+    pick["round"] = order[(len(rows_) - 1) // 2]
+    pick["tok_s_rounds"] = [r["output_tok_s"] for r in rows_]
+    med = pick["output_tok_s"]
+    pick["tok_s_spread"] = round((max(pick["tok_s_rounds"]) - min(pick["tok_s_rounds"])) / med, 4) if med else None
+    # a round's errors are the level's: a request that failed in any round fails the level
+    pick["errors"] = sum(r["errors"] for r in rows_)
+    pick["first_error"] = next((r["first_error"] for r in rows_ if r.get("first_error")), None)
+    return pick
+
+
 def run_bench(a, runs: List[RunSpec], prompts: List[List[int]], target: str, drafter: Optional[str], workdir: str,
               logdir: str, doc: dict, log=print, save=lambda doc: None) -> None:
     """Start each run's server alone, measure every level, stop it; fills ``doc["runs"]`` as it goes and
-    ``save``s it after each run (a run killed later still leaves what it measured)."""
+    ``save``s it after each run (a run killed later still leaves what it measured).
+
+    ``--rounds N``: the whole list N times over (A B C, A B C, ...), a fresh server each time, so host noise
+    that lasts minutes or comes with a start (on a shared host, a server's processes land on other cores) is
+    spread over every run alike; each level's row is its median round (:func:`median_round`), every round kept
+    in ``entry["rounds"]``. The profile and ``--cold-warm`` belong to the first round."""
     tcfg, dcfg = read_config(target), read_config(drafter)
     sizing = plan_sizing(prompts, a.max_new_tokens, a.concurrency, runs, tcfg, dcfg)
     weights = _weights_mib(target) + _weights_mib(drafter)
     doc["settings"]["sizing"] = asdict(sizing)
     extra = shlex.split(a.server_args or "")
     baseline, _ = gpu_memory_mib(a.gpu)
-    for k, run in enumerate(runs):
-        entry = {"mode": run.mode, "budget": run.budget, "block": run.block, "draft_tokens": run.draft_tokens,
-                 "graphs": run.graphs, "status": "failed", "error": None, "levels": []}
-        doc["runs"].append(entry)
-        used = wait_gpu_released(a.gpu, baseline)
-        total = doc["gpu"]["memory_total_mib"]
-        frac = a.mem_fraction if a.mem_fraction is not None else server_mem_fraction(used, total, weights, sizing.kv_mib + 4096)
-        spec = spec_for(run, target, drafter, sizing, frac, extra)
-        port = free_port()
-        base = f"http://127.0.0.1:{port}"
-        argv = server_argv(a.python, spec, port)
+    rounds = max(1, int(getattr(a, "rounds", 1) or 1))
+    entries: List[dict] = []
+    for rnd in range(rounds):
+        for k, run in enumerate(runs):
+            if rnd == 0:
+                entry = {"mode": run.mode, "budget": run.budget, "block": run.block, "draft_tokens": run.draft_tokens,
+                         "graphs": run.graphs, "status": "failed", "error": None, "levels": []}
+                doc["runs"].append(entry)
+                entries.append(entry)
+            entry = entries[k]
+            trial = entry if rnd == 0 else {"levels": [], "status": "failed", "error": None}
+            tag = f" (round {rnd + 1}/{rounds})" if rounds > 1 else ""
+            slug = f"{k:02d}-{run.mode}-{run.budget or run.block or 0}-{'g' if run.graphs else 'e'}" + \
+                (f"-r{rnd + 1}" if rnd else "")
+            _one_server(a, k, run, rnd, trial, prompts, target, drafter, sizing, weights, extra, baseline, workdir,
+                        logdir, slug, doc, f"[{k + 1}/{len(runs)}] {run.label}{tag}", log)
+            if rounds > 1:  # the headline so far: a report saved mid-way holds the medians of the rounds done
+                entry.setdefault("rounds", []).append({key: trial.get(key) for key in ("status", "error", "start_s",
+                                                                                       "levels")})
+                _merge_rounds(entry)
+            save(doc)
+
+
+def _merge_rounds(entry: dict) -> None:
+    """A run's headline rows from its rounds: per concurrency, the median round; failed if any round failed."""
+    rounds = entry["rounds"]
+    by_c: Dict[int, List[dict]] = {}
+    for r in rounds:
+        for lv in r.get("levels") or []:
+            by_c.setdefault(lv["concurrency"], []).append(lv)
+    # a level only some rounds measured still says so: its tok_s_rounds lists the rounds that did
+    entry["levels"] = [median_round(v) if len(v) > 1 else dict(v[0], tok_s_rounds=[v[0]["output_tok_s"]])
+                       for _, v in sorted(by_c.items())]
+    bad = [r for r in rounds if r.get("status") != "ok"]
+    entry["status"] = "failed" if bad else "ok"
+    entry["error"] = None if not bad else f"round {rounds.index(bad[0]) + 1} of {len(rounds)}: {bad[0].get('error')}"
+
+
+def _one_server(a, k: int, run: RunSpec, rnd: int, entry: dict, prompts, target, drafter, sizing, weights, extra,
+                baseline, workdir, logdir, slug, doc, title, log) -> None:
+    """One server of one round: start it alone, measure every level into ``entry`` (and in the first round the
+    profile and the cold/warm figures), stop it."""
+    used = wait_gpu_released(a.gpu, baseline)
+    total = doc["gpu"]["memory_total_mib"]
+    frac = a.mem_fraction if a.mem_fraction is not None else server_mem_fraction(used, total, weights, sizing.kv_mib + 4096)
+    spec = spec_for(run, target, drafter, sizing, frac, extra)
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    argv = server_argv(a.python, spec, port)
+    if rnd == 0:
         entry.update(server_argv=argv[1:], gpu_used_mib_before=used, mem_fraction=frac)
-        slug = f"{k:02d}-{run.mode}-{run.budget or run.block or 0}-{'g' if run.graphs else 'e'}"
-        env = server_env(spec, a.gpu)
-        if a.cold_warm:  # fresh, empty JIT caches for this run: its first start is cold, its restart warm
-            cache_root = os.path.join(workdir, "jit-" + slug)
-            env.update(jit_cache_env(cache_root))
-            for d in jit_cache_env(cache_root).values():
-                os.makedirs(d, exist_ok=True)
-                if a.user:
-                    shutil.chown(d, user=a.user)
-        srv = Server(argv, env, os.path.join(logdir, slug + ".log"), launcher=a.launcher,
-                     user=a.user, runtime_max_s=a.runtime_max,
-                     unit=f"{a.unit_prefix}-{slug}" if a.unit_prefix else None)
-        log(f"[{k + 1}/{len(runs)}] {run.label}: starting ({used:.0f} of {total:.0f} MiB in use on GPU {a.gpu})")
-        try:
-            srv.start()
-            entry["start_s"] = round(wait_healthy(base, srv, a.start_timeout), 1)
+    env = server_env(spec, a.gpu)
+    cold_warm = a.cold_warm and rnd == 0
+    if cold_warm:  # fresh, empty JIT caches for this run: its first start is cold, its restart warm
+        cache_root = os.path.join(workdir, "jit-" + slug)
+        env.update(jit_cache_env(cache_root))
+        for d in jit_cache_env(cache_root).values():
+            os.makedirs(d, exist_ok=True)
+            if a.user:
+                shutil.chown(d, user=a.user)
+    srv = Server(argv, env, os.path.join(logdir, slug + ".log"), launcher=a.launcher,
+                 user=a.user, runtime_max_s=a.runtime_max,
+                 unit=f"{a.unit_prefix}-{slug}" if a.unit_prefix else None)
+    log(f"{title}: starting ({used:.0f} of {total:.0f} MiB in use on GPU {a.gpu})")
+    try:
+        srv.start()
+        entry["start_s"] = round(wait_healthy(base, srv, a.start_timeout), 1)
+        if rnd == 0:
             try:
                 info = get(base + "/server_info")
                 entry["algorithm"] = info.get("speculative_algorithm") or (info.get("server_args") or {}).get(
                     "speculative_algorithm")
             except Exception:  # noqa: BLE001 - informative only
                 entry["algorithm"] = None
-            if a.cold_warm:  # before any warm-up: the first request a cold server gets, then the next one
-                fr = entry["first_request"] = {}
-                fr["cold"] = first_request_figures(stream_request(base, prompts[0], a.max_new_tokens,
-                                                                  a.request_timeout), entry["start_s"])
-                fr["cold_second"] = first_request_figures(stream_request(base, prompts[0], a.max_new_tokens,
-                                                                         a.request_timeout), entry["start_s"])
-                log(f"    first request, cold caches: {fr['cold']}; the next: {fr['cold_second']}")
-            for c in a.concurrency:
-                if a.warmup_tokens:
-                    run_level(base, level_prompts(prompts, c, c), a.warmup_tokens, c, a.request_timeout)
-                recs, wall = run_level(base, level_prompts(prompts, a.requests, c), a.max_new_tokens, c,
-                                       a.request_timeout)
-                row = aggregate_level(recs, wall, c)
-                entry["levels"].append(row)
-                log(f"    c={c}: {row['output_tok_s']} tok/s, accept {row['accept_length']}, "
-                    f"ttft p50 {row['ttft_ms']['p50']} ms, itl p50 {row['itl_ms']['p50']} ms"
-                    + (f", {row['errors']} errors ({row['first_error']})" if row["errors"] else ""))
-            if a.profile_steps:
-                # with --out the raw trace stays beside the report (the summary says what; the trace says where)
-                _profile_run(a, entry, base, prompts,
-                             os.path.join(a.out, "profiles", slug) if a.out else os.path.join(workdir, "prof-" + slug),
-                             log)
-            failed = [lv for lv in entry["levels"] if lv["errors"]]
-            entry["status"] = "failed" if failed else "ok"
-            if failed:
-                entry["error"] = f"{sum(lv['errors'] for lv in failed)} requests failed: {failed[0]['first_error']}"
-        except (Exception, KeyboardInterrupt, _Interrupted) as e:
-            if isinstance(e, Exception):
-                entry["error"] = f"{type(e).__name__}: {e}"[:4000]
-                log(f"    FAILED: {entry['error'].splitlines()[0][:300]}")
-            else:
-                entry["error"] = "interrupted"
-                raise
-        finally:
-            srv.stop()
-        if a.cold_warm and entry["status"] == "ok":
-            _warm_restart(a, entry, argv, env, prompts, logdir, slug, log, baseline)
-        save(doc)
+        if cold_warm:  # before any warm-up: the first request a cold server gets, then the next one
+            fr = entry["first_request"] = {}
+            fr["cold"] = first_request_figures(stream_request(base, prompts[0], a.max_new_tokens,
+                                                              a.request_timeout), entry["start_s"])
+            fr["cold_second"] = first_request_figures(stream_request(base, prompts[0], a.max_new_tokens,
+                                                                     a.request_timeout), entry["start_s"])
+            log(f"    first request, cold caches: {fr['cold']}; the next: {fr['cold_second']}")
+        for c in a.concurrency:
+            if a.warmup_tokens:
+                run_level(base, level_prompts(prompts, c, c), a.warmup_tokens, c, a.request_timeout)
+            recs, wall = run_level(base, level_prompts(prompts, a.requests, c), a.max_new_tokens, c,
+                                   a.request_timeout)
+            row = aggregate_level(recs, wall, c)
+            entry["levels"].append(row)
+            log(f"    c={c}: {row['output_tok_s']} tok/s, accept {row['accept_length']}, "
+                f"ttft p50 {row['ttft_ms']['p50']} ms, itl p50 {row['itl_ms']['p50']} ms"
+                + (f", {row['errors']} errors ({row['first_error']})" if row["errors"] else ""))
+        if a.profile_steps and rnd == 0:
+            # with --out the raw trace stays beside the report (the summary says what; the trace says where)
+            _profile_run(a, entry, base, prompts,
+                         os.path.join(a.out, "profiles", slug) if a.out else os.path.join(workdir, "prof-" + slug),
+                         log)
+        failed = [lv for lv in entry["levels"] if lv["errors"]]
+        entry["status"] = "failed" if failed else "ok"
+        if failed:
+            entry["error"] = f"{sum(lv['errors'] for lv in failed)} requests failed: {failed[0]['first_error']}"
+    except (Exception, KeyboardInterrupt, _Interrupted) as e:
+        if isinstance(e, Exception):
+            entry["error"] = f"{type(e).__name__}: {e}"[:4000]
+            log(f"    FAILED: {entry['error'].splitlines()[0][:300]}")
+        else:
+            entry["error"] = "interrupted"
+            raise
+    finally:
+        srv.stop()
+    if cold_warm and entry["status"] == "ok":
+        _warm_restart(a, entry, argv, env, prompts, logdir, slug, log, baseline)
 
 
 def profile_line(p: dict) -> str:
@@ -792,6 +870,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--warmup-tokens", type=int, default=16, help="tokens of each warm-up request (0: none)")
     ap.add_argument("--gpu", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=1, metavar="N",
+                    help="measure the whole list N times over (A B C, A B C, ...), a fresh server each time; each "
+                         "level reports its median round and every round's tok/s (default 1)")
     ap.add_argument("--profile-steps", type=int, default=0, metavar="N",
                     help="after each server's levels, profile N decode steps at one request (torch profiler via "
                          "SGLang's /start_profile) and keep the summary: per-step GPU time, launches, syncs, "
@@ -838,6 +919,8 @@ def parse_args(argv=None):
         ap.error("--requests must be at least 1")
     if a.warmup_tokens < 0:
         ap.error("--warmup-tokens must be 0 or more")
+    if not 1 <= a.rounds <= 20:
+        ap.error("--rounds must be 1 to 20")
     return a
 
 
@@ -934,12 +1017,13 @@ def main(argv=None) -> int:
                            "concurrency": a.concurrency, "max_new_tokens": a.max_new_tokens, "greedy": True,
                            "requests_per_level": {str(c): max(a.requests or len(prompts), c) for c in a.concurrency},
                            "warmup_tokens": a.warmup_tokens, "server_args": a.server_args,
-                           "cold_warm": bool(a.cold_warm),
+                           "cold_warm": bool(a.cold_warm), "rounds": a.rounds,
                            "prompts": {"source": psrc, "count": len(prompts),
                                        "mean_len": round(sum(map(len, prompts)) / len(prompts), 1)},
                            "launcher": a.launcher, "tiny_train_s": train_s}
         a.requests = a.requests or len(prompts)
-        log(f"bench: {len(runs)} server(s) one after another on GPU {a.gpu} ({doc['gpu']['name']}), "
+        log(f"bench: {len(runs)} server(s) one after another"
+            + (f", {a.rounds} rounds over" if a.rounds > 1 else "") + f" on GPU {a.gpu} ({doc['gpu']['name']}), "
             f"concurrency {a.concurrency}, {a.max_new_tokens} new tokens, {len(prompts)} prompts ({psrc})")
         run_bench(a, runs, prompts, target, drafter, workdir, logdir, doc, log=log,
                   save=lambda d: _write_json(d, a.json) if a.json and a.json != "-" else None)
