@@ -339,3 +339,70 @@ def test_0517_tree_verify_graph_capture_carries_the_tree_mask():
     finally:
         dflash_utils.resolve_dflash_verify_mask_policy = original
         mod._TREE_MASK_CAPTURE["installed"] = False
+
+
+@pytest.mark.skipif(SGLANG != "0.5.17", reason="only SGLang 0.5.17's DFlash worker imports on a CPU host; glue "
+                    "level 2's recurrent indices are a 0.5.17 adapter feature (0.5.23's hook says None)")
+def test_0517_glue_level_two_commits_the_same_recurrent_state_as_level_one():
+    """The real 0.5.17 DDTreeWorker's accept (_glue_commit_fn) and recurrent commit (its adapter hook), on CPU with
+    a recording stand-in for the hybrid backend and the greedy accept's torch reference for the CUDA kernel: at
+    glue level 2 the indices computed in the accept reach update_mamba_state_after_mtp_verify equal to level 1's
+    (computed in the commit), int32, also where a track boundary falls inside the accepted path."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from sglang_ddtree import step as S
+    from sglang_ddtree.tree import rank_draft_tokens
+
+    mod = importlib.import_module("sglang_ddtree.adapters.v0_5_17_worker")
+    calls = []
+
+    class RecordingBackend:  # stands in for SGLang's HybridLinearAttnBackend (its Triton scatter needs CUDA)
+        def update_mamba_state_after_mtp_verify(self, **kw):
+            calls.append(kw)
+
+    def worker(level):
+        w = object.__new__(mod.DDTreeWorker)  # no SGLang server behind it: the attributes the two methods read
+        w._target_worker = SimpleNamespace(model_runner=SimpleNamespace(attn_backend=RecordingBackend(), model="M"))
+        w.model_runner = SimpleNamespace(req_to_token_pool=SimpleNamespace(
+            req_to_token=torch.zeros(4, 256, dtype=torch.int32)))
+        w.block_size, w.ddtree = 8, SimpleNamespace(budget=15, topk=2)
+        w.accept_stats = S.TreeAcceptStats(7, 1000)
+        w._need_mamba_verify_commit = True
+        w._glue_track_interval = 4 if level >= 2 else None  # what __init__ sets from the level and the hook
+        w._ddtree_mamba_track_interval = lambda batch: 4
+        w._ddtree_verify_tree_greedy = lambda **kw: S.tree_accept_greedy_reference(
+            kw["candidates"], kw["retrieve_index"], kw["retrieve_next_token"], kw["retrieve_next_sibling"],
+            kw["target_predict"], kw["accept_index"].shape[1])
+        return w
+
+    g = torch.Generator().manual_seed(3)
+    lp = torch.log_softmax(torch.randn(2, 7, 50, generator=g) * 3, -1).double()
+    vals, ids = rank_draft_tokens(lp, 15)
+    prefix = torch.tensor([10, 13])
+    tree, vin = S.tree_verify_inputs(vals, ids, torch.tensor([3, 4]), prefix, 15, 2)
+    d = vin.draft_token_num
+    window = torch.arange(2 * d).view(2, d) + 100
+    pred = torch.roll(vin.draft_token.view(2, d), -1, 1)  # the first branch is right for a while: deep accepts
+    batch = SimpleNamespace(mamba_track_indices=torch.tensor([5, 6]), req_pool_indices=torch.tensor([0, 1]))
+    commits = []
+    for level in (1, 2):
+        w = worker(level)
+        assert w._recurrent_commit_args() == ({} if level == 1 else {"recurrent": True, "track_interval": 4})
+        *_, c = w._glue_commit_fn(pred, vin.draft_token.view(-1, d), vin.retrieve_index, vin.retrieve_next_token,
+                                  vin.retrieve_next_sibling, tree.ranks, prefix, window, window,
+                                  batch.req_pool_indices)
+        w._seq_lens_pre_verify = prefix.clone() if level == 1 else None  # as _tree_verify leaves it
+        w._ddtree_commit_recurrent_state(batch, c.new_seq_lens, c)
+        commits.append(c)
+    one, two = calls
+    assert commits[0].recurrent_step is None and two["last_correct_step_indices"] is commits[1].recurrent_step
+    assert two["last_correct_step_indices"].dtype == torch.int32 and two["mamba_steps_to_track"].dtype == torch.int32
+    for k in ("last_correct_step_indices", "mamba_steps_to_track"):
+        assert torch.equal(one[k].long(), two[k].long()), k
+    assert (two["mamba_steps_to_track"] >= 0).any()  # a boundary inside the accepted path: the case that matters
+    assert one["mamba_track_indices"] is two["mamba_track_indices"] and one["model"] == two["model"] == "M"
+    w = worker(2)
+    w._need_mamba_verify_commit = False  # a dense target: no recurrent indices in the accept
+    assert w._recurrent_commit_args() == {}
