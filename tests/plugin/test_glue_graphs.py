@@ -325,3 +325,20 @@ def test_level_two_takes_the_mask_index_and_the_recurrent_indices_off_the_eager_
         (f1, f2), (r1, r2) = r["full_mask"], r["recurrent"]
         assert f2 == ["ones", "index_put_"] and len(f1) > 10 and f1[-1] == "index_put_", f1
         assert r2 == [] and {"gather", "where"} <= set(r1), r1
+
+
+def test_the_gpu_glue_check_runs_both_levels_on_cpu():
+    """ddtree_checks.glue_check (run on the H200 before any server): on CPU its graphs are the functions
+    themselves, so this checks the check - level 2's replayed indices against level 1's after-accept ones, and
+    that track boundaries do fall inside accepted paths there."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "overlays" / "sglang-ddtree" / "gpu_checks"))
+    from ddtree_checks import glue_check
+
+    dev = torch.device("cpu")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    for level in (1, 2):
+        r = glue_check.run_case(15, 8, 4, 64, 256, 7, dev, gen, level, interval=2)
+        assert r["mismatches"] == 0 and r["level"] == level, r
+    assert r["track_crossings"] > 0

@@ -1,13 +1,16 @@
 """The tree-verify step's glue under CUDA graphs, on a GPU, without SGLang: captured, replayed, equal to eager.
 
-``python -m ddtree_checks.glue_check [--budgets 15 31] [--batch-sizes 1 4 16]``
+``python -m ddtree_checks.glue_check [--budgets 15 31] [--batch-sizes 1 4 16] [--levels 1 2]``
 
 For each budget and batch size: the worker's two glue functions from the same pure parts (``step.tree_verify_inputs``,
 ``step.accept_commit``; drafter
 top-K over a random LM head -> tree -> ``QLEN_ONLY`` compile; a greedy accept walk (the plugin's reference of
 SGLang's kernel, on device here) -> accept counters -> commit indices), each wrapped in
 :class:`sglang_ddtree.glue_graphs.GlueGraph`; random inputs per step, every replay compared with an eager run,
-and the host time per call eager vs replayed. Also: a function that syncs is refused at capture and stays eager.
+and the host time per call eager vs replayed. ``--levels``: the glue levels of ``SGLANG_DDTREE_GLUE_GRAPHS`` (2
+adds the FULL mask's scatter index to the build and the recurrent commit's indices, with a track interval, to
+the accept; checked against the eager functions and against the indices computed after the accept, as level 1
+does). Also: a function that syncs is refused at capture and stays eager.
 Prints one JSON line per case and a summary; exit 1 on any mismatch.
 """
 
@@ -22,7 +25,11 @@ import torch
 
 from sglang_ddtree import glue_graphs as G
 from sglang_ddtree.compile import compile_tree, with_full_mask
-from sglang_ddtree.step import accept_commit, draft_topk_candidates, merge_vocab_shards, tree_verify_inputs
+from sglang_ddtree.indexing import recurrent_state_step
+from sglang_ddtree.step import (accept_commit, draft_topk_candidates, mamba_track_steps, merge_vocab_shards,
+                                tree_verify_inputs)
+
+TRACK_INTERVAL = 8  # small, so track boundaries fall inside many accepted paths (the case the indices are for)
 from sglang_ddtree.verify import walk_tree
 
 
@@ -31,14 +38,16 @@ def _sync(dev):
         torch.cuda.synchronize()
 
 
-def make_fns(weight, budget, depths):
+def make_fns(weight, budget, depths, level=1, interval=TRACK_INTERVAL):
     k = min(budget, weight.shape[0])
+    more = {"recurrent": True, "track_interval": interval} if level >= 2 else {}
 
     def build(hidden, bonus, prefix):
         bs = hidden.shape[0]
         v, i, l = draft_topk_candidates(torch.matmul(hidden.reshape(-1, hidden.shape[-1]), weight.T), k)
         lp, ids = merge_vocab_shards(v.unsqueeze(0), i.unsqueeze(0), l.unsqueeze(0), k)
-        return tree_verify_inputs(lp.view(bs, depths, k), ids.view(bs, depths, k), bonus, prefix, budget, 2)
+        return tree_verify_inputs(lp.view(bs, depths, k), ids.view(bs, depths, k), bonus, prefix, budget, 2,
+                                  full_index=level >= 2)
 
     def commit(tokens, parents, valid, max_depth_t, target_predict, ranks, prefix, window):
         bs, d = ranks.shape
@@ -49,16 +58,16 @@ def make_fns(weight, budget, depths):
         acc[:, 0] = (torch.arange(bs, device=ranks.device) * d).to(torch.int32)
         num = w.accept_length.to(torch.int32)
         predicts = torch.zeros(bs * d, dtype=torch.int32, device=ranks.device)
-        return accept_commit(predicts, acc, num, ranks, prefix, window, window, m - 1)
+        return accept_commit(predicts, acc, num, ranks, prefix, window, window, m - 1, **more)
 
     return build, commit
 
 
-def run_case(budget, bs, steps, hid, vocab, depths, dev, gen):
+def run_case(budget, bs, steps, hid, vocab, depths, dev, gen, level=1, interval=TRACK_INTERVAL):
     weight = torch.randn(vocab, hid, device=dev, generator=gen) * 0.2
-    build, commit = make_fns(weight, budget, depths)
+    build, commit = make_fns(weight, budget, depths, level, interval)
     gb, gc = G.GlueGraph("build", build), G.GlueGraph("commit", commit)
-    mism, t_eager, t_graph = 0, [], []
+    mism, t_eager, t_graph, crossed = 0, [], [], 0
     for step in range(steps):
         hidden = torch.randn(bs, depths, hid, device=dev, generator=gen)
         bonus = torch.randint(0, vocab, (bs,), device=dev, generator=gen)
@@ -85,8 +94,15 @@ def run_case(budget, bs, steps, hid, vocab, depths, dev, gen):
         rfull = compile_tree(rt, bonus, prefix, topk=2)
         ok = G.same((tree, vin), (rt, rv)) and G.same((counts, c), rc) and torch.equal(full.custom_mask,
                                                                                      rfull.custom_mask)
+        if level >= 2:  # the replayed indices are those the commit computes after the accept at level 1
+            ok = ok and torch.equal(c.recurrent_step.long(), recurrent_state_step(c.accept_slots, c.accept_length))
+            track = mamba_track_steps(prefix, prefix + c.commit_lens.long(), c.commit_lens, interval,
+                                      c.accept_slots, c.accept_length)
+            ok = ok and torch.equal(c.track_steps.long(), track)
+            crossed += int((track >= 0).sum())
         mism += not ok
-    return {"budget": budget, "batch": bs, "steps": steps, "mismatches": mism, "build": gb.stats(),
+    return {"budget": budget, "batch": bs, "level": level, "steps": steps, "mismatches": mism,
+            **({"track_crossings": crossed} if level >= 2 else {}), "build": gb.stats(),
             "commit": gc.stats(), "eager_ms": round(1e3 * sorted(t_eager)[len(t_eager) // 2], 3),
             "replay_ms": round(1e3 * sorted(t_graph)[len(t_graph) // 2], 3) if t_graph else None}
 
@@ -99,6 +115,7 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--depths", type=int, default=15)
+    ap.add_argument("--levels", nargs="+", type=int, choices=(1, 2), default=[1, 2])
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("glue_check: needs a CUDA GPU", file=sys.stderr)
@@ -106,11 +123,12 @@ def main(argv=None) -> int:
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     bad = 0
-    for b in a.budgets:
-        for bs in a.batch_sizes:
-            r = run_case(b, bs, a.steps, a.hidden, a.vocab, a.depths, dev, gen)
-            bad += r["mismatches"] + r["build"]["failures"] + r["commit"]["failures"]
-            print(json.dumps(r), flush=True)
+    for level in a.levels:
+        for b in a.budgets:
+            for bs in a.batch_sizes:
+                r = run_case(b, bs, a.steps, a.hidden, a.vocab, a.depths, dev, gen, level)
+                bad += r["mismatches"] + r["build"]["failures"] + r["commit"]["failures"]
+                print(json.dumps(r), flush=True)
     # a function that syncs cannot be captured: logged, and that key stays eager (the step never fails on it)
     g = G.GlueGraph("sync", lambda x: x * int(x.sum().item()))
     x = torch.ones(4, device=dev)
