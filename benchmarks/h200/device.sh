@@ -8,7 +8,8 @@
 #   unkit                     a carried kit (.gpu/kit/kit-*.tgz, prompts.jsonl, manifest.json) into /tmp/tiny
 #   bench FAMILY MODES BUDGETS CONC [GLUE]
 #                             python -m sglang_ddtree.bench, each server alone, graphs on, --profile-steps 20,
-#                             SGLANG_DDTREE_GLUE_GRAPHS=GLUE (default 1), --rounds $ROUNDS (default 1)
+#                             SGLANG_DDTREE_GLUE_GRAPHS=GLUE (default 1), --rounds $ROUNDS (default 1),
+#                             --graphs $GRAPHS (default on; off or both for the graphs on/off figures)
 #                                                         -> $OUT/bench-FAMILY-gGLUE.{json,txt,png}
 #                             and the logs and the DDTREE servers' traces -> $OUT/bench-FAMILY-gGLUE-raw.tgz
 #   matrix FAMILY BUDGETS     python -m ddtree_checks.serve_matrix (item 6, 64 x 128, conc 1 and 8)
@@ -61,20 +62,21 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'sglang', sglang
     ls /tmp/tiny;;
   bench)
     fam=${1:?FAMILY} modes=${2:?MODES} budgets=${3:?BUDGETS} conc=${4:?CONC} glue=${5:-1}
-    o=/tmp/b-$fam-g$glue
+    name=bench-$fam-g$glue${GRAPHS:+-$GRAPHS}
+    o=/tmp/$name
     rm -rf "$o"
     set -o pipefail
     SGLANG_DDTREE_GLUE_GRAPHS=$glue timeout "${BENCH_TIMEOUT:-570}" python3 -m sglang_ddtree.bench --tiny /tmp/tiny \
-      --family "$fam" --launcher process --out "$o" --modes "$modes" --budgets "$budgets" --graphs on \
+      --family "$fam" --launcher process --out "$o" --modes "$modes" --budgets "$budgets" --graphs "${GRAPHS:-on}" \
       --concurrency "$conc" --max-new-tokens 128 --requests 16 --profile-steps 20 --rounds "${ROUNDS:-1}" \
-      2>&1 | tee "$OUT/bench-$fam-g$glue.log"
+      2>&1 | tee "$OUT/$name.log"
     rc=$?
     stop_servers
-    for x in json txt png; do cp "$o/bench.$x" "$OUT/bench-$fam-g$glue.$x" 2>/dev/null; done
+    for x in json txt png; do cp "$o/bench.$x" "$OUT/$name.$x" 2>/dev/null; done
     # the raw traces of the DDTREE servers (the ones whose host time is being cut), within what comes back
-    (cd "$o" && tar czf "$OUT/bench-$fam-g$glue-raw.tgz" logs $(ls -d profiles/*tree-verify* 2>/dev/null))
-    [ "$(stat -c %s "$OUT/bench-$fam-g$glue-raw.tgz")" -lt 16000000 ] || \
-      (cd "$o" && tar czf "$OUT/bench-$fam-g$glue-raw.tgz" logs)
+    (cd "$o" && tar czf "$OUT/$name-raw.tgz" logs $(ls -d profiles/*tree-verify* 2>/dev/null))
+    [ "$(stat -c %s "$OUT/$name-raw.tgz")" -lt 16000000 ] || \
+      (cd "$o" && tar czf "$OUT/$name-raw.tgz" logs)
     exit $rc;;
   matrix)
     fam=${1:?FAMILY} budgets=${2:?BUDGETS}
