@@ -56,7 +56,8 @@ def test_off_cuda_the_graph_is_the_function_itself():
     g = G.GlueGraph("t", fn)
     for _ in range(3):
         assert torch.equal(g(torch.ones(2)), torch.full((2,), 2.0))
-    assert len(calls) == 3 and g.stats() == {"graphs": 0, "eager_keys": 0, "replays": 0, "failures": 0}
+    assert len(calls) == 3 and g.stats() == {"graphs": 0, "eager_keys": 0, "replays": 0, "failures": 0,
+                                     "input_copies": 0}
 
 
 @pytest.mark.parametrize("v", ["0", "false", "off"])
@@ -184,7 +185,8 @@ def test_replays_copy_inputs_in_and_overwrite_the_same_output_buffers():
     assert G.same(third, _fn(a * 3, b)) and third["s"] is second["s"]  # the same buffer, overwritten ...
     assert not G.same(second, kept) and G.same(kept, _fn(a * 2, b))  # ... so what outlives a step is cloned
     g(torch.ones(2), torch.ones(2))  # another batch size: its own graph
-    assert dev.captures == 2 and g.stats() == {"graphs": 2, "eager_keys": 0, "replays": 2, "failures": 0}
+    assert dev.captures == 2 and g.stats() == {"graphs": 2, "eager_keys": 0, "replays": 2, "failures": 0,
+                                                  "input_copies": 4}
 
 
 def test_a_replay_that_differs_from_eager_returns_eager_and_keeps_that_key_eager():
@@ -211,7 +213,8 @@ def test_a_capture_that_fails_keeps_the_key_eager_and_the_step_going():
     g = G.GlueGraph("t", fn, device=dev)
     x = torch.zeros(3)
     assert [int(g(x).sum()) for _ in range(3)] == [3, 3, 3]
-    assert dev.captures == 0 and g.stats() == {"graphs": 0, "eager_keys": 1, "replays": 0, "failures": 1}
+    assert dev.captures == 0 and g.stats() == {"graphs": 0, "eager_keys": 1, "replays": 0, "failures": 1,
+                                                  "input_copies": 0}
 
 
 def test_disabled_or_off_device_inputs_run_the_function():
@@ -338,7 +341,52 @@ def test_the_gpu_glue_check_runs_both_levels_on_cpu():
 
     dev = torch.device("cpu")
     gen = torch.Generator(device=dev).manual_seed(0)
+    copies = {}
     for level in (1, 2):
         r = glue_check.run_case(15, 8, 4, 64, 256, 7, dev, gen, level, interval=2)
         assert r["mismatches"] == 0 and r["level"] == level, r
+        # and through graphs (the stand-in's), chained as the worker chains them at that level
+        r = glue_check.run_case(15, 8, 4, 64, 256, 7, dev, gen, level, interval=2, graphs=_StandInGraphs())
+        assert r["mismatches"] == 0 and r["commit"]["replays"] >= 3 and r["commit"]["failures"] == 0, r
+        copies[level] = r["commit"]["input_copies"] / r["commit"]["replays"]
     assert r["track_crossings"] > 0
+    # level 2's commit reads the build's four outputs (tokens, parents, valid, ranks) in place: 4 copies fewer
+    assert copies[1] - copies[2] >= 4 - 1e-9, copies
+
+
+def test_shared_graphs_read_each_others_buffers_in_place_and_copy_only_what_moved():
+    """share=True (glue level 2): graph 1 returns its own buffers from the first call on, graph 2 reads them (and
+    a tensor passed twice) where they lie, so a replay copies only the input from elsewhere; results stay the
+    eager ones, also when graph 1's buffer is not what graph 2 gets (fresh tensors are copied into it)."""
+    dev = _StandInGraphs()
+    f1 = lambda x: {"a": x * 2, "b": x + 1}
+    f2 = lambda a, b, w, w2: a.view(2, 2) @ b.view(2, 2) + w.sum() + w2.sum()
+    g1 = G.GlueGraph("one", f1, device=dev, share=True)
+    g2 = G.GlueGraph("two", f2, device=dev, share=True)
+    plain1, plain2 = G.GlueGraph("one-plain", f1, device=dev), G.GlueGraph("two-plain", f2, device=dev)
+    for k in range(4):
+        x, w = torch.arange(4.0) + k, torch.full((3,), float(k))
+        o = g1(x)
+        got = g2(o["a"].view(2, 2), o["b"], w, w)  # a view of graph 1's buffer, a buffer, one tensor twice
+        assert torch.equal(got, f2(x * 2, x + 1, w, w))
+        po = plain1(x)
+        assert torch.equal(plain2(po["a"].view(2, 2), po["b"], w, w), got)
+        if k:
+            assert o["a"] is first["a"]  # graph 1's own buffer every time, the first call's too
+        else:
+            first = o
+    # graph 2: replayed at every call (the first right after its capture); only w copied, once a call after it
+    assert g2.stats() == {"graphs": 1, "eager_keys": 0, "replays": 4, "failures": 0, "input_copies": 3}
+    assert plain2.stats()["replays"] == 3 and plain2.stats()["input_copies"] == 4 * 3  # every input, every replay
+    # fresh tensors where graph 2 reads graph 1's buffer: copied in, and still the eager result
+    a, b, w = torch.arange(4.0) * 5, torch.arange(4.0) - 3, torch.ones(3)
+    assert torch.equal(g2(a.view(2, 2), b, w, w), f2(a, b, w, w)) and g2.stats()["input_copies"] == 6
+
+
+def test_a_shared_graph_checks_its_first_replay_at_the_first_call():
+    dev = _StandInGraphs(corrupt=True)
+    g = G.GlueGraph("t", _fn, device=dev, share=True)
+    a, b = torch.arange(4.0), torch.ones(4)
+    assert G.same(g(a, b), _fn(a, b))  # the corrupted replay was caught at once: the eager result
+    assert g.stats()["failures"] == 1 and g.stats()["eager_keys"] == 1
+    assert G.same(g(a * 2, b), _fn(a * 2, b)) and dev.replays == 1  # that key stays eager

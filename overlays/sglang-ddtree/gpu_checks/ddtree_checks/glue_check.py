@@ -63,10 +63,12 @@ def make_fns(weight, budget, depths, level=1, interval=TRACK_INTERVAL):
     return build, commit
 
 
-def run_case(budget, bs, steps, hid, vocab, depths, dev, gen, level=1, interval=TRACK_INTERVAL):
+def run_case(budget, bs, steps, hid, vocab, depths, dev, gen, level=1, interval=TRACK_INTERVAL, graphs=G.CudaGraphs):
     weight = torch.randn(vocab, hid, device=dev, generator=gen) * 0.2
     build, commit = make_fns(weight, budget, depths, level, interval)
-    gb, gc = G.GlueGraph("build", build), G.GlueGraph("commit", commit)
+    # level 2 chains the graphs as the worker does there: the commit reads the build's outputs in place
+    gb = G.GlueGraph("build", build, share=level >= 2, device=graphs)
+    gc = G.GlueGraph("commit", commit, share=level >= 2, device=graphs)
     mism, t_eager, t_graph, crossed = 0, [], [], 0
     for step in range(steps):
         hidden = torch.randn(bs, depths, hid, device=dev, generator=gen)

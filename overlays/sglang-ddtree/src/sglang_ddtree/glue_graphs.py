@@ -18,7 +18,16 @@ dicts and dataclasses of them, plus Python constants):
 * a capture that fails (an op that syncs or allocates by data) is logged once and the key stays eager.
 
 Replayed outputs live in the graph's static buffers and are overwritten by the next replay of the same key:
-a caller clones what outlives the step (:func:`clone_out`). Off CUDA (CPU tests) or when disabled it is
+a caller clones what outlives the step (:func:`clone_out`).
+
+``share=True`` (glue level 2) chains graphs without copies: the first call also replays right after its capture
+and returns the graph's own buffers (checked against the eager run it just made, as ``check_first`` checks the
+first replay), so what a graph returns is always its static buffers; and an input that lies in another glue
+graph's output buffer (graph 2 reads graph 1's tree links and ranks) is read there in place instead of being
+copied into a buffer of its own, an input passed twice is copied once. A replay then copies only the inputs that
+came from elsewhere (one launch saved per input). Should such an input not be the buffer the graph reads (the
+other graph ran eagerly for this batch size), it is copied into that buffer like any static input: the buffer is
+the other graph's scratch, which its next replay overwrites anyway. Off CUDA (CPU tests) or when disabled it is
 ``fn`` itself. ``SGLANG_DDTREE_GLUE_GRAPHS=0`` disables every glue graph (A/B runs); ``=2`` also captures the
 pieces of :data:`GLUE_LEVELS` that have not been measured on a GPU yet.
 """
@@ -43,8 +52,9 @@ MAX_KEYS = 64  # batch sizes a server sees are bounded by --max-running-requests
 
 # What each level of SGLANG_DDTREE_GLUE_GRAPHS captures (the worker reads glue_graph_level):
 # 0 nothing (every glue op eager), 1 the two glue graphs as measured on the H200 (the default), 2 also the
-# FULL mask's scatter index (into graph 1) and the recurrent commit's indices (into graph 2) - about 40 fewer
-# eager launches a step on 0.5.17 hybrid, opt-in until it has been measured on the GPU.
+# FULL mask's scatter index (into graph 1) and the recurrent commit's indices (into graph 2), and graph 2 reads
+# graph 1's outputs in place (share) - about 40 fewer eager launches a step on 0.5.17 hybrid, opt-in until it
+# has been measured on the GPU.
 GLUE_LEVELS = {"0": 0, "off": 0, "false": 0, "1": 1, "on": 1, "true": 1, "": 1, "2": 2}
 
 
@@ -165,17 +175,38 @@ class _Entry:
     checked: bool = False
     eager: bool = False  # capture failed or the check did: this key runs fn for good
     replays: int = 0
+    alias: Tuple[int, ...] = ()  # (share) inputs that are an earlier input's buffer: copied once
+
+
+# Every glue graph's output buffers (share=True), by where they lie: the inputs a sharing graph reads in place.
+# A buffer lives as long as its graph, and graphs are kept for the server's life.
+_STATIC_OUTPUTS: Dict[tuple, torch.Tensor] = {}
+
+
+def _where(t: torch.Tensor) -> tuple:
+    return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
+
+
+def _in_static_output(t: torch.Tensor) -> bool:
+    """Whether ``t`` is, or is a view inside, a registered output buffer."""
+    if _where(t) in _STATIC_OUTPUTS:
+        return True
+    p, storage = t.data_ptr(), t.untyped_storage().data_ptr()
+    return any(b.device == t.device and b.untyped_storage().data_ptr() == storage
+               and b.data_ptr() <= p < b.data_ptr() + b.numel() * b.element_size() for b in _STATIC_OUTPUTS.values())
 
 
 class GlueGraph:
     """One pure step function, replayed from a CUDA graph per input signature (see the module docstring)."""
 
     def __init__(self, name: str, fn: Callable, *, enabled: bool = True, check_first: bool = True,
-                 pool=None, device=CudaGraphs) -> None:
+                 pool=None, device=CudaGraphs, share: bool = False) -> None:
         self.name, self.fn = name, fn
         self._dev = device
         self.enabled = bool(enabled)
         self.check_first = bool(check_first)
+        self.share = bool(share)
+        self.copies = 0  # input copies made at replays (what sharing saves shows here)
         self._pool = pool
         self._entries: Dict[tuple, _Entry] = {}
         self.captures = 0
@@ -189,7 +220,7 @@ class GlueGraph:
         e = self._entries.values()
         return {"graphs": sum(1 for x in e if x.graph is not None and not x.eager),
                 "eager_keys": sum(1 for x in e if x.eager), "replays": sum(x.replays for x in e),
-                "failures": self.failures}
+                "failures": self.failures, "input_copies": self.copies}
 
     def __call__(self, *inputs: torch.Tensor):
         if not self.enabled or not inputs or not self._dev.usable(inputs):
@@ -200,18 +231,28 @@ class GlueGraph:
             if len(self._entries) >= MAX_KEYS:
                 return self.fn(*inputs)
             out = self.fn(*inputs)  # this step's result; also warms (tunes) every kernel in fn
-            self._entries[key] = self._capture(key, inputs, out)
-            return out
+            e = self._entries[key] = self._capture(key, inputs, out)
+            if not self.share or e.eager:
+                return out
+            # share: the result comes from the graph's buffers from the first call on (the static inputs hold
+            # these inputs' values: clones, or the very buffers), checked against the eager run just made
+            return self._replay(key, e, inputs, ref=out)
         if e.eager:
             return self.fn(*inputs)
-        for s, x in zip(e.inputs, inputs):
+        for i, (s, x) in enumerate(zip(e.inputs, inputs)):
+            if i in e.alias or (self.share and _where(s) == _where(x)):
+                continue  # an earlier input's buffer, or already where the graph reads it
             s.copy_(x)
+            self.copies += 1
+        return self._replay(key, e, inputs)
+
+    def _replay(self, key, e: "_Entry", inputs, ref=None):
         e.graph.replay()
         e.replays += 1
         out = unflatten(e.out_leaves, e.spec)
         if self.check_first and not e.checked:
             e.checked = True
-            ref = self.fn(*inputs)
+            ref = self.fn(*inputs) if ref is None else ref
             if not same(out, ref):
                 e.eager = True
                 self.failures += 1
@@ -220,10 +261,27 @@ class GlueGraph:
                 return ref
         return out
 
+    def _static_inputs(self, inputs):
+        """The buffers a capture reads its inputs from: copies of them, except (``share``) what lies in another
+        glue graph's output buffer (read in place) and a tensor passed again (one buffer; ``alias`` lists it)."""
+        if not self.share:
+            return tuple(x.clone() for x in inputs), ()
+        out: list = []
+        alias, seen = [], {}
+        for i, x in enumerate(inputs):
+            w = _where(x)
+            if w in seen:
+                out.append(out[seen[w]])
+                alias.append(i)
+                continue
+            seen[w] = i
+            out.append(x if _in_static_output(x) else x.clone())
+        return tuple(out), tuple(alias)
+
     def _capture(self, key, inputs, eager_out) -> _Entry:
         e = _Entry()
         try:
-            e.inputs = tuple(x.clone() for x in inputs)
+            e.inputs, e.alias = self._static_inputs(inputs)
             g = self._dev.new_graph()
             if self._pool is None:
                 self._pool = self._dev.new_pool()
@@ -235,6 +293,9 @@ class GlueGraph:
             if _consts(spec) != _consts(espec):
                 raise RuntimeError("the captured run's constants differ from the eager run's")
             e.graph, e.out_leaves, e.spec = g, leaves, spec
+            if self.share:
+                for t in leaves:
+                    _STATIC_OUTPUTS[_where(t)] = t
             if hasattr(g, "record"):  # a stand-in graph (tests without a GPU) re-runs fn into these buffers at replay
                 g.record(self.fn, e.inputs, leaves)
             self.captures += 1

@@ -219,10 +219,12 @@ class DDTreeWorkerBase(DFlashWorkerV2):
             # The step's own glue, replayed from CUDA graphs per batch size (glue_graphs.py). One GPU only:
             # with tensor parallelism the drafter's top-K all-gathers across ranks, kept eager.
             level = glue_graph_level() if int(getattr(server_args, "tp_size", 1) or 1) == 1 else 0
-            self._glue_build = GlueGraph("build", self._glue_build_fn, enabled=level >= 1)
-            self._glue_commit = GlueGraph("accept_commit", self._glue_commit_fn, enabled=level >= 1)
             # Level 2 (opt-in until measured on the GPU): the FULL mask's scatter index in graph 1 and, where the
-            # adapter knows the track interval up front, the recurrent commit's indices in graph 2.
+            # adapter knows the track interval up front, the recurrent commit's indices in graph 2; graph 2 reads
+            # graph 1's outputs (tree links, ranks) in place instead of copying them in (share).
+            self._glue_build = GlueGraph("build", self._glue_build_fn, enabled=level >= 1, share=level >= 2)
+            self._glue_commit = GlueGraph("accept_commit", self._glue_commit_fn, enabled=level >= 1,
+                                          share=level >= 2)
             self._glue_full_index = level >= 2
             self._glue_track_interval = self._ddtree_glue_track_interval() if level >= 2 else None
         else:
