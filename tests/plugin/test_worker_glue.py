@@ -403,6 +403,15 @@ def test_0517_glue_level_two_commits_the_same_recurrent_state_as_level_one():
         assert torch.equal(one[k].long(), two[k].long()), k
     assert (two["mamba_steps_to_track"] >= 0).any()  # a boundary inside the accepted path: the case that matters
     assert one["mamba_track_indices"] is two["mamba_track_indices"] and one["model"] == two["model"] == "M"
+    # a commit without the accept's indices (an accept outside graph 2) and no kept pre-verify lengths (level 2
+    # keeps none): the commit computes the same indices from the lengths it has
     w = worker(2)
+    _, bare = S.accept_commit(*S.tree_accept_greedy_reference(
+        vin.draft_token.view(2, d), vin.retrieve_index, vin.retrieve_next_token, vin.retrieve_next_sibling, pred,
+        vin.max_tree_depth + 1), tree.ranks, prefix, window, window, vin.max_tree_depth)
+    w._seq_lens_pre_verify = None
+    w._ddtree_commit_recurrent_state(batch, bare.new_seq_lens, bare)
+    for k in ("last_correct_step_indices", "mamba_steps_to_track"):
+        assert torch.equal(calls[-1][k].long(), one[k].long()), k
     w._need_mamba_verify_commit = False  # a dense target: no recurrent indices in the accept
     assert w._recurrent_commit_args() == {}

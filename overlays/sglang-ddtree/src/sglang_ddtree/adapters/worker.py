@@ -380,7 +380,8 @@ class DDTreeWorkerBase(DFlashWorkerV2):
             else:
                 predict, accept_index, accept_num = self._tree_sample_accept(batch, vin, target_out.logits_output)
                 counts, commit = accept_commit(predict, accept_index, accept_num, tree.ranks, batch.seq_lens, window,
-                                               draft_window_ids, self.accept_stats.max_depth)
+                                               draft_window_ids, self.accept_stats.max_depth,
+                                               **self._recurrent_commit_args())
                 self._write_window(batch.seq_lens, batch.req_pool_indices, commit.window_locs, d)
             totals = self.accept_stats.add(counts)
             if totals is not None and self._ddtree_tp_rank() == 0:
@@ -606,6 +607,8 @@ class DDTreeWorkerBase(DFlashWorkerV2):
         indices as the accept computed them (``StepCommit.recurrent_step`` / ``track_steps``), else here."""
         backend = self.target_worker.model_runner.attn_backend
         steps_to_track = None
+        if seq_lens_pre is None:  # not kept where the accept computes the indices (glue level 2): the same lengths
+            seq_lens_pre = seq_lens_post - commit_lens.to(seq_lens_post.dtype)
         if batch.mamba_track_indices is not None:
             steps_to_track = track_steps if track_steps is not None else mamba_track_steps(
                 seq_lens_pre, seq_lens_post, commit_lens, self._ddtree_mamba_track_interval(batch), slots, length,
