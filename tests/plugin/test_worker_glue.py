@@ -415,3 +415,14 @@ def test_0517_glue_level_two_commits_the_same_recurrent_state_as_level_one():
         assert torch.equal(calls[-1][k].long(), one[k].long()), k
     w._need_mamba_verify_commit = False  # a dense target: no recurrent indices in the accept
     assert w._recurrent_commit_args() == {}
+    # where SGLang cannot say at start (its exec config not published: what get_exec() raises then), level 2
+    # keeps the indices in the commit instead of failing the server's start
+    w = worker(2)
+
+    def unpublished():
+        raise ValueError("config namespace 'exec' not published")
+
+    w._ddtree_glue_track_interval = unpublished
+    assert w._glue_track_interval_or_none() is None
+    got = worker(2)._glue_track_interval_or_none()  # the real hook: an int where published, else None
+    assert got is None or (type(got) is int and got >= 0)

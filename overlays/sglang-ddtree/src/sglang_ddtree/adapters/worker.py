@@ -226,7 +226,7 @@ class DDTreeWorkerBase(DFlashWorkerV2):
             self._glue_commit = GlueGraph("accept_commit", self._glue_commit_fn, enabled=level >= 1,
                                           share=level >= 2)
             self._glue_full_index = level >= 2
-            self._glue_track_interval = self._ddtree_glue_track_interval() if level >= 2 else None
+            self._glue_track_interval = self._glue_track_interval_or_none() if level >= 2 else None
         else:
             self._glue_full_index, self._glue_track_interval = False, None
         logger.info("DDTreeWorker (SGLang %s adapter): %s, drafter block %d", adapter.VERSION, self.ddtree,
@@ -492,6 +492,15 @@ class DDTreeWorkerBase(DFlashWorkerV2):
                                   self.accept_stats.max_depth, **self._recurrent_commit_args())
         self._write_window(prefix, req_pool_indices, c.window_locs, d)
         return predict, accept_index, accept_num, counts, c
+
+    def _glue_track_interval_or_none(self):
+        """The adapter's start-time track interval; None (the indices stay in the commit) where it cannot say."""
+        try:
+            return self._ddtree_glue_track_interval()
+        except (ValueError, AttributeError, TypeError) as exc:  # e.g. SGLang's config bag not published yet
+            logger.warning("DDTREE glue level 2: no track interval at start (%s: %s); the recurrent commit's "
+                           "indices stay in the commit", type(exc).__name__, exc)
+            return None
 
     def _recurrent_commit_args(self) -> dict:
         """accept_commit's recurrent-index arguments: computed in the accept (glue graph 2) when the glue level
