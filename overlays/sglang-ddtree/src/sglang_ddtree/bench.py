@@ -686,7 +686,7 @@ def run_bench(a, runs: List[RunSpec], prompts: List[List[int]], target: str, dra
             tag = f" (round {rnd + 1}/{rounds})" if rounds > 1 else ""
             slug = f"{k:02d}-{run.mode}-{run.budget or run.block or 0}-{'g' if run.graphs else 'e'}" + \
                 (f"-r{rnd + 1}" if rnd else "")
-            _one_server(a, k, run, rnd, trial, prompts, target, drafter, sizing, weights, extra, baseline, workdir,
+            _one_server(a, run, rnd, trial, prompts, target, drafter, sizing, weights, extra, baseline, workdir,
                         logdir, slug, doc, f"[{k + 1}/{len(runs)}] {run.label}{tag}", log)
             if rounds > 1:  # the headline so far: a report saved mid-way holds the medians of the rounds done
                 entry.setdefault("rounds", []).append({key: trial.get(key) for key in ("status", "error", "start_s",
@@ -710,7 +710,7 @@ def _merge_rounds(entry: dict) -> None:
     entry["error"] = None if not bad else f"round {rounds.index(bad[0]) + 1} of {len(rounds)}: {bad[0].get('error')}"
 
 
-def _one_server(a, k: int, run: RunSpec, rnd: int, entry: dict, prompts, target, drafter, sizing, weights, extra,
+def _one_server(a, run: RunSpec, rnd: int, entry: dict, prompts, target, drafter, sizing, weights, extra,
                 baseline, workdir, logdir, slug, doc, title, log) -> None:
     """One server of one round: start it alone, measure every level into ``entry`` (and in the first round the
     profile and the cold/warm figures), stop it."""

@@ -41,8 +41,8 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
-__all__ = ["GLUE_GRAPHS_ENV", "GlueGraph", "CudaGraphs", "glue_graph_level", "glue_graphs_enabled", "clone_out", "flatten", "unflatten",
-           "same"]
+__all__ = ["GLUE_GRAPHS_ENV", "GLUE_LEVELS", "GlueGraph", "CudaGraphs", "glue_graph_level", "glue_graphs_enabled",
+           "clone_out", "flatten", "unflatten", "same"]
 
 logger = logging.getLogger(__name__)
 

@@ -43,6 +43,12 @@ GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 COUNTS = ("launches", "graph_launches", "syncs", "runtime_syncs", "item_calls", "host_items")
 
 
+def _is_wait(e: dict) -> bool:
+    """A runtime call that blocks the host on the GPU (an async copy does not)."""
+    name = str(e.get("name", ""))
+    return name.startswith(SYNC_RUNTIME) and not name.startswith("cudaMemcpyAsync")
+
+
 def _scalar_reads(ops: List[dict], runtime: List[dict]):
     """The ids of the scalar-read events that are calls (an ``aten::item`` or a ``_local_scalar_dense`` outside
     one: one per ``.item()``), and of those with no runtime wait inside them on their thread (host tensors)."""
@@ -52,8 +58,7 @@ def _scalar_reads(ops: List[dict], runtime: List[dict]):
 
     items = [e for e in ops if e.get("name") == "aten::item"]
     calls = items + [e for e in ops if e.get("name") != "aten::item" and not any(inside(e, i) for i in items)]
-    waits = [e for e in runtime if str(e.get("name", "")).startswith(SYNC_RUNTIME)
-             and not str(e.get("name", "")).startswith("cudaMemcpyAsync")]
+    waits = [e for e in runtime if _is_wait(e)]
     host = {id(c) for c in calls if not any(inside(w, c) for w in waits)}
     return {id(c) for c in calls}, host
 
@@ -138,7 +143,7 @@ def summarize_trace(trace, prefix: str = "ddtree.", steps_hint: int = 0, top: in
             st["launches"] += 1
             if name.startswith("cudaGraphLaunch"):
                 st["graph_launches"] += 1
-        if name.startswith(SYNC_RUNTIME) and not name.startswith("cudaMemcpyAsync"):
+        if _is_wait(e):
             st["syncs"] += 1
             st["runtime_syncs"] += 1
         c = (e.get("args") or {}).get("correlation")
@@ -162,8 +167,7 @@ def summarize_trace(trace, prefix: str = "ddtree.", steps_hint: int = 0, top: in
     per = steps or steps_hint
     launches = sum(1 for e in runtime if str(e.get("name", "")).startswith(LAUNCH_PREFIXES))
     graphs = sum(1 for e in runtime if str(e.get("name", "")).startswith("cudaGraphLaunch"))
-    runtime_syncs = sum(1 for e in runtime if str(e.get("name", "")).startswith(SYNC_RUNTIME)
-                        and not str(e.get("name", "")).startswith("cudaMemcpyAsync"))
+    runtime_syncs = sum(1 for e in runtime if _is_wait(e))
     totals = {"launches": launches, "graph_launches": graphs, "syncs": runtime_syncs + len(ops),
               "runtime_syncs": runtime_syncs, "item_calls": len(items), "host_items": len(host_items),
               "gpu_ms": gpu_total / 1000.0, "span_ms": ((last - first) / 1000.0) if first is not None else 0.0}
