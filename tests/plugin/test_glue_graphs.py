@@ -63,7 +63,11 @@ def test_off_cuda_the_graph_is_the_function_itself():
 @pytest.mark.parametrize("v", ["0", "false", "off"])
 def test_env_switch(v):
     assert not G.glue_graphs_enabled({G.GLUE_GRAPHS_ENV: v}) and G.glue_graph_level({G.GLUE_GRAPHS_ENV: v}) == 0
-    assert G.glue_graphs_enabled({}) and G.glue_graph_level({}) == 1  # the default: what was measured on the GPU
+    # unset or empty: what has served on the GPU for that kind of target (2 dense, 1 hybrid)
+    assert G.glue_graphs_enabled({}) and G.glue_graph_level({}) == 1 == G.glue_graph_level({}, recurrent=True)
+    assert G.glue_graph_level({}, recurrent=False) == 2 == G.glue_graph_level({G.GLUE_GRAPHS_ENV: " "}, False)
+    assert G.glue_graph_level({G.GLUE_GRAPHS_ENV: "1"}, recurrent=False) == 1  # an explicit level wins
+    assert G.glue_graph_level({G.GLUE_GRAPHS_ENV: "0"}, recurrent=False) == 0
     assert G.glue_graphs_enabled({G.GLUE_GRAPHS_ENV: "2"}) and G.glue_graph_level({G.GLUE_GRAPHS_ENV: " 2 "}) == 2
     for bad in ("maybe", "3", "-1"):
         with pytest.raises(ValueError, match="must be 0, 1 or 2"):

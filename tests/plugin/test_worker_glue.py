@@ -9,6 +9,7 @@ and every attribute they read is checked on the real class hierarchy."""
 
 import ast
 import importlib
+import inspect
 from importlib.metadata import version
 from pathlib import Path
 
@@ -339,6 +340,36 @@ def test_0517_tree_verify_graph_capture_carries_the_tree_mask():
     finally:
         dflash_utils.resolve_dflash_verify_mask_policy = original
         mod._TREE_MASK_CAPTURE["installed"] = False
+
+
+@pytest.mark.skipif(SGLANG != "0.5.17", reason="only SGLang 0.5.17's DFlash worker imports on a CPU host")
+def test_0517_default_glue_level_follows_the_targets_config_not_dflashs_late_flag():
+    """The unset glue level is 2 on a dense target and 1 on a hybrid one, decided at __init__ from SGLang's own
+    mambaish_config of the target's config: DFlash's _need_mamba_verify_commit is still False there (set when the
+    scheduler initialises attention backends), so reading it would put a hybrid target on level 2."""
+    from types import SimpleNamespace
+
+    from transformers import Qwen3Config
+
+    from sglang.srt.configs import Qwen3NextConfig
+    from sglang_ddtree.glue_graphs import glue_graph_level
+
+    mod = importlib.import_module("sglang_ddtree.adapters.v0_5_17_worker")
+
+    def hybrid(model_config):
+        w = object.__new__(mod.DDTreeWorker)
+        w.model_runner = SimpleNamespace(model_config=model_config)
+        w._need_mamba_verify_commit = False  # as DFlashWorkerV2.__init__ leaves it
+        return w._target_has_recurrent_layers()
+
+    dense = SimpleNamespace(hf_config=Qwen3Config(num_hidden_layers=2), linear_attn_registry_result=None)
+    gdn = SimpleNamespace(hf_config=Qwen3NextConfig(num_hidden_layers=4), linear_attn_registry_result=None)
+    assert hybrid(dense) is False and hybrid(gdn) is True
+    assert hybrid(None) is True  # a config it cannot read: the conservative (hybrid) default
+    assert glue_graph_level({}, recurrent=hybrid(dense)) == 2 and glue_graph_level({}, recurrent=hybrid(gdn)) == 1
+    src = inspect.getsource(mod.DDTreeWorker.__init__) if "__init__" in vars(mod.DDTreeWorker) else \
+        inspect.getsource(importlib.import_module("sglang_ddtree.adapters.worker"))
+    assert "glue_graph_level(recurrent=hybrid)" in src and "hybrid = self._target_has_recurrent_layers()" in src
 
 
 @pytest.mark.skipif(SGLANG != "0.5.17", reason="only SGLang 0.5.17's DFlash worker imports on a CPU host; glue "

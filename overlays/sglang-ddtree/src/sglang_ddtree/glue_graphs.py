@@ -28,8 +28,8 @@ copied into a buffer of its own, an input passed twice is copied once. A replay 
 came from elsewhere (one launch saved per input). Should such an input not be the buffer the graph reads (the
 other graph ran eagerly for this batch size), it is copied into that buffer like any static input: the buffer is
 the other graph's scratch, which its next replay overwrites anyway. Off CUDA (CPU tests) or when disabled it is
-``fn`` itself. ``SGLANG_DDTREE_GLUE_GRAPHS=0`` disables every glue graph (A/B runs); ``=2`` also captures the
-pieces of :data:`GLUE_LEVELS` that have not been measured on a GPU yet.
+``fn`` itself. ``SGLANG_DDTREE_GLUE_GRAPHS=0`` disables every glue graph (A/B runs); ``=1`` / ``=2`` pick a level of
+:data:`GLUE_LEVELS`; unset, a target without recurrent layers gets 2 and a hybrid one 1 (what has served on a GPU).
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
-__all__ = ["GLUE_GRAPHS_ENV", "GLUE_LEVELS", "GlueGraph", "CudaGraphs", "glue_graph_level", "glue_graphs_enabled",
-           "clone_out", "flatten", "unflatten", "same"]
+__all__ = ["GLUE_GRAPHS_ENV", "GLUE_LEVELS", "DEFAULT_LEVEL", "GlueGraph", "CudaGraphs", "glue_graph_level",
+           "glue_graphs_enabled", "clone_out", "flatten", "unflatten", "same"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,22 +51,28 @@ MAX_KEYS = 64  # batch sizes a server sees are bounded by --max-running-requests
 
 
 # What each level of SGLANG_DDTREE_GLUE_GRAPHS captures (the worker reads glue_graph_level):
-# 0 nothing (every glue op eager), 1 the two glue graphs as measured on the H200 (the default), 2 also the
-# FULL mask's scatter index (into graph 1) and the recurrent commit's indices (into graph 2), and graph 2 reads
-# graph 1's outputs in place (share) - about 40 fewer eager launches a step on 0.5.17 hybrid, opt-in until it
-# has been measured on the GPU.
-GLUE_LEVELS = {"0": 0, "off": 0, "false": 0, "1": 1, "on": 1, "true": 1, "": 1, "2": 2}
+# 0 nothing (every glue op eager), 1 the two glue graphs, 2 also the FULL mask's scatter index (into graph 1)
+# and the recurrent commit's indices (into graph 2), and graph 2 reads graph 1's outputs in place (share).
+# Unset, the level is what has served on the H200 for that kind of target (session 5: level 2 on the dense pair,
+# 86 -> 65 launches a step, 0 glue failures; level 2's recurrent indices only in ddtree_checks.glue_check, not
+# yet served), so a hybrid target stays at 1 unless asked for 2.
+GLUE_LEVELS = {"0": 0, "off": 0, "false": 0, "1": 1, "on": 1, "true": 1, "2": 2}
+DEFAULT_LEVEL = {False: 2, True: 1}  # keyed by "the target has recurrent (Mamba/GDN) layers"
 
 
-def glue_graph_level(environ=None) -> int:
-    v = (environ if environ is not None else os.environ).get(GLUE_GRAPHS_ENV, "1").strip().lower()
+def glue_graph_level(environ=None, recurrent: bool = True) -> int:
+    """The glue level asked for in ``environ`` (default ``os.environ``); unset or empty, the default of a target
+    with (``recurrent``) or without recurrent layers."""
+    v = (environ if environ is not None else os.environ).get(GLUE_GRAPHS_ENV, "").strip().lower()
+    if not v:
+        return DEFAULT_LEVEL[bool(recurrent)]
     if v not in GLUE_LEVELS:
         raise ValueError(f"{GLUE_GRAPHS_ENV} must be 0, 1 or 2, got {v!r}")
     return GLUE_LEVELS[v]
 
 
 def glue_graphs_enabled(environ=None) -> bool:
-    return glue_graph_level(environ) >= 1
+    return glue_graph_level(environ, recurrent=True) >= 1
 
 
 # ----- outputs as leaves (tensors are captured buffers, the rest constants) -------------------------

@@ -113,6 +113,7 @@ import torch
 from torch.profiler import record_function
 
 from sglang.kernels.ops.speculative.cache_locs import assign_extend_cache_locs_func
+from sglang.srt.configs.hybrid_arch import mambaish_config
 from sglang.srt.managers.scheduler import GenerationBatchResult
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 from sglang.srt.speculative.dflash_info import DFlashVerifyInput
@@ -218,10 +219,11 @@ class DDTreeWorkerBase(DFlashWorkerV2):
                                                 int(os.environ.get(STATS_EVERY_ENV, "50") or 50))
             # The step's own glue, replayed from CUDA graphs per batch size (glue_graphs.py). One GPU only:
             # with tensor parallelism the drafter's top-K all-gathers across ranks, kept eager.
-            level = glue_graph_level() if int(getattr(server_args, "tp_size", 1) or 1) == 1 else 0
-            # Level 2 (opt-in until measured on the GPU): the FULL mask's scatter index in graph 1 and, where the
-            # adapter knows the track interval up front, the recurrent commit's indices in graph 2; graph 2 reads
-            # graph 1's outputs (tree links, ranks) in place instead of copying them in (share).
+            # Level 2 (the default without recurrent layers, opt-in on hybrid targets): the FULL mask's scatter
+            # index in graph 1 and, where the adapter knows the track interval up front, the recurrent commit's
+            # indices in graph 2; graph 2 reads graph 1's outputs (tree links, ranks) in place (share).
+            hybrid = self._target_has_recurrent_layers()
+            level = glue_graph_level(recurrent=hybrid) if int(getattr(server_args, "tp_size", 1) or 1) == 1 else 0
             self._glue_build = GlueGraph("build", self._glue_build_fn, enabled=level >= 1, share=level >= 2)
             self._glue_commit = GlueGraph("accept_commit", self._glue_commit_fn, enabled=level >= 1,
                                           share=level >= 2)
@@ -233,6 +235,16 @@ class DDTreeWorkerBase(DFlashWorkerV2):
                     int(self.block_size))
 
     # ----- init -------------------------------------------------------------
+    def _target_has_recurrent_layers(self) -> bool:
+        """Whether the target has Mamba/GDN layers, from its config (DFlash's ``_need_mamba_verify_commit`` is
+        only set later, when the scheduler initialises the attention backends); unknown counts as hybrid."""
+        try:
+            return mambaish_config(self.model_runner.model_config) is not None
+        except Exception as exc:  # noqa: BLE001 - a config SGLang cannot read: the conservative default
+            logger.warning("DDTREE: cannot tell whether the target is hybrid (%s: %s); glue level 1 by default",
+                           type(exc).__name__, exc)
+            return True
+
     def _init_tree_verify(self) -> None:
         d = self.ddtree.num_draft_tokens
         # DFlash sized its block by --speculative-num-draft-tokens (= D, the tree width here);
