@@ -8,10 +8,12 @@
 #   unkit                     a carried kit (.gpu/kit/kit-*.tgz, prompts.jsonl, manifest.json) into /tmp/tiny
 #   bench FAMILY MODES BUDGETS CONC [GLUE]
 #                             python -m sglang_ddtree.bench, each server alone, graphs on, --profile-steps 20,
-#                             SGLANG_DDTREE_GLUE_GRAPHS=GLUE (default 1), --rounds $ROUNDS (default 1),
-#                             --graphs $GRAPHS (default on; off or both for the graphs on/off figures)
-#                                                         -> $OUT/bench-FAMILY-gGLUE.{json,txt,png}
-#                             and the logs and the DDTREE servers' traces -> $OUT/bench-FAMILY-gGLUE-raw.tgz
+#                             SGLANG_DDTREE_GLUE_GRAPHS=GLUE (default: unset, the plugin's own default: 2 on a
+#                             dense target, 1 on a hybrid one), --rounds $ROUNDS (default 1),
+#                             --graphs $GRAPHS (default on; off or both for the graphs on/off figures),
+#                             SGLANG_DDTREE_OVERLAP=$OVERLAP where set (0: DDTREE on the synchronous scheduler)
+#                                                         -> $OUT/bench-FAMILY-gGLUE[-GRAPHS][-ovOVERLAP].{json,txt,png}
+#                             and the logs and the DDTREE servers' traces -> $OUT/bench-...-raw.tgz
 #   matrix FAMILY BUDGETS     python -m ddtree_checks.serve_matrix (item 6, 64 x 128, conc 1 and 8)
 #                             -> $OUT/matrix-FAMILY.{json,txt}
 # The call sequence and what each takes: benchmarks/h200/README.md.
@@ -61,12 +63,15 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'sglang', sglang
     cp .gpu/kit/prompts.jsonl .gpu/kit/manifest.json /tmp/tiny/ 2>/dev/null
     ls /tmp/tiny;;
   bench)
-    fam=${1:?FAMILY} modes=${2:?MODES} budgets=${3:?BUDGETS} conc=${4:?CONC} glue=${5:-1}
-    name=bench-$fam-g$glue${GRAPHS:+-$GRAPHS}
+    fam=${1:?FAMILY} modes=${2:?MODES} budgets=${3:?BUDGETS} conc=${4:?CONC} glue=${5:-def}
+    name=bench-$fam-g$glue${GRAPHS:+-$GRAPHS}${OVERLAP:+-ov$OVERLAP}
     o=/tmp/$name
     rm -rf "$o"
     set -o pipefail
-    SGLANG_DDTREE_GLUE_GRAPHS=$glue timeout "${BENCH_TIMEOUT:-570}" python3 -m sglang_ddtree.bench --tiny /tmp/tiny \
+    unset SGLANG_DDTREE_GLUE_GRAPHS SGLANG_DDTREE_OVERLAP
+    [ "$glue" = def ] || export SGLANG_DDTREE_GLUE_GRAPHS=$glue
+    [ -z "${OVERLAP:-}" ] || export SGLANG_DDTREE_OVERLAP=$OVERLAP
+    timeout "${BENCH_TIMEOUT:-570}" python3 -m sglang_ddtree.bench --tiny /tmp/tiny \
       --family "$fam" --launcher process --out "$o" --modes "$modes" --budgets "$budgets" --graphs "${GRAPHS:-on}" \
       --concurrency "$conc" --max-new-tokens 128 --requests 16 --profile-steps 20 --rounds "${ROUNDS:-1}" \
       2>&1 | tee "$OUT/$name.log"
@@ -74,20 +79,34 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'sglang', sglang
     stop_servers
     for x in json txt png; do cp "$o/bench.$x" "$OUT/$name.$x" 2>/dev/null; done
     # the raw traces of the DDTREE servers (the ones whose host time is being cut), within what comes back
-    (cd "$o" && tar czf "$OUT/$name-raw.tgz" logs $(ls -d profiles/*tree-verify* 2>/dev/null))
+    # the step profiles' summaries are in the JSON; the raw traces are big (and only 8 files come back a call)
+    (cd "$o" && tar czf "$OUT/$name-raw.tgz" logs $([ -n "${RAW_TRACES:-}" ] && ls -d profiles/*tree-verify* 2>/dev/null))
     [ "$(stat -c %s "$OUT/$name-raw.tgz")" -lt 16000000 ] || \
       (cd "$o" && tar czf "$OUT/$name-raw.tgz" logs)
     exit $rc;;
   matrix)
-    fam=${1:?FAMILY} budgets=${2:?BUDGETS}
+    # FAMILIES: one or more (space-separated: each family's matrix runs as its own process, side by side - the
+    # lossless statistic is not a speed figure, and the two together take the time of one)
+    fams=${1:?FAMILIES} budgets=${2:?BUDGETS}
     set -o pipefail
-    timeout "${MATRIX_TIMEOUT:-570}" python3 -m ddtree_checks.serve_matrix --out "/tmp/m-$fam" --work "/tmp/sm-$fam" \
-      --pairs /tmp/tiny --block 16 --graphs --budgets $budgets --prompts 64 --tokens 128 --concurrency 8 \
-      --families "$fam" 2>&1 | tail -60
-    rc=$?
+    pids=()
+    for fam in $fams; do
+      timeout "${MATRIX_TIMEOUT:-570}" python3 -m ddtree_checks.serve_matrix --out "/tmp/m-$fam" \
+        --work "/tmp/sm-$fam" --pairs /tmp/tiny --block 16 --graphs --budgets $budgets --prompts 64 --tokens 128 \
+        --concurrency 8 --families "$fam" --start-timeout "${MATRIX_START_TIMEOUT:-420}" \
+        --mem-fraction "${MATRIX_MEM_FRACTION:-0.85}" > "$OUT/matrix-$fam.log" 2>&1 &
+      pids+=($!)
+    done
+    rc=0
+    for p in "${pids[@]}"; do wait "$p" || rc=$?; done
+    for fam in $fams; do
+      tail -45 "$OUT/matrix-$fam.log"
+      # a matrix cut by its timeout still has every measured server in its partial file
+      cp "/tmp/m-$fam/serve_matrix.json" "$OUT/matrix-$fam.json" 2>/dev/null || \
+        cp "/tmp/m-$fam/partial-$fam.json" "$OUT/matrix-$fam.json" 2>/dev/null
+      cp "/tmp/m-$fam/serve_matrix.txt" "$OUT/matrix-$fam.txt" 2>/dev/null
+    done
     stop_servers
-    cp "/tmp/m-$fam/serve_matrix.json" "$OUT/matrix-$fam.json" 2>/dev/null
-    cp "/tmp/m-$fam/serve_matrix.txt" "$OUT/matrix-$fam.txt" 2>/dev/null
     exit $rc;;
   *) echo "unknown step $step" >&2; exit 2;;
 esac

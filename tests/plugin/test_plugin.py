@@ -108,7 +108,10 @@ def test_ddtree_resolves_and_answers_what_the_scheduler_asks(loaded):
     algo = loaded.from_string("ddtree")
     assert algo.name == "DDTREE"
     assert algo.is_speculative() and algo.is_dflash_family() and algo.is_dflash()
-    assert algo.supports_overlap is False
+    # registered overlap-capable where the adapter ran tree-verify under SGLang's overlap scheduler (0.5.17);
+    # the validator still turns it off per server where it cannot run (test_overlap_decision_*)
+    caps = load_capabilities()["per_version"][SGLANG]
+    assert algo.supports_overlap is load_adapter().OVERLAP_SCHEDULE is caps["overlap_schedule"] is (SGLANG == "0.5.17")
     # the scheduler calls these at start-up; CustomSpecAlgo has none of them (defect 1)
     dflash = loaded.DFLASH
     for name in ("carries_draft_hidden_states", "need_topk"):
@@ -225,18 +228,7 @@ def _tiny_dir(tmp_path, family):
     return t, d
 
 
-@pytest.mark.parametrize("family", ["dense", "hybrid"])
-def test_full_server_args_pipeline_on_tiny_configs(family, tmp_path):
-    """SGLang's whole ServerArgs resolution (model config loading, attention-backend and
-    speculative hooks, the plugin's validator and handle_server_args) on the tiny kit's
-    real config.json files, in a fresh process with the plugin loaded as SGLang loads it."""
-    t, d = _tiny_dir(tmp_path, family)
-    argv = ["--model-path", str(t), "--speculative-algorithm", "DDTREE", "--speculative-draft-model-path", str(d),
-            "--device", "cuda", "--attention-backend", "triton", "--speculative-num-draft-tokens", "16",
-            "--cuda-graph-backend-decode", "disabled", "--skip-tokenizer-init", "--page-size", "1"]
-    if family == "hybrid":
-        argv.append("--disable-radix-cache")  # the mamba radix cache's extra buffer needs a GPU to resolve
-    code = (
+_PIPELINE_CODE = (
         "import sys, json, argparse\n"
         "from sglang.srt.plugins import load_plugins; load_plugins()\n"
         "from sglang.srt.server_args import prepare_server_args\n"
@@ -248,21 +240,89 @@ def test_full_server_args_pipeline_on_tiny_configs(family, tmp_path):
         "try:\n from sglang.srt.arg_groups.overrides import resolution_result as get\n"
         "except ImportError:\n get = getattr\n"
         "print('RESULT ' + json.dumps({k: get(sa, k) for k in keys}))\n"
-    )
-    env = dict(os.environ, SGLANG_PLUGINS="ddtree", SGLANG_DDTREE_MODE="tree-verify")
+)
+
+
+def _tiny_argv(tmp_path, family, d=16):
+    t, dr = _tiny_dir(tmp_path, family)
+    argv = ["--model-path", str(t), "--speculative-algorithm", "DDTREE", "--speculative-draft-model-path", str(dr),
+            "--device", "cuda", "--attention-backend", "triton", "--speculative-num-draft-tokens", str(d),
+            "--cuda-graph-backend-decode", "disabled", "--skip-tokenizer-init", "--page-size", "1"]
+    if family == "hybrid":
+        argv.append("--disable-radix-cache")  # the mamba radix cache's extra buffer needs a GPU to resolve
+    return argv
+
+
+def _pipeline(argv, **extra_env):
+    """ServerArgs resolved in a fresh process with the plugin loaded as SGLang loads it: (result, stderr)."""
+    env = dict(os.environ, SGLANG_PLUGINS="ddtree", SGLANG_DDTREE_MODE="tree-verify", **extra_env)
     env.pop("SGLANG_DDTREE_BUDGET", None)
-    out = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=300, env=env)
+    if "SGLANG_DDTREE_OVERLAP" not in extra_env:
+        env.pop("SGLANG_DDTREE_OVERLAP", None)
+    out = subprocess.run([sys.executable, "-c", _PIPELINE_CODE, *argv], capture_output=True, text=True,
+                         timeout=300, env=env)
     line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
-    assert line, out.stdout[-2000:] + out.stderr[-4000:]
-    got = json.loads(line[-1][7:])
+    return (json.loads(line[-1][7:]) if line else None), out
+
+
+@pytest.mark.parametrize("family", ["dense", "hybrid"])
+def test_full_server_args_pipeline_on_tiny_configs(family, tmp_path):
+    """SGLang's whole ServerArgs resolution (model config loading, attention-backend and
+    speculative hooks, the plugin's validator and handle_server_args) on the tiny kit's
+    real config.json files, in a fresh process with the plugin loaded as SGLang loads it."""
+    argv = _tiny_argv(tmp_path, family)
+    got, out = _pipeline(argv)
+    assert got, out.stdout[-2000:] + out.stderr[-4000:]
+    # the drafter's block (its config.json, read by the adapter) is <= D = 16, so 0.5.17 keeps SGLang's overlap
+    # scheduler on, as its own DFLASH does; 0.5.23's adapter has not run it
     assert got == {"speculative_algorithm": "DDTREE", "speculative_eagle_topk": 2,
-                   "speculative_num_draft_tokens": 16, "speculative_num_steps": 1, "disable_overlap_schedule": True,
+                   "speculative_num_draft_tokens": 16, "speculative_num_steps": 1,
+                   "disable_overlap_schedule": SGLANG != "0.5.17",
                    "page_size": 1, "attention_backend": "triton", "speculative_draft_attention_backend": "triton"}
     # and the same command line with SGLang's Hopper default backend is refused with the flag to pass
     bad = [a for a in argv]
     bad[bad.index("triton")] = "fa3"
-    out = subprocess.run([sys.executable, "-c", code, *bad], capture_output=True, text=True, timeout=300, env=env)
+    _, out = _pipeline(bad)
     assert out.returncode != 0 and "needs --attention-backend triton" in out.stderr, out.stderr[-3000:]
+
+
+@pytest.mark.skipif(SGLANG != "0.5.17", reason="overlap scheduling is the 0.5.17 adapter's (capabilities.json)")
+@pytest.mark.parametrize("case", ["block wider than D", "env off", "flag given"])
+def test_overlap_turned_off_through_the_real_pipeline(case, tmp_path):
+    """The drafter's real config.json says block 8: D = 4 cannot hold it under overlap (the validator reads the
+    block and keeps the synchronous scheduler, saying why); SGLANG_DDTREE_OVERLAP=0 and the user's own
+    --disable-overlap-schedule are honoured."""
+    argv = _tiny_argv(tmp_path, "dense", d=4 if case == "block wider than D" else 16)
+    env = {"SGLANG_DDTREE_OVERLAP": "0"} if case == "env off" else {}
+    if case == "flag given":
+        argv.append("--disable-overlap-schedule")
+    got, out = _pipeline(argv, **env)
+    assert got and got["disable_overlap_schedule"] is True, out.stderr[-3000:]
+    why = {"block wider than D": "the drafter block 8 is wider than D = 4", "env off": "SGLANG_DDTREE_OVERLAP=0",
+           "flag given": "--disable-overlap-schedule given"}[case]
+    assert "overlap scheduling off (" + why in out.stderr, out.stderr[-3000:]
+
+
+def _cfg(mode="tree-verify", d=16):
+    return plugin.DDTreeConfig(mode, d - 1, d, 2 if mode == "tree-verify" else 1, None)
+
+
+@pytest.mark.parametrize("mode,d,blk,adapter,env,user,on", [
+    ("tree-verify", 16, 16, True, {}, False, True),      # the H200's B=15 with a block-16 drafter
+    ("tree-verify", 32, 16, True, {}, False, True),      # B=31
+    ("tree-verify", 8, 16, True, {}, False, False),      # a step can start 8 past the lagging length, window 16
+    ("tree-verify", 16, None, True, {}, False, False),   # unknown block: conservative
+    ("tree-verify", 16, 8, False, {}, False, False),     # an adapter that has not run it
+    ("tree-verify", 16, 8, True, {"SGLANG_DDTREE_OVERLAP": "off"}, False, False),
+    ("tree-verify", 16, 8, True, {"SGLANG_DDTREE_OVERLAP": "1"}, False, True),
+    ("tree-verify", 16, 8, True, {}, True, False),       # --disable-overlap-schedule
+    ("shadow-linear", 16, 16, True, {}, False, False),   # the tree walk reads each chain step's result
+])
+def test_overlap_decision(mode, d, blk, adapter, env, user, on):
+    got, why = plugin.overlap_decision(_cfg(mode, d), blk, adapter, env, user_disabled=user)
+    assert got is on and why
+    assert plugin.server_arg_writes(types.SimpleNamespace(max_running_requests=8), _cfg(mode, d),
+                                    overlap=got)["disable_overlap_schedule"] is (not on)
 
 
 def test_capabilities_readable_without_sglang(tmp_path):

@@ -457,3 +457,76 @@ def test_0517_glue_level_two_commits_the_same_recurrent_state_as_level_one():
     assert w._glue_track_interval_or_none() is None
     got = worker(2)._glue_track_interval_or_none()  # the real hook: an int where published, else None
     assert got is None or (type(got) is int and got >= 0)
+
+
+@pytest.mark.skipif(SGLANG != "0.5.17", reason="only SGLang 0.5.17's DFlash worker imports on a CPU host; overlap "
+                    "scheduling is its adapter's (capabilities.json overlap_schedule)")
+def test_0517_overlap_step_orders_the_schedulers_stream_after_its_writes_and_never_syncs_the_mask():
+    """Under SGLang's overlap scheduler (what its own DFLASH runs): (1) the FULL mask is sized from the host's
+    lengths or the scheduler's reservation, never a device .item(); (2) the target runner's read-done event - what
+    the scheduler's stream waits on before it frees or reallocates req_to_token rows - is recorded after the
+    accept's window write into req_to_token and the commit's recurrent-state and drafter-KV writes (the end of the
+    step), not at the verify graph's load where SGLang records it (a request that finished a step ago is still in
+    this batch under overlap); (3) a drafter block wider than D is refused."""
+    from types import SimpleNamespace
+
+    import torch
+
+    mod = importlib.import_module("sglang_ddtree.adapters.v0_5_17_worker")
+
+    class NoItem(torch.Tensor):  # a "device" length tensor whose host read would be a sync
+        def item(self):
+            raise AssertionError("device sync: .item() of the prefix lengths")
+
+    w = object.__new__(mod.DDTreeWorker)
+    draft_input = SimpleNamespace(reserved_seq_lens_cpu=torch.tensor([40, 52]), reserved_seq_lens_sum=92)
+    exact = SimpleNamespace(seq_lens_cpu=torch.tensor([10, 13]), seq_lens_sum=23)
+    assert w._host_prefix_sum(exact, draft_input) == 23
+    assert w._host_prefix_sum(SimpleNamespace(seq_lens_cpu=torch.tensor([10, 13]), seq_lens_sum=None),
+                              draft_input) == 23
+    assert w._host_prefix_sum(SimpleNamespace(seq_lens_cpu=None, seq_lens_sum=None), draft_input) == 92
+    from sglang_ddtree.compile import full_mask_layout
+
+    dev_prefix = torch.tensor([10, 13]).as_subclass(NoItem)
+    tree_mask = torch.eye(4, dtype=torch.bool).expand(2, 4, 4).contiguous()
+    exact_mask = full_mask_layout(tree_mask, torch.tensor([10, 13]))
+    bound_mask = full_mask_layout(tree_mask, dev_prefix, 92)  # the reservation: longer, equal where read
+    assert torch.equal(bound_mask[: exact_mask.numel()], exact_mask) and bound_mask[exact_mask.numel():].all()
+    with pytest.raises(AssertionError, match="device sync"):  # what a missing host sum would cost
+        full_mask_layout(tree_mask, dev_prefix)
+
+    # (2) the event, and where the step records it
+    runner = SimpleNamespace(war_fastpath_read_done_event="set at the verify graph's load")
+    w._target_worker = SimpleNamespace(model_runner=runner)
+    w.device = "cpu"
+    w._overlap = False
+    w._shared_writes_done()
+    assert runner.war_fastpath_read_done_event == "set at the verify graph's load"  # synchronous: untouched
+    w._overlap = True
+    w._shared_writes_done()
+    assert isinstance(runner.war_fastpath_read_done_event, torch.cpu.Event)
+
+    order = []
+    d = 4
+    vin = SimpleNamespace(draft_token_num=d, draft_token=torch.zeros(2 * d, dtype=torch.long), retrieve_index=None,
+                          retrieve_next_token=None, retrieve_next_sibling=None)
+    batch = SimpleNamespace(spec_info=object(), seq_lens=torch.tensor([10, 13]), req_pool_indices=torch.tensor([0, 1]),
+                            reqs=[], sampling_info=None)
+    batch.seq_lens.record_stream = lambda s: None
+    w._warned_unsupported = True
+    w._tree_draft = lambda b: SimpleNamespace(window=torch.zeros(2, 2 * d, dtype=torch.long))
+    w._tree_verify = lambda b, dr: (SimpleNamespace(ranks=None), vin, SimpleNamespace(logits_output=None), None)
+    w._ddtree_draft_window_ids = lambda dr, win: win
+    w._greedy_target_predict = lambda *a: torch.zeros(2, d, dtype=torch.long)
+    w._glue_commit = lambda *a: order.append("accept + window write into req_to_token") or (None,) * 4 + ("c",)
+    w.accept_stats = SimpleNamespace(add=lambda counts: None)
+    real = mod.DDTreeWorker._shared_writes_done.__get__(w)
+    w._shared_writes_done = lambda: order.append("read-done event") or real()
+    w._tree_commit = lambda *a: order.append("commit (publish, drafter KV)") or "result"
+    assert w._forward_tree_verify(batch, None) == "result"
+    assert order == ["accept + window write into req_to_token", "commit (publish, drafter KV)", "read-done event"]
+
+    # (3) the worker refuses what the validator would not have allowed
+    w.ddtree = SimpleNamespace(num_draft_tokens=8, drafter_block_size=16)
+    with pytest.raises(ValueError, match=r"drafter block \(16\) <= D = 8"):
+        w._init_tree_verify()

@@ -229,7 +229,7 @@ def summary(doc: dict) -> str:
              f"# {doc['prompts']} prompts x {doc['tokens']} new tokens, greedy; violation = emitted token not the "
              f"target's argmax by more than {doc['margin']} nats (prefill re-score on the plain server)",
              f"{'family':7} {'server':24} {'run':13} {'viol':>5} {'off':>4} {'maxgap':>7} {'exact':>6} "
-             f"{'acc_len':>7} {'shadow':>6} {'tok/s':>7}  sampling  unsupported"]
+             f"{'acc_len':>7} {'shadow':>6} {'tok/s':>7}  sampling  unsupported  off-argmax gaps by bucket"]
     for fam, f in doc["families"].items():
         for name, r in f["servers"].items():
             if r.get("error") and not any(k.startswith(("sequential", "concurrent")) for k in r):
@@ -246,7 +246,8 @@ def summary(doc: dict) -> str:
                     f"{st['mean_accept_length'] if st['mean_accept_length'] is not None else '-':>7} "
                     f"{st['mean_shadow_tree_accept_length'] if st['mean_shadow_tree_accept_length'] is not None else '-':>6} "
                     f"{st['tokens_per_s']:7.1f}  {samp.get('completed', '-')}/{samp.get('requests', '-')}  "
-                    f"{('rejected, next served' if un.get('rejected') and un.get('served_after') else un) if un else '-'}")
+                    f"{('rejected, next served' if un.get('rejected') and un.get('served_after') else un) if un else '-'}"
+                    f"  {' '.join(f'{k}:{v}' for k, v in (st.get('off_argmax_gaps') or {}).items())}")
             stats = (r.get("log") or {}).get("accept_stats")
             if stats:
                 gg = stats.get("glue_graphs") or {}

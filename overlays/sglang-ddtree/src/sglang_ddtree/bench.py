@@ -744,6 +744,8 @@ def _one_server(a, run: RunSpec, rnd: int, entry: dict, prompts, target, drafter
                 info = get(base + "/server_info")
                 entry["algorithm"] = info.get("speculative_algorithm") or (info.get("server_args") or {}).get(
                     "speculative_algorithm")
+                entry["overlap_schedule"] = server_overlap(info)
+                log(f"    scheduler: {scheduler_name(entry['overlap_schedule'])}")
             except Exception:  # noqa: BLE001 - informative only
                 entry["algorithm"] = None
         if cold_warm:  # before any warm-up: the first request a cold server gets, then the next one
@@ -783,6 +785,21 @@ def _one_server(a, run: RunSpec, rnd: int, entry: dict, prompts, target, drafter
         srv.stop()
     if cold_warm and entry["status"] == "ok":
         _warm_restart(a, entry, argv, env, prompts, logdir, slug, log, baseline)
+
+
+def server_overlap(info: dict) -> Optional[bool]:
+    """Whether the server runs SGLang's overlap scheduler, from its /server_info (its resolved
+    ``disable_overlap_schedule``; None where it does not say). DFLASH and plain servers run it by default; DDTREE
+    where its validator keeps it (the plugin's ``config.overlap_decision``)."""
+    for src in (info, info.get("server_args") if isinstance(info.get("server_args"), dict) else {}):
+        v = src.get("disable_overlap_schedule")
+        if isinstance(v, bool):
+            return not v
+    return None
+
+
+def scheduler_name(overlap: Optional[bool]) -> str:
+    return {True: "overlap", False: "synchronous", None: "unknown"}[overlap]
 
 
 def profile_line(p: dict) -> str:
@@ -1020,7 +1037,9 @@ def main(argv=None) -> int:
                            "cold_warm": bool(a.cold_warm), "rounds": a.rounds,
                            "prompts": {"source": psrc, "count": len(prompts),
                                        "mean_len": round(sum(map(len, prompts)) / len(prompts), 1)},
-                           "launcher": a.launcher, "tiny_train_s": train_s}
+                           "launcher": a.launcher, "tiny_train_s": train_s,
+                           # the plugin's own switches the servers inherit (glue level, overlap A/B, ...)
+                           "ddtree_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("SGLANG_DDTREE_")}}
         a.requests = a.requests or len(prompts)
         log(f"bench: {len(runs)} server(s) one after another"
             + (f", {a.rounds} rounds over" if a.rounds > 1 else "") + f" on GPU {a.gpu} ({doc['gpu']['name']}), "

@@ -32,9 +32,21 @@ Server arguments (``--speculative-algorithm DDTREE``)
   = 1``, ``speculative_eagle_topk`` (``>= 2`` in tree-verify so the hybrid
   linear-attention backend takes its tree path and the mamba pool keeps a
   dense conv window per node; 1 in shadow-linear), ``speculative_num_draft_tokens
-  = B + 1``, overlap scheduling off, ``page_size = 1`` (accepted KV is kept by
-  remapping ``req_to_token``, one token per page), ``max_running_requests``
-  default 48.
+  = B + 1``, ``page_size = 1`` (accepted KV is kept by remapping
+  ``req_to_token``, one token per page), ``max_running_requests`` default 48.
+* **Overlap scheduling** (:func:`overlap_decision`).  SGLang's own DFLASH runs
+  under the overlap scheduler (the CPU prepares step N+1 and processes step N's
+  result while the GPU runs); a step of a small model is host-bound, so a
+  DDTREE server without it loses the race for that reason alone.  Tree-verify
+  keeps it on where the adapter has run it (``overlap_schedule`` in
+  ``capabilities.json``: 0.5.17) and the drafter block ``blk <= D``: under
+  overlap the scheduler reserves ``2*D`` KV slots from a committed length one
+  step behind, so a step may start up to ``min(blk, D)`` tokens (the last
+  step's accepted path) past it and writes a window of ``max(blk, D)``; both fit
+  in ``2*D`` only when ``blk <= D``.  Otherwise, in shadow-linear (its tree walk
+  reads the chain's result on the host every step), with
+  ``SGLANG_DDTREE_OVERLAP=0`` or ``--disable-overlap-schedule``, it is off and
+  the validator logs why.
 * Refused, each with the reason: rejection sampling / block verification /
   accept thresholds, ReplaySSM spec-verify and adaptive speculation, unified
   memory, page size > 1, pipeline parallelism, devices other than CUDA, other
@@ -57,6 +69,7 @@ from .capabilities import MODES
 ALGORITHM_NAME = "DDTREE"
 MODE_ENV = "SGLANG_DDTREE_MODE"
 BUDGET_ENV = "SGLANG_DDTREE_BUDGET"
+OVERLAP_ENV = "SGLANG_DDTREE_OVERLAP"  # "0" keeps tree-verify on the synchronous scheduler (A/B runs)
 TREE_VERIFY = "tree-verify"
 SHADOW_LINEAR = "shadow-linear"
 DEFAULT_TOPK = 2
@@ -64,9 +77,9 @@ DEFAULT_MAX_RUNNING_REQUESTS = 48  # what the builtin DFLASH handler defaults to
 TREE_VERIFY_ATTENTION_BACKENDS = ("triton",)
 
 __all__ = [
-    "ALGORITHM_NAME", "MODE_ENV", "BUDGET_ENV", "TREE_VERIFY", "SHADOW_LINEAR", "DEFAULT_TOPK",
+    "ALGORITHM_NAME", "MODE_ENV", "BUDGET_ENV", "OVERLAP_ENV", "TREE_VERIFY", "SHADOW_LINEAR", "DEFAULT_TOPK",
     "TREE_VERIFY_ATTENTION_BACKENDS", "DDTreeConfigError", "DDTreeConfig", "resolve_ddtree_config",
-    "server_arg_writes",
+    "server_arg_writes", "overlap_decision",
 ]
 
 
@@ -252,14 +265,40 @@ def resolve_ddtree_config(
     return DDTreeConfig(mode, b_env_i if b_env_i is not None else d - 1, d, 1, block)
 
 
-def server_arg_writes(args: Any, cfg: DDTreeConfig) -> dict:
+def overlap_decision(cfg: DDTreeConfig, drafter_block: Optional[int], adapter_overlap: bool,
+                     environ: Optional[Mapping[str, str]] = None, user_disabled: bool = False):
+    """Whether a DDTREE server runs under SGLang's overlap scheduler, and why (see the module docstring):
+    ``(on, reason)``. ``drafter_block``: the drafter's block width ``blk`` where known (None: unknown, off);
+    ``adapter_overlap``: the adapter's ``OVERLAP_SCHEDULE`` (capabilities.json ``overlap_schedule``)."""
+    env = os.environ if environ is None else environ
+    if user_disabled:
+        return False, "--disable-overlap-schedule given"
+    if cfg.mode != TREE_VERIFY:
+        return False, ("shadow-linear walks the tree on the host after every chain step (it reads that step's "
+                       "result), which the synchronous scheduler serves without a lag")
+    if (env.get(OVERLAP_ENV) or "").strip().lower() in ("0", "off", "false", "no"):
+        return False, f"{OVERLAP_ENV}={env.get(OVERLAP_ENV)}"
+    if not adapter_overlap:
+        return False, "this SGLang version's adapter has not run tree-verify under the overlap scheduler"
+    if drafter_block is None:
+        return False, "the drafter's block width is unknown here (it must be <= D for overlap)"
+    if int(drafter_block) > cfg.num_draft_tokens:
+        return False, (f"the drafter block {drafter_block} is wider than D = {cfg.num_draft_tokens}: under overlap "
+                       f"the scheduler reserves 2*D KV slots from a committed length one step behind, and a step "
+                       f"may start {min(int(drafter_block), cfg.num_draft_tokens)} tokens past it with a window "
+                       f"of {max(int(drafter_block), cfg.num_draft_tokens)}")
+    return True, f"drafter block {drafter_block} <= D = {cfg.num_draft_tokens}"
+
+
+def server_arg_writes(args: Any, cfg: DDTreeConfig, overlap: bool = False) -> dict:
     """The server arguments DDTREE sets (what the builtin DFLASH handler would
-    set, with DDTREE's topk and width): a plain dict the validator assigns."""
+    set, with DDTREE's topk and width): a plain dict the validator assigns.
+    ``overlap``: :func:`overlap_decision`'s verdict (False: the synchronous scheduler)."""
     writes = {
         "speculative_num_steps": 1,
         "speculative_eagle_topk": cfg.topk,
         "speculative_num_draft_tokens": cfg.num_draft_tokens,
-        "disable_overlap_schedule": True,
+        "disable_overlap_schedule": not overlap,
         "page_size": 1,
     }
     if getattr(args, "max_running_requests", None) is None:

@@ -16,11 +16,14 @@ from .config import (  # noqa: F401  (re-exported: the plugin's public contract)
     ALGORITHM_NAME,
     BUDGET_ENV,
     MODE_ENV,
+    OVERLAP_ENV,
     SHADOW_LINEAR,
     TREE_VERIFY,
     DDTreeConfig,
     DDTreeConfigError,
+    overlap_decision,
     resolve_ddtree_config,
+    server_arg_writes,
 )
 
 __all__ = ["register", "check_sglang_version", "UnsupportedSGLangVersion", "ALGORITHM_NAME"]

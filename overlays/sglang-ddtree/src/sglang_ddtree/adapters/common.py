@@ -24,7 +24,7 @@ from types import ModuleType
 from typing import Callable, Optional
 
 from ..admission import rejection
-from ..config import ALGORITHM_NAME, resolve_ddtree_config, server_arg_writes
+from ..config import ALGORITHM_NAME, overlap_decision, resolve_ddtree_config, server_arg_writes
 
 logger = logging.getLogger(__name__)
 
@@ -86,11 +86,16 @@ def make_validator(adapter: ModuleType) -> Callable:
         steps = getattr(server_args, "speculative_num_steps", None)
         if steps is not None and int(steps) != 1:
             logger.warning("DDTREE drafts in one pass; overriding speculative_num_steps=%s to 1.", steps)
-        for k, v in server_arg_writes(server_args, cfg).items():
+        blk = cfg.drafter_block_size
+        if blk is None and cfg.mode == "tree-verify":
+            blk = adapter.drafter_block_size(server_args)
+        overlap, why = overlap_decision(cfg, blk, bool(getattr(adapter, "OVERLAP_SCHEDULE", False)), os.environ,
+                                        user_disabled=bool(getattr(server_args, "disable_overlap_schedule", False)))
+        for k, v in server_arg_writes(server_args, cfg, overlap=overlap).items():
             setattr(server_args, k, v)
         logger.info(
-            "DDTREE: mode=%s budget B=%d verify width D=%d topk=%d (SGLang %s adapter)",
-            cfg.mode, cfg.budget, cfg.num_draft_tokens, cfg.topk, adapter.VERSION,
+            "DDTREE: mode=%s budget B=%d verify width D=%d topk=%d, overlap scheduling %s (%s) (SGLang %s adapter)",
+            cfg.mode, cfg.budget, cfg.num_draft_tokens, cfg.topk, "on" if overlap else "off", why, adapter.VERSION,
         )
 
     return validate_server_args
@@ -107,7 +112,8 @@ def register(adapter: ModuleType) -> bool:
         return False
     SpeculativeAlgorithm.register(
         ALGORITHM_NAME,
-        supports_overlap=False,
+        # the validator still turns overlap off per server where it cannot run (config.overlap_decision)
+        supports_overlap=bool(getattr(adapter, "OVERLAP_SCHEDULE", False)),
         validate_server_args=make_validator(adapter),
         spec_class=adapter.make_spec_class(),
     )(adapter.worker_factory)

@@ -15,6 +15,8 @@ from ..capabilities import load_capabilities as _caps
 VERSION = "0.5.17"
 # Whether tree-verify may run under decode CUDA graphs with this release (capabilities.json says it per version).
 TREE_VERIFY_CUDA_GRAPHS = bool(_caps()["per_version"][VERSION].get("tree_verify_cuda_graphs", False))
+# Whether tree-verify may run under SGLang's overlap scheduler (DFLASH's default) with this release.
+OVERLAP_SCHEDULE = bool(_caps()["per_version"][VERSION].get("overlap_schedule", False))
 
 
 def attention_backends(server_args) -> dict:
@@ -29,6 +31,26 @@ def attention_backends(server_args) -> dict:
     return {k: getattr(view, k, None) for k in (
         "attention_backend", "decode_attention_backend", "prefill_attention_backend",
         "speculative_draft_attention_backend")}
+
+
+def drafter_block_size(server_args):
+    """The DFlash drafter's block width from its config (as 0.5.17's DFLASH handler reads it); None when the
+    config cannot be read here (the validator then keeps tree-verify off the overlap scheduler)."""
+    try:
+        from sglang.srt.speculative.dflash_utils import parse_dflash_draft_config
+        from sglang.srt.utils.hf_transformers_utils import get_config
+
+        cfg = get_config(server_args.speculative_draft_model_path,
+                         trust_remote_code=bool(getattr(server_args, "trust_remote_code", False)),
+                         revision=getattr(server_args, "speculative_draft_model_revision", None))
+        blk = parse_dflash_draft_config(draft_hf_config=cfg).resolve_block_size(default=None)
+        return None if blk is None else int(blk)
+    except Exception as exc:  # noqa: BLE001 - unknown block: overlap stays off, with the reason logged
+        import logging
+
+        logging.getLogger(__name__).warning("DDTREE: cannot read the drafter's block width (%s: %s)",
+                                            type(exc).__name__, exc)
+        return None
 
 
 def handle_server_args(self, server_args) -> None:

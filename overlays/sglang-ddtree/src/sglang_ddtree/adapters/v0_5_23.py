@@ -15,6 +15,13 @@ from ..capabilities import load_capabilities as _caps
 VERSION = "0.5.23"
 # Whether tree-verify may run under decode CUDA graphs with this release (capabilities.json says it per version).
 TREE_VERIFY_CUDA_GRAPHS = bool(_caps()["per_version"][VERSION].get("tree_verify_cuda_graphs", False))
+# Tree-verify under the overlap scheduler: not with this release (never served on a GPU; capabilities.json).
+OVERLAP_SCHEDULE = bool(_caps()["per_version"][VERSION].get("overlap_schedule", False))
+
+
+def drafter_block_size(server_args):
+    """Not needed while OVERLAP_SCHEDULE is off for this release (the validator asks only in tree-verify)."""
+    return None
 
 
 def attention_backends(server_args) -> dict:

@@ -205,6 +205,8 @@ class DDTreeWorkerBase(DFlashWorkerV2):
         self.accept_stats = None
         self._graph_widths = None
         self._glue_build = self._glue_commit = None
+        # SGLang's overlap scheduler (config.overlap_decision; the validator set disable_overlap_schedule)
+        self._overlap = not bool(getattr(server_args, "disable_overlap_schedule", True))
         self._unsafe_chain_state = os.environ.get(UNSAFE_CHAIN_STATE_ENV) == "1"
         if self._unsafe_chain_state:
             logger.warning("DDTREE: %s=1 - recurrent state is processed in CHAIN order (siblings leak into each "
@@ -231,8 +233,8 @@ class DDTreeWorkerBase(DFlashWorkerV2):
             self._glue_track_interval = self._glue_track_interval_or_none() if level >= 2 else None
         else:
             self._glue_full_index, self._glue_track_interval = False, None
-        logger.info("DDTreeWorker (SGLang %s adapter): %s, drafter block %d", adapter.VERSION, self.ddtree,
-                    int(self.block_size))
+        logger.info("DDTreeWorker (SGLang %s adapter): %s, drafter block %d, %s scheduler", adapter.VERSION,
+                    self.ddtree, int(self.block_size), "overlap" if self._overlap else "synchronous")
 
     # ----- init -------------------------------------------------------------
     def _target_has_recurrent_layers(self) -> bool:
@@ -259,6 +261,12 @@ class DDTreeWorkerBase(DFlashWorkerV2):
                 "or use a drafter whose config declares block_size."
             )
         blk = int(blk)
+        if self._overlap and blk > d:  # the validator keeps overlap off then; a hand-set flag must not slip by
+            raise ValueError(
+                f"DDTREE tree-verify under the overlap scheduler needs the drafter block ({blk}) <= D = {d}: the "
+                "scheduler reserves 2*D KV slots from a committed length one step behind. Use a node budget "
+                f"B >= {blk - 1} or --disable-overlap-schedule."
+            )
         if not 2 <= blk <= 2 * d:
             raise ValueError(
                 f"DDTREE drafter block {blk} must be in [2, 2*D = {2 * d}]: the scheduler reserves 2*D KV slots "
@@ -400,7 +408,9 @@ class DDTreeWorkerBase(DFlashWorkerV2):
                 totals["glue_graphs"] = {g.name: g.stats() for g in (self._glue_build, self._glue_commit)}
                 logger.info("DDTREE accept stats %s", json.dumps(totals, sort_keys=True))
         with record_function("ddtree.commit"):
-            return self._tree_commit(batch, vin, target_out, commit, on_publish)
+            result = self._tree_commit(batch, vin, target_out, commit, on_publish)
+        self._shared_writes_done()
+        return result
 
     def _greedy_target_predict(self, batch, vin, logits_output, target_predict=None):
         """The target's greedy ids ``[N, D]`` int64 where the batch is all greedy (else None: sampling)."""
@@ -536,8 +546,7 @@ class DDTreeWorkerBase(DFlashWorkerV2):
         with record_function("ddtree.tree_build"):  # drafter top-K, tree, verify inputs: one graph replay
             tree, vin = self._glue_build(draft.hidden, draft_input.bonus_tokens, batch.seq_lens)
         with record_function("ddtree.compile"):
-            vin = with_full_mask(vin, batch.seq_lens,
-                                 batch.seq_lens_sum if batch.seq_lens_cpu is not None else None)
+            vin = with_full_mask(vin, batch.seq_lens, self._host_prefix_sum(batch, draft_input))
             assert vin.draft_token_num == d
             verify_input = DDTreeVerifyInput(
                 draft_token=vin.draft_token,
@@ -580,6 +589,37 @@ class DDTreeWorkerBase(DFlashWorkerV2):
         self._verify_used_graph = bool(out.can_run_cuda_graph)
         target_predict = self._ddtree_finish_verify_logits(batch, out.logits_output)
         return tree, vin, out, target_predict
+
+    def _host_prefix_sum(self, batch, draft_input) -> Optional[int]:
+        """The FULL mask's size needs ``sum(prefix)`` on the host: the batch's host lengths where the scheduler
+        gives them (exact; under overlap too, with the Triton backend), else the scheduler's reservation (an
+        upper bound: the layout is indexed from the device lengths, a longer buffer is only unused at its
+        end); None only when neither exists (then one device sync)."""
+        if batch.seq_lens_cpu is not None:
+            total = batch.seq_lens_sum
+            return int(batch.seq_lens_cpu.sum()) if total is None else int(total)
+        _, reserved_sum = self._ddtree_reserved_seq_lens(draft_input)
+        return None if reserved_sum is None else int(reserved_sum)
+
+    def _shared_writes_done(self) -> None:
+        """Under the overlap scheduler: where the step's last write to a pool the scheduler shares is.
+
+        After a launch the scheduler orders its own stream's later work (freeing finished requests' KV tails and
+        state slots, allocating the next step's slots, handing request slots to new requests: reads and writes
+        of ``req_to_token`` and the pools) only behind the target runner's read-done event, which SGLang records
+        at the verify graph's load - before this step writes the accepted path's window into ``req_to_token``
+        (the accept's glue), the recurrent state and the drafter's KV (the commit). A request that finished in the
+        last step is still in this batch (overlap learns it one step late), so the scheduler may free its tail
+        while this step permutes it: the event is moved to the end of the step. It costs nothing the overlap
+        gains: the next step runs on the same forward stream after this one anyway; the host never waits."""
+        if not self._overlap:
+            return
+        runner = self.target_worker.model_runner
+        if not hasattr(runner, "war_fastpath_read_done_event"):
+            return
+        ev = torch.get_device_module(self.device).Event()
+        ev.record()
+        runner.war_fastpath_read_done_event = ev
 
     def _tree_sample_accept(self, batch, vin, logits_output):
         """SGLang's target-only tree sampling (zero draft probabilities: lossless), in bounded-memory groups.
