@@ -273,11 +273,9 @@ def test_full_server_args_pipeline_on_tiny_configs(family, tmp_path):
     argv = _tiny_argv(tmp_path, family)
     got, out = _pipeline(argv)
     assert got, out.stdout[-2000:] + out.stderr[-4000:]
-    # the drafter's block (its config.json, read by the adapter) is <= D = 16, so 0.5.17 keeps SGLang's overlap
-    # scheduler on, as its own DFLASH does; 0.5.23's adapter has not run it
+    # the synchronous scheduler unless SGLANG_DDTREE_OVERLAP=1 (test_overlap_through_the_real_pipeline)
     assert got == {"speculative_algorithm": "DDTREE", "speculative_eagle_topk": 2,
-                   "speculative_num_draft_tokens": 16, "speculative_num_steps": 1,
-                   "disable_overlap_schedule": SGLANG != "0.5.17",
+                   "speculative_num_draft_tokens": 16, "speculative_num_steps": 1, "disable_overlap_schedule": True,
                    "page_size": 1, "attention_backend": "triton", "speculative_draft_attention_backend": "triton"}
     # and the same command line with SGLang's Hopper default backend is refused with the flag to pass
     bad = [a for a in argv]
@@ -287,36 +285,41 @@ def test_full_server_args_pipeline_on_tiny_configs(family, tmp_path):
 
 
 @pytest.mark.skipif(SGLANG != "0.5.17", reason="overlap scheduling is the 0.5.17 adapter's (capabilities.json)")
-@pytest.mark.parametrize("case", ["block wider than D", "env off", "flag given"])
-def test_overlap_turned_off_through_the_real_pipeline(case, tmp_path):
-    """The drafter's real config.json says block 8: D = 4 cannot hold it under overlap (the validator reads the
-    block and keeps the synchronous scheduler, saying why); SGLANG_DDTREE_OVERLAP=0 and the user's own
-    --disable-overlap-schedule are honoured."""
+@pytest.mark.parametrize("case", ["asked", "block wider than D", "not asked", "asked but flag given"])
+def test_overlap_through_the_real_pipeline(case, tmp_path):
+    """SGLANG_DDTREE_OVERLAP=1 puts tree-verify on SGLang's overlap scheduler - where the drafter's real config.json
+    (block 8) fits D: at D = 4 the validator reads the block and keeps the synchronous scheduler, saying why. Not
+    asked, or with the user's own --disable-overlap-schedule, it stays synchronous."""
     argv = _tiny_argv(tmp_path, "dense", d=4 if case == "block wider than D" else 16)
-    env = {"SGLANG_DDTREE_OVERLAP": "0"} if case == "env off" else {}
-    if case == "flag given":
+    env = {} if case == "not asked" else {"SGLANG_DDTREE_OVERLAP": "1"}
+    if case == "asked but flag given":
         argv.append("--disable-overlap-schedule")
     got, out = _pipeline(argv, **env)
-    assert got and got["disable_overlap_schedule"] is True, out.stderr[-3000:]
-    why = {"block wider than D": "the drafter block 8 is wider than D = 4", "env off": "SGLANG_DDTREE_OVERLAP=0",
-           "flag given": "--disable-overlap-schedule given"}[case]
-    assert "overlap scheduling off (" + why in out.stderr, out.stderr[-3000:]
+    assert got and got["disable_overlap_schedule"] is (case != "asked"), out.stderr[-3000:]
+    why = {"asked": "overlap scheduling on (drafter block 8 <= D = 16)",
+           "block wider than D": "overlap scheduling off (the drafter block 8 is wider than D = 4",
+           "not asked": "overlap scheduling off (opt-in with SGLANG_DDTREE_OVERLAP=1",
+           "asked but flag given": "overlap scheduling off (--disable-overlap-schedule given"}[case]
+    assert why in out.stderr, out.stderr[-3000:]
 
 
 def _cfg(mode="tree-verify", d=16):
     return plugin.DDTreeConfig(mode, d - 1, d, 2 if mode == "tree-verify" else 1, None)
 
 
+ON = {"SGLANG_DDTREE_OVERLAP": "1"}
+
+
 @pytest.mark.parametrize("mode,d,blk,adapter,env,user,on", [
-    ("tree-verify", 16, 16, True, {}, False, True),      # the H200's B=15 with a block-16 drafter
-    ("tree-verify", 32, 16, True, {}, False, True),      # B=31
-    ("tree-verify", 8, 16, True, {}, False, False),      # a step can start 8 past the lagging length, window 16
-    ("tree-verify", 16, None, True, {}, False, False),   # unknown block: conservative
-    ("tree-verify", 16, 8, False, {}, False, False),     # an adapter that has not run it
-    ("tree-verify", 16, 8, True, {"SGLANG_DDTREE_OVERLAP": "off"}, False, False),
-    ("tree-verify", 16, 8, True, {"SGLANG_DDTREE_OVERLAP": "1"}, False, True),
-    ("tree-verify", 16, 8, True, {}, True, False),       # --disable-overlap-schedule
-    ("shadow-linear", 16, 16, True, {}, False, False),   # the tree walk reads each chain step's result
+    ("tree-verify", 16, 16, True, ON, False, True),      # the H200's B=15 with a block-16 drafter
+    ("tree-verify", 32, 16, True, ON, False, True),      # B=31
+    ("tree-verify", 32, 16, True, {}, False, False),     # not asked: the synchronous scheduler (measured faster)
+    ("tree-verify", 32, 16, True, {"SGLANG_DDTREE_OVERLAP": "0"}, False, False),
+    ("tree-verify", 8, 16, True, ON, False, False),      # a step can start 8 past the lagging length, window 16
+    ("tree-verify", 16, None, True, ON, False, False),   # unknown block: conservative
+    ("tree-verify", 16, 8, False, ON, False, False),     # an adapter that has not run it
+    ("tree-verify", 16, 8, True, ON, True, False),       # --disable-overlap-schedule
+    ("shadow-linear", 16, 16, True, ON, False, False),   # the tree walk reads each chain step's result
 ])
 def test_overlap_decision(mode, d, blk, adapter, env, user, on):
     got, why = plugin.overlap_decision(_cfg(mode, d), blk, adapter, env, user_disabled=user)

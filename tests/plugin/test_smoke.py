@@ -103,3 +103,20 @@ def test_pool_caps_reach_the_command_line():
     assert argv[argv.index("--max-total-tokens") + 1] == "65536"
     assert argv[argv.index("--max-mamba-cache-size") + 1] == "48"
     assert "--max-mamba-cache-size" not in smoke.server_argv("python", smoke.ServerSpec("plain", "/m"), 1)
+
+
+def test_a_lost_port_race_is_told_from_a_servers_own_failure():
+    """The H200 (session 6, two matrices side by side): a server lost the port free_port() had found to a server
+    of the other process. That start is retried on a new port (serve_matrix); any other start failure is not."""
+    from sglang_ddtree.servers import lost_port_race
+
+    # the tail of that server's log, as captured on the H200
+    lost = ("[2026-12-03 11:54:23] INFO:     Application startup complete.\n"
+            "[2026-12-03 11:54:23] ERROR:    [Errno 98] error while attempting to bind on address "
+            "('127.0.0.1', 37923): address already in use\n"
+            "[2026-12-03 11:54:23] INFO:     Waiting for application shutdown.")
+    assert lost_port_race("server exited during start-up:\n" + lost)
+    own = ("RuntimeError: Not enough GPU memory for hybrid (mamba/linear-attention) state cache. Computed "
+           "max_mamba_cache_size=-137")
+    assert not lost_port_race("server exited during start-up:\n" + own)
+    assert not lost_port_race("server not healthy after 300s:\n[Errno 98] somewhere else")

@@ -38,6 +38,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from sglang_ddtree import servers as servers_mod
 from sglang_ddtree import smoke
 from sglang_ddtree.bench import level_prompts
 
@@ -93,22 +94,33 @@ def run_family(family: str, out: str, a) -> dict:
     logs = {}
     servers, bases = {}, {}
     res = {"family": family, "models": paths, "servers": {}}
+    def start(name):
+        spec, extra_env = specs[name]
+        port = smoke.free_port()
+        env = smoke.server_env(spec, a.gpu)
+        env.update(extra_env)
+        log = logs[name] = os.path.join(a.work, f"{family}-{name.replace(' ', '_').replace('=', '')}.log")
+        srv = smoke.Server(smoke.server_argv(sys.executable, spec, port), env, log, launcher="process")
+        srv.start()
+        servers[name], bases[name] = srv, f"http://127.0.0.1:{port}"
+
     try:
-        for name, (spec, extra_env) in specs.items():
-            port = smoke.free_port()
-            env = smoke.server_env(spec, a.gpu)
-            env.update(extra_env)
-            log = logs[name] = os.path.join(a.work, f"{family}-{name.replace(' ', '_').replace('=', '')}.log")
-            srv = smoke.Server(smoke.server_argv(sys.executable, spec, port), env, log, launcher="process")
-            srv.start()
-            servers[name], bases[name] = srv, f"http://127.0.0.1:{port}"
+        for name in specs:
+            start(name)
         t0 = time.time()
 
         def up(name):
-            try:
-                return name, round(smoke.wait_healthy(bases[name], servers[name], a.start_timeout), 1), None
-            except Exception as e:  # noqa: BLE001
-                return name, None, str(e)[-3000:]
+            for attempt in range(3):
+                try:
+                    return name, round(smoke.wait_healthy(bases[name], servers[name], a.start_timeout), 1), None
+                except Exception as e:  # noqa: BLE001
+                    err = str(e)[-3000:]
+                    if attempt == 2 or not servers_mod.lost_port_race(err):
+                        return name, None, err
+                    # another process took the port between free_port() and the bind: a new port, not a failure
+                    print(f"[{family}] {name}: port taken at start-up, restarting on a new one", flush=True)
+                    servers[name].stop()
+                    start(name)
 
         with ThreadPoolExecutor(len(servers)) as pool:
             health = list(pool.map(up, servers))

@@ -34,19 +34,22 @@ Server arguments (``--speculative-algorithm DDTREE``)
   dense conv window per node; 1 in shadow-linear), ``speculative_num_draft_tokens
   = B + 1``, ``page_size = 1`` (accepted KV is kept by remapping
   ``req_to_token``, one token per page), ``max_running_requests`` default 48.
-* **Overlap scheduling** (:func:`overlap_decision`).  SGLang's own DFLASH runs
-  under the overlap scheduler (the CPU prepares step N+1 and processes step N's
-  result while the GPU runs); a step of a small model is host-bound, so a
-  DDTREE server without it loses the race for that reason alone.  Tree-verify
-  keeps it on where the adapter has run it (``overlap_schedule`` in
-  ``capabilities.json``: 0.5.17) and the drafter block ``blk <= D``: under
-  overlap the scheduler reserves ``2*D`` KV slots from a committed length one
-  step behind, so a step may start up to ``min(blk, D)`` tokens (the last
-  step's accepted path) past it and writes a window of ``max(blk, D)``; both fit
-  in ``2*D`` only when ``blk <= D``.  Otherwise, in shadow-linear (its tree walk
-  reads the chain's result on the host every step), with
-  ``SGLANG_DDTREE_OVERLAP=0`` or ``--disable-overlap-schedule``, it is off and
-  the validator logs why.
+* **Overlap scheduling** (:func:`overlap_decision`), opt-in with
+  ``SGLANG_DDTREE_OVERLAP=1``.  SGLang's own DFLASH runs under the overlap
+  scheduler (the CPU prepares step N+1 and processes step N's result while the
+  GPU runs); DDTREE tree-verify can too, where the adapter has run it
+  (``overlap_schedule`` in ``capabilities.json``: 0.5.17) and the drafter block
+  ``blk <= D``: under overlap the scheduler reserves ``2*D`` KV slots from a
+  committed length one step behind, so a step may start up to ``min(blk, D)``
+  tokens (the last step's accepted path) past it and writes a window of
+  ``max(blk, D)``; both fit in ``2*D`` only when ``blk <= D``.  It is not the
+  default because it measured slower: on the H200 (session 6, dense pair,
+  B = 31, the same server back to back) DDTREE served 1389 tok/s at one request
+  and 3968 at four under overlap against 1610 and 4589 on the synchronous
+  scheduler (``benchmarks/results/ddtree_issue12_h200.md``).  Off by default, in
+  shadow-linear (its tree walk reads the chain's result on the host every
+  step), where the block does not fit, or with ``--disable-overlap-schedule``;
+  the validator logs which.
 * Refused, each with the reason: rejection sampling / block verification /
   accept thresholds, ReplaySSM spec-verify and adaptive speculation, unified
   memory, page size > 1, pipeline parallelism, devices other than CUDA, other
@@ -69,7 +72,7 @@ from .capabilities import MODES
 ALGORITHM_NAME = "DDTREE"
 MODE_ENV = "SGLANG_DDTREE_MODE"
 BUDGET_ENV = "SGLANG_DDTREE_BUDGET"
-OVERLAP_ENV = "SGLANG_DDTREE_OVERLAP"  # "0" keeps tree-verify on the synchronous scheduler (A/B runs)
+OVERLAP_ENV = "SGLANG_DDTREE_OVERLAP"  # "1": tree-verify on SGLang's overlap scheduler where it can run (opt-in)
 TREE_VERIFY = "tree-verify"
 SHADOW_LINEAR = "shadow-linear"
 DEFAULT_TOPK = 2
@@ -276,8 +279,10 @@ def overlap_decision(cfg: DDTreeConfig, drafter_block: Optional[int], adapter_ov
     if cfg.mode != TREE_VERIFY:
         return False, ("shadow-linear walks the tree on the host after every chain step (it reads that step's "
                        "result), which the synchronous scheduler serves without a lag")
-    if (env.get(OVERLAP_ENV) or "").strip().lower() in ("0", "off", "false", "no"):
-        return False, f"{OVERLAP_ENV}={env.get(OVERLAP_ENV)}"
+    asked = (env.get(OVERLAP_ENV) or "").strip().lower()
+    if asked not in ("1", "on", "true", "yes"):
+        return False, (f"opt-in with {OVERLAP_ENV}=1" + (f", got {OVERLAP_ENV}={env.get(OVERLAP_ENV)}" if asked else "")
+                       + ": on the H200 the synchronous scheduler served tree-verify faster at 1 and 4 requests")
     if not adapter_overlap:
         return False, "this SGLang version's adapter has not run tree-verify under the overlap scheduler"
     if drafter_block is None:

@@ -36,7 +36,7 @@ from .config import BUDGET_ENV, MODE_ENV, SHADOW_LINEAR, TREE_VERIFY
 MODES = ("tree-verify", "shadow-linear", "linear", "dflash", "plain")  # linear = dflash: SGLang's own DFLASH chain
 
 __all__ = [
-    "MODES", "ServerSpec", "server_argv", "server_env", "gpu_device_problem", "shared_gpu_fraction",
+    "MODES", "ServerSpec", "server_argv", "server_env", "gpu_device_problem", "shared_gpu_fraction", "lost_port_race",
     "server_mem_fraction", "gpu_memory_mib", "gpu_name", "free_port", "Server", "post", "get", "wait_healthy",
     "map_concurrent",
 ]
@@ -162,6 +162,14 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def lost_port_race(error: str) -> bool:
+    """Whether a server failed its start because the port :func:`free_port` found was taken before it bound it
+    (another process starting servers beside this one; on the H200, two matrices side by side): uvicorn's
+    ``[Errno 98] error while attempting to bind on address ...: address already in use``. Such a start is
+    retried on a new port; any other failure is the server's own."""
+    return "[Errno 98]" in error and "address already in use" in error
 
 
 _PR_SET_PDEATHSIG = 1
