@@ -177,6 +177,7 @@ class BenchPlan:
     prompts_source: str = "random"
     warnings: tuple = ()
     rounds: int = 1  # the whole list this many times over, a fresh server each time (medians reported)
+    cpus: str | None = None  # the host's CPUs every bench server is pinned to (the load generator gets the rest)
 
     def agent_args(self) -> dict:
         return {"gpu": self.gpu, "modes": list(self.modes), "budgets": list(self.budgets),
@@ -184,7 +185,8 @@ class BenchPlan:
                 "max_new_tokens": self.max_new_tokens, "requests": self.requests, "num_prompts": self.num_prompts,
                 "prompt_len": self.prompt_len, "seed": self.seed, "tiny": self.tiny, "model": self.model,
                 "draft_model": self.draft_model, "venv": self.venv, "user": self.user, "prefix": self.prefix,
-                "server_args": list(self.server_args), "prompts": self.prompts, "rounds": self.rounds}
+                "server_args": list(self.server_args), "prompts": self.prompts, "rounds": self.rounds,
+                "cpus": self.cpus}
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -198,7 +200,8 @@ def plan_bench(host: Host, probe: dict, *, gpu: int | None = None, modes_: tuple
                max_new_tokens: int = DEFAULTS["max_new_tokens"], requests: int | None = None,
                num_prompts: int = DEFAULTS["num_prompts"], prompt_len: int = DEFAULTS["prompt_len"],
                seed: int = DEFAULTS["seed"], prompts: list | None = None, prompts_source: str = "random",
-               server_args: tuple = (), deadline: float = 3600.0, rounds: int = 1) -> BenchPlan:
+               server_args: tuple = (), deadline: float = 3600.0, rounds: int = 1,
+               cpus: str | None = None) -> BenchPlan:
     """The benchmark run for `host` from its inventory entry and a `release.probe` result. Raises BenchRefused."""
     gpu, svc = smokemod.gpu_and_service(host, gpu, BenchRefused, "pass --gpu (and --tiny)")
     if graphs not in ("on", "off", "both"):
@@ -207,6 +210,11 @@ def plan_bench(host: Host, probe: dict, *, gpu: int | None = None, modes_: tuple
         raise BenchRefused(f"--rounds {rounds!r}: 1 to 20")
     if family is not None and family not in ("hybrid", "dense"):
         raise BenchRefused(f"--family {family!r}: hybrid or dense")
+    from .remote.host.bench import CPUS_RE  # the host op's own rule (imported where used, as host_command does)
+
+    if cpus is not None and not CPUS_RE.match(str(cpus)):
+        raise BenchRefused(f"--cpus {str(cpus)[:80]!r}: a CPU list like 0-3,8 (whether the host has them, its "
+                           "bench says before it starts anything)")
     if not probe.get("current"):
         raise BenchRefused(f"{host.name} has no active release: run `fab deploy` first (the benchmark runs the "
                            f"release's plugin from {host.vars['venv']})")
@@ -259,7 +267,7 @@ def plan_bench(host: Host, probe: dict, *, gpu: int | None = None, modes_: tuple
                      # the service's own extra_args, then --server-args (last, so the operator's word wins)
                      server_args=(tuple(svc.extra_args) if svc is not None and not tiny else ()) + tuple(server_args),
                      deadline=float(deadline), prompts=prompts, prompts_source=prompts_source,
-                     warnings=tuple(warnings), rounds=rounds)
+                     warnings=tuple(warnings), rounds=rounds, cpus=cpus)
 
 
 # ----------------------------------------------------------------------------- the report, hostile

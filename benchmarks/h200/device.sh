@@ -11,7 +11,8 @@
 #                             SGLANG_DDTREE_GLUE_GRAPHS=GLUE (default: unset, the plugin's own default: 2 on a
 #                             dense target, 1 on a hybrid one), --rounds $ROUNDS (default 1),
 #                             --graphs $GRAPHS (default on; off or both for the graphs on/off figures),
-#                             SGLANG_DDTREE_OVERLAP=$OVERLAP where set (0: DDTREE on the synchronous scheduler)
+#                             SGLANG_DDTREE_OVERLAP=$OVERLAP where set (1: DDTREE on SGLang's overlap scheduler),
+#                             --cpus $CPUS where set (every server pinned there, the clients on the other CPUs)
 #                                                         -> $OUT/bench-FAMILY-gGLUE[-GRAPHS][-ovOVERLAP].{json,txt,png}
 #                             and the logs and the DDTREE servers' traces -> $OUT/bench-...-raw.tgz
 #   matrix FAMILY BUDGETS     python -m ddtree_checks.serve_matrix (item 6, 64 x 128, conc 1 and 8)
@@ -74,6 +75,7 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'sglang', sglang
     timeout "${BENCH_TIMEOUT:-570}" python3 -m sglang_ddtree.bench --tiny /tmp/tiny \
       --family "$fam" --launcher process --out "$o" --modes "$modes" --budgets "$budgets" --graphs "${GRAPHS:-on}" \
       --concurrency "$conc" --max-new-tokens 128 --requests 16 --profile-steps 20 --rounds "${ROUNDS:-1}" \
+      ${CPUS:+--cpus "$CPUS"} \
       2>&1 | tee "$OUT/$name.log"
     rc=$?
     stop_servers

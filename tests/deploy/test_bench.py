@@ -81,6 +81,7 @@ def test_plan_takes_the_service_its_models_block_and_extra_args(tmp_path):
     ({"server_args": ("--api-key", "x")}, {}, "passes a secret"),
     ({"graphs": "sometimes"}, {}, "on, off or both"),
     ({"rounds": 0}, {}, "--rounds 0: 1 to 20"), ({"rounds": 21}, {}, "1 to 20"),
+    ({"cpus": "0-3 8"}, {}, "a CPU list like 0-3,8"), ({"cpus": "$(reboot)"}, {}, "a CPU list like 0-3,8"),
     ({"tiny": True}, {"configs": {}}, "no readable config.json"),
 ])
 def test_plan_refusals(tmp_path, kw, pr, msg):
@@ -412,6 +413,7 @@ def inventory_for_args():
     ({"server_args": ["--x;rm"]}, "plain words"), ({"prefix": "ddtree-smoke-0123456789ab"}, "ddtree-bench-"),
     ({"user": "r oot"}, "plain user name"), ({"prompts": [[1, -1]]}, "token ids"), ({"prompts": []}, "1-4096"),
     ({"tiny": "moe"}, "tiny must be"), ({"rounds": 0}, "rounds must be"), ({"rounds": True}, "rounds must be"),
+    ({"cpus": "0-3;reboot"}, "cpus must be"), ({"cpus": "0 1"}, "cpus must be"), ({"cpus": 3}, "cpus must be"),
 ])
 def test_host_op_refuses_bad_arguments(kw, msg):
     with pytest.raises(Failure, match=msg):
@@ -440,6 +442,14 @@ def test_host_op_command_line_is_what_the_plugins_parser_reads():
     r = agent_args(rounds=3)
     hostbench.check_args(r)
     assert pb.parse_args(hostbench.bench_argv("/py", r, "/r", 60, "/w")[3:]).rounds == 3
+    assert pb.parse_args(hostbench.bench_argv("/py", t, "/r", 60, "/w")[3:]).cpus is None
+    import os
+
+    one = str(sorted(os.sched_getaffinity(0))[0])  # the plugin checks the CPUs against the host it runs on
+    if len(os.sched_getaffinity(0)) > 1:
+        p = agent_args(cpus=one)
+        hostbench.check_args(p)
+        assert pb.parse_args(hostbench.bench_argv("/py", p, "/r", 60, "/w")[3:]).cpus == [int(one)]
 
 
 def test_smoke_of_an_auto_service_runs_the_mode_the_last_deploy_chose(tmp_path):
@@ -473,3 +483,11 @@ def test_mode_auto_on_the_h200_figures_picks_each_levels_winner(report, expect):
                       for lv in r["levels"] if lv["concurrency"] == conc)
         assert (c.mode, c.budget, c.concurrency) == (mode, budget, conc)
         assert c.tok_s == fastest[0] and bench.DEPLOY_MODE[fastest[1]] == c.mode
+
+
+def test_cpus_reach_the_hosts_command_line(tmp_path):
+    plan = bench.plan_bench(inventory(tmp_path).hosts["h"], probe(), cpus="2-3,8")
+    assert plan.agent_args()["cpus"] == "2-3,8"
+    argv = bench.host_command(plan)
+    assert argv[argv.index("--cpus") + 1] == "2-3,8"
+    assert "--cpus" not in bench.host_command(bench.plan_bench(inventory(tmp_path).hosts["h"], probe()))

@@ -29,6 +29,8 @@ a, _ = ap.parse_known_args()
 d = os.environ["STANDIN_DIR"]
 with open(os.path.join(d, "argv.jsonl"), "a") as fh:
     fh.write(json.dumps(sys.argv[1:]) + "\n")
+with open(os.path.join(d, "affinity.jsonl"), "a") as fh:  # the CPUs this server may run on (bench --cpus)
+    fh.write(json.dumps(sorted(os.sched_getaffinity(0))) + "\n")
 if os.environ.get("SGLANG_DDTREE_MODE") == "tree-verify" and a.cuda_graph_backend_decode != "disabled":
     print("ValueError: DDTREE tree-verify needs --cuda-graph-backend-decode disabled", flush=True)
     sys.exit(1)

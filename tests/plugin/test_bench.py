@@ -632,3 +632,67 @@ def test_rounds_run_the_whole_list_again_with_fresh_servers(tmp_path, monkeypatc
     assert "tok/s rounds" in table and "spread" in table
     with pytest.raises(SystemExit):
         bench.parse_args(["--tiny-random", "--rounds", "0"])
+
+
+def test_cpu_lists_parse_strictly_and_print_compactly():
+    assert servers.parse_cpus("0-3,8,10-11") == [0, 1, 2, 3, 8, 10, 11]
+    assert servers.parse_cpus(" 5 ") == [5] and servers.parse_cpus("2,1,2") == [1, 2]
+    for bad in ("", "a", "3-1", "1,,2", "-1", "1-", "0-4096", "1 2"):
+        with pytest.raises(ValueError, match="CPU list"):
+            servers.parse_cpus(bad)
+    assert servers.cpu_list([11, 0, 1, 2, 3, 8, 10]) == "0-3,8,10-11" and servers.cpu_list([4]) == "4"
+    # the clients keep the rest of what they may use; the servers cannot take CPUs outside it, nor all of it
+    assert bench.pin_clients([0, 1], allowed=[0, 1, 2, 3]) == [2, 3]
+    with pytest.raises(ValueError, match="no CPU for the clients"):
+        bench.pin_clients([0, 1], allowed=[0, 1])
+    with pytest.raises(ValueError, match="CPUs 7 are not among"):
+        bench.pin_clients([0, 7], allowed=[0, 1])
+
+
+def test_bad_cpus_are_refused_before_anything_runs(capsys):
+    usable = sorted(os.sched_getaffinity(0))
+    for spec, msg in (("x", "CPU list"), (servers.cpu_list(usable), "no CPU for the clients"),
+                      ("4095", "not among")):
+        with pytest.raises(SystemExit) as e:
+            bench.parse_args(["--tiny-random", "--cpus", spec])
+        assert e.value.code == 2 and msg in capsys.readouterr().err
+
+
+def test_a_pinned_server_and_its_children_run_only_on_its_cpus(tmp_path, monkeypatch):
+    """A real process launch (the launcher a host without systemd uses): the server and a process it starts run on
+    the given CPUs; under systemd the unit gets AllowedCPUs= instead."""
+    cpu = sorted(os.sched_getaffinity(0))[0]
+    code = ("import os, subprocess, sys; print('self', sorted(os.sched_getaffinity(0)), flush=True); "
+            "subprocess.run([sys.executable, '-c', 'import os; print(\"child\", sorted(os.sched_getaffinity(0)))'])")
+    log = tmp_path / "server.log"
+    srv = servers.Server([sys.executable, "-c", code], dict(os.environ), str(log), launcher="process", cpus=[cpu])
+    srv.start()
+    srv.proc.wait(timeout=60)
+    assert log.read_text().split("\n")[:2] == [f"self [{cpu}]", f"child [{cpu}]"]
+    seen = []
+    monkeypatch.setattr(servers.subprocess, "run", lambda argv, **kw: seen.append(argv))
+    servers.Server(["python3", "-m", "sglang.launch_server"], {}, str(log), launcher="systemd-run", unit="u",
+                   cpus=[3, 0, 1, 2, 8]).start()
+    assert "--property=AllowedCPUs=0-3,8" in seen[0] and seen[0].index("--property=AllowedCPUs=0-3,8") < \
+        seen[0].index("--")
+
+
+def test_bench_cpus_pins_every_server_and_keeps_the_clients_off_them(tmp_path, monkeypatch, capsys):
+    usable = sorted(os.sched_getaffinity(0))
+    if len(usable) < 2:
+        pytest.skip("needs two usable CPUs: one for the servers, one for the clients")
+    fake_py, state = _standin_bench(tmp_path, monkeypatch, "[1, 2, 3]\n")
+    out = tmp_path / "out"
+    try:
+        code = _standin_main(tmp_path, fake_py, out, "--modes", "plain,dflash", "--concurrency", "1",
+                             "--max-new-tokens", "4", "--warmup-tokens", "0", "--graphs", "off",
+                             "--cpus", str(usable[0]))
+        clients = sorted(os.sched_getaffinity(0))  # this process ran the clients
+    finally:
+        os.sched_setaffinity(0, usable)  # the rest of the test session as it was
+    assert code == bench.EXIT_OK, capsys.readouterr().err
+    aff = [json.loads(x) for x in (state / "affinity.jsonl").read_text().splitlines()]
+    assert aff == [[usable[0]], [usable[0]]]  # both servers, only there
+    assert clients == usable[1:]  # the clients on the others
+    doc = json.loads((out / "bench.json").read_text())
+    assert doc["settings"]["server_cpus"] == str(usable[0])

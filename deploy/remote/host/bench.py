@@ -15,6 +15,7 @@ from .registry import Failure, op
 from .smoke import USER_RE, run_transient
 
 PREFIX_RE = re.compile(r"ddtree-bench-[0-9a-f]{8,32}\Z")
+CPUS_RE = re.compile(r"[0-9]{1,4}(-[0-9]{1,4})?(,[0-9]{1,4}(-[0-9]{1,4})?){0,63}\Z")  # 0-3,8 (AllowedCPUs=)
 MODES = ("plain", "dflash", "tree-verify", "shadow-linear")
 FAMILIES = ("hybrid", "dense")
 PATH_RE = re.compile(r"/(?:[A-Za-z0-9_.+@=-]+/)*[A-Za-z0-9_.+@=-]+\Z")
@@ -60,6 +61,8 @@ def check_args(a):
     _int(a, "prompt_len", 1, 8192)
     _int(a, "seed", 0, 2 ** 31)
     _int(a, "rounds", 1, 20, optional=True)
+    if a.get("cpus") is not None and not (isinstance(a["cpus"], str) and CPUS_RE.match(a["cpus"])):
+        raise Failure("bad-args", "cpus must be a CPU list like 0-3,8")
     if a.get("user") is not None and not USER_RE.match(a["user"]):
         raise Failure("bad-args", "user must be a plain user name")
     if not PREFIX_RE.match(a.get("prefix") or ""):
@@ -103,6 +106,8 @@ def bench_argv(python, a, report, runtime_max, work):
         argv += ["--requests", str(a["requests"])]
     if a.get("rounds") and a["rounds"] > 1:
         argv += ["--rounds", str(a["rounds"])]
+    if a.get("cpus"):
+        argv += ["--cpus", a["cpus"]]
     if a.get("prompts") is not None:
         argv += ["--prompts", work + "/prompts.json"]
     if a.get("server_args"):

@@ -37,6 +37,7 @@ MODES = ("tree-verify", "shadow-linear", "linear", "dflash", "plain")  # linear 
 
 __all__ = [
     "MODES", "ServerSpec", "server_argv", "server_env", "gpu_device_problem", "shared_gpu_fraction", "lost_port_race",
+    "parse_cpus", "cpu_list",
     "server_mem_fraction", "gpu_memory_mib", "gpu_name", "free_port", "Server", "post", "get", "wait_healthy",
     "map_concurrent",
 ]
@@ -182,6 +183,35 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         pass
 
 
+def parse_cpus(spec: str) -> List[int]:
+    """A CPU list as systemd's ``AllowedCPUs=`` and ``taskset -c`` write it (``0-3,8,10-11``) -> sorted CPU ids.
+    Raises ValueError on anything else (empty parts, reversed ranges, non-numbers, more than 4096)."""
+    out = set()
+    for part in str(spec).split(","):
+        part = part.strip()
+        lo, sep, hi = part.partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError(f"bad CPU list {spec!r}: write it as 0-3,8,10-11")
+        a, b = int(lo), int(hi) if sep else int(lo)
+        if b < a or b >= 4096:
+            raise ValueError(f"bad CPU list {spec!r}: range {part!r}")
+        out.update(range(a, b + 1))
+    return sorted(out)
+
+
+def cpu_list(cpus) -> str:
+    """Sorted CPU ids -> the compact ``0-3,8`` form."""
+    cpus, parts = sorted(set(cpus)), []
+    i = 0
+    while i < len(cpus):
+        j = i
+        while j + 1 < len(cpus) and cpus[j + 1] == cpus[j] + 1:
+            j += 1
+        parts.append(str(cpus[i]) if i == j else f"{cpus[i]}-{cpus[j]}")
+        i = j + 1
+    return ",".join(parts)
+
+
 class Server:
     """A transient server: a ``systemd-run`` unit (runtime-capped, stopped on exit)
     where systemd runs, else a process session killed as a group."""
@@ -190,10 +220,13 @@ class Server:
                 "PATH", "HOME", "SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK", "PYTHONPATH",
                 # the JIT caches (bench --cold-warm points them at a run's own directories)
                 "TRITON_CACHE_DIR", "FLASHINFER_WORKSPACE_BASE", "SGLANG_CACHE_DIR", "SGLANG_DG_CACHE_DIR",
-                "TORCHINDUCTOR_CACHE_DIR", "XDG_CACHE_HOME", "SGLANG_DDTREE_GLUE_GRAPHS")
+                "TORCHINDUCTOR_CACHE_DIR", "XDG_CACHE_HOME", "SGLANG_DDTREE_GLUE_GRAPHS", "SGLANG_DDTREE_OVERLAP")
 
-    def __init__(self, argv, env, log_path, launcher="auto", runtime_max_s=1800, user=None, unit=None):
+    def __init__(self, argv, env, log_path, launcher="auto", runtime_max_s=1800, user=None, unit=None, cpus=None):
+        """``cpus``: CPU ids every process of the server is pinned to (``AllowedCPUs=`` of the unit, or the
+        process's affinity, which its children inherit); None leaves the scheduler's choice."""
         self.argv, self.env, self.log_path = argv, env, log_path
+        self.cpus = sorted(set(cpus)) if cpus else None
         self.unit_name = unit
         self.launcher = launcher if launcher != "auto" else (
             "systemd-run" if shutil.which("systemd-run") and os.path.isdir("/run/systemd/system") else "process")
@@ -210,13 +243,22 @@ class Server:
                     f"--property=StandardError=file:{self.log_path}", "--property=KillMode=control-group"]
             if self.user:
                 argv.append(f"--uid={self.user}")
+            if self.cpus:
+                argv.append(f"--property=AllowedCPUs={cpu_list(self.cpus)}")
             argv += [f"--setenv={k}={v}" for k, v in sorted(keep.items())] + ["--"] + list(self.argv)
             subprocess.run(argv, check=True, timeout=30, capture_output=True, text=True)
         else:
             log = open(self.log_path, "ab")
+            cpus = self.cpus
+
+            def child_setup():  # between fork and exec: no Python objects shared with the parent's threads
+                _die_with_parent()
+                if cpus:
+                    os.sched_setaffinity(0, cpus)
+
             self.proc = subprocess.Popen(self.argv, env=self.env, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
                                          start_new_session=True,
-                                         preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+                                         preexec_fn=child_setup if sys.platform.startswith("linux") else None)
 
     def alive(self) -> bool:
         if self.unit:
