@@ -72,8 +72,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence
 
-from .servers import (Server, ServerSpec, cpu_list, free_port, get, gpu_device_problem, gpu_memory_mib, gpu_name, map_concurrent,
-                      parse_cpus, server_argv, server_env, server_mem_fraction, wait_healthy)
+from .servers import (Server, ServerSpec, cpu_list, free_port, get, gpu_device_problem, gpu_memory_mib, gpu_name,
+                      map_concurrent, parse_cpus, server_argv, server_env, server_mem_fraction, wait_healthy)
 
 SCHEMA = "ddtree-bench/1"
 BENCH_MODES = ("plain", "dflash", "tree-verify", "shadow-linear")

@@ -24,7 +24,7 @@ from types import ModuleType
 from typing import Callable, Optional
 
 from ..admission import rejection
-from ..config import ALGORITHM_NAME, overlap_decision, resolve_ddtree_config, server_arg_writes
+from ..config import ALGORITHM_NAME, TREE_VERIFY, overlap_decision, resolve_ddtree_config, server_arg_writes
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ def make_validator(adapter: ModuleType) -> Callable:
         if steps is not None and int(steps) != 1:
             logger.warning("DDTREE drafts in one pass; overriding speculative_num_steps=%s to 1.", steps)
         blk = cfg.drafter_block_size
-        if blk is None and cfg.mode == "tree-verify":
+        if blk is None and cfg.mode == TREE_VERIFY:
             blk = adapter.drafter_block_size(server_args)
         overlap, why = overlap_decision(cfg, blk, bool(getattr(adapter, "OVERLAP_SCHEDULE", False)), os.environ,
                                         user_disabled=bool(getattr(server_args, "disable_overlap_schedule", False)))

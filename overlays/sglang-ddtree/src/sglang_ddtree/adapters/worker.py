@@ -610,8 +610,9 @@ class DDTreeWorkerBase(DFlashWorkerV2):
         at the verify graph's load - before this step writes the accepted path's window into ``req_to_token``
         (the accept's glue), the recurrent state and the drafter's KV (the commit). A request that finished in the
         last step is still in this batch (overlap learns it one step late), so the scheduler may free its tail
-        while this step permutes it: the event is moved to the end of the step. It costs nothing the overlap
-        gains: the next step runs on the same forward stream after this one anyway; the host never waits."""
+        while this step permutes it: the event is moved to the end of the step. The host never waits on it; the
+        scheduler's stream starts its GPU work later, behind this step's last kernel, which is where the next
+        step's forward (on the same stream) starts anyway."""
         if not self._overlap:
             return
         runner = self.target_worker.model_runner
