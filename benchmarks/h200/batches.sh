@@ -6,7 +6,7 @@
 #   .gpu/B  ipython and what it pulls, jsonschema, soundfile, xgrammar
 #   .gpu/C  transformers 5.12.1 + tokenizers 0.22.2 (the host's 5.17 breaks 0.5.17's configs), flashinfer 0.6.15.post1,
 #           fastapi 0.124.4 / starlette 0.50.0, loguru, frozendict, docstring-parser, cachetools, and anthropic,
-#           pycryptodomex, openai-harmony, llguidance (moved from A for its size)
+#           pycryptodomex, openai-harmony, llguidance (moved from A for its size), py-spy 0.4.3 (bench --spy: SPY=1)
 # Why these versions: ../shared/gpu/README.md (measured). Writes .gpu/batches.txt (every file and its sha256).
 # Usage: bash benchmarks/h200/batches.sh        (from the repository root; .gpu/ is ignored through .git/info/exclude)
 set -euo pipefail
@@ -34,7 +34,8 @@ dl B ipython traitlets jedi parso prompt-toolkit pexpect ptyprocess decorator ma
   executing pure-eval wcwidth ipython-pygments-lexers dill jsonschema jsonschema-specifications referencing rpds-py \
   attrs soundfile cffi pycparser xgrammar==0.2.1
 dl C transformers==5.12.1 tokenizers==0.22.2 loguru frozendict docstring-parser cachetools \
-  flashinfer-python==0.6.15.post1 fastapi==0.124.4 starlette==0.50.0 anthropic pycryptodomex openai-harmony llguidance
+  flashinfer-python==0.6.15.post1 fastapi==0.124.4 starlette==0.50.0 anthropic pycryptodomex openai-harmony llguidance \
+  py-spy==0.4.3
 # pydantic-core must match pydantic's pin (pip download --no-deps takes the newest of each): fetch the one it names
 pin=$(unzip -p .gpu/A/pydantic-[0-9]*.whl '*/METADATA' | sed -n 's/^Requires-Dist: pydantic-core==\([^ ;]*\).*/\1/p')
 if [ -n "$pin" ] && ! ls .gpu/A/pydantic_core-"$pin"-* >/dev/null 2>&1; then

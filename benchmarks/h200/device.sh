@@ -12,7 +12,8 @@
 #                             dense target, 1 on a hybrid one), --rounds $ROUNDS (default 1),
 #                             --graphs $GRAPHS (default on; off or both for the graphs on/off figures),
 #                             SGLANG_DDTREE_OVERLAP=$OVERLAP where set (1: DDTREE on SGLang's overlap scheduler),
-#                             --cpus $CPUS where set (every server pinned there, the clients on the other CPUs)
+#                             --cpus $CPUS where set (every server pinned there, the clients on the other CPUs),
+#                             --spy (py-spy around every server, instead of the profile) where SPY=1
 #                                                         -> $OUT/bench-FAMILY-gGLUE[-GRAPHS][-ovOVERLAP].{json,txt,png}
 #                             and the logs and the DDTREE servers' traces -> $OUT/bench-...-raw.tgz
 #   matrix FAMILY BUDGETS     python -m ddtree_checks.serve_matrix (item 6, 64 x 128, conc 1 and 8)
@@ -65,7 +66,7 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'sglang', sglang
     ls /tmp/tiny;;
   bench)
     fam=${1:?FAMILY} modes=${2:?MODES} budgets=${3:?BUDGETS} conc=${4:?CONC} glue=${5:-def}
-    name=bench-$fam-g$glue${GRAPHS:+-$GRAPHS}${OVERLAP:+-ov$OVERLAP}
+    name=bench-$fam-g$glue${GRAPHS:+-$GRAPHS}${OVERLAP:+-ov$OVERLAP}${TAG:+-$TAG}
     o=/tmp/$name
     rm -rf "$o"
     set -o pipefail
@@ -75,14 +76,15 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'sglang', sglang
     timeout "${BENCH_TIMEOUT:-570}" python3 -m sglang_ddtree.bench --tiny /tmp/tiny \
       --family "$fam" --launcher process --out "$o" --modes "$modes" --budgets "$budgets" --graphs "${GRAPHS:-on}" \
       --concurrency "$conc" --max-new-tokens 128 --requests 16 --profile-steps 20 --rounds "${ROUNDS:-1}" \
-      ${CPUS:+--cpus "$CPUS"} \
+      ${CPUS:+--cpus "$CPUS"} ${SPY:+--spy "$SITE/bin/py-spy"} \
       2>&1 | tee "$OUT/$name.log"
     rc=$?
     stop_servers
     for x in json txt png; do cp "$o/bench.$x" "$OUT/$name.$x" 2>/dev/null; done
     # the raw traces of the DDTREE servers (the ones whose host time is being cut), within what comes back
     # the step profiles' summaries are in the JSON; the raw traces are big (and only 8 files come back a call)
-    (cd "$o" && tar czf "$OUT/$name-raw.tgz" logs $([ -n "${RAW_TRACES:-}" ] && ls -d profiles/*tree-verify* 2>/dev/null))
+    (cd "$o" && tar czf "$OUT/$name-raw.tgz" logs $(ls -d spy 2>/dev/null) \
+      $([ -n "${RAW_TRACES:-}" ] && ls -d profiles/*tree-verify* 2>/dev/null))
     [ "$(stat -c %s "$OUT/$name-raw.tgz")" -lt 16000000 ] || \
       (cd "$o" && tar czf "$OUT/$name-raw.tgz" logs)
     exit $rc;;

@@ -6,7 +6,8 @@ CPU.  It reads the flags SGLang would (``--port``, ``--speculative-algorithm``, 
 ``--cuda-graph-backend-decode``), refuses tree-verify with decode CUDA graphs as the plugin does today, and
 streams ``/generate`` in SGLang 0.5.17's shape (cumulative ``output_ids``, ``meta_info.completion_tokens`` and
 ``spec_verify_ct``): an accept length of 1 (plain), 2 (DFLASH) or 3 (DDTREE) tokens a step, one step per 5 ms
-whatever the concurrency.  Each server holds ``$STANDIN_DIR/running`` while it lives: a second server started
+whatever the concurrency (1 ms busy and 4 asleep, in functions named after SGLang's scheduler loop, ``event_loop_normal`` ->
+``run_batch``, so a py-spy capture of it reads like a server's).  Each server holds ``$STANDIN_DIR/running`` while it lives: a second server started
 while one runs exits at once with "two servers at once" (the benchmark must start them one at a time).
 ``/start_profile`` writes, a moment later, a small trace in torch.profiler's Chrome-trace form into the
 ``output_dir`` asked for (one kernel launch and its kernel a step, and the plugin's ``ddtree.draft`` range under
@@ -113,7 +114,7 @@ class H(http.server.BaseHTTPRequestHandler):
 
         k = verify = 0
         while k < n:
-            time.sleep(0.005)
+            event_loop_normal()
             k, verify = min(n, k + step), verify + 1
             meta = {"completion_tokens": k}
             if a.speculative_algorithm:
@@ -121,6 +122,17 @@ class H(http.server.BaseHTTPRequestHandler):
             chunk(b"data: " + json.dumps({"output_ids": [7] * k, "meta_info": meta}).encode() + b"\n\n")
         chunk(b"data: [DONE]\n\n")
         chunk(b"")
+
+
+def run_batch():  # a step's host work: 1 ms on the CPU (a sampler such as py-spy sees it busy), 4 ms asleep
+    t = time.perf_counter()
+    while time.perf_counter() - t < 0.001:
+        sum(range(200))
+    time.sleep(0.004)
+
+
+def event_loop_normal():  # named after SGLang's scheduler loop, which bench --spy's summary looks for
+    run_batch()
 
 
 time.sleep(0.3)  # a server takes a moment to come up

@@ -6,15 +6,17 @@ import argparse
 import http.server
 import json
 import os
+import shutil
 import struct
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
-from sglang_ddtree import bench, servers
+from sglang_ddtree import bench, servers, spy
 
 
 # ----------------------------------------------------------------------------- what to run
@@ -696,3 +698,78 @@ def test_bench_cpus_pins_every_server_and_keeps_the_clients_off_them(tmp_path, m
     assert clients == usable[1:]  # the clients on the others
     doc = json.loads((out / "bench.json").read_text())
     assert doc["settings"]["server_cpus"] == str(usable[0])
+
+
+def _pyspy() -> str:
+    """The real py-spy: beside this interpreter, on PATH, or the main venv's (the SGLang 0.5.17 venv has none)."""
+    root = Path(__file__).resolve().parents[2]
+    for exe in (os.path.join(os.path.dirname(sys.executable), "py-spy"), shutil.which("py-spy"),
+                str(root / ".venv" / "bin" / "py-spy")):
+        if exe and os.access(exe, os.X_OK):
+            return exe
+    pytest.fail("py-spy is a test dependency (pyproject's [test] extra, scripts/bootstrap): not installed")
+
+
+def test_spy_summary_of_a_real_capture():
+    """py-spy 0.4.3's raw output of a process with SGLang's loop names (tests/plugin/fixtures/pyspy_raw.txt,
+    recorded with --subprocesses): the busiest loop's process is the scheduler, functions count once a stack,
+    line numbers fold, samples outside the loop (start-up, the other process) do not count."""
+    text = (Path(__file__).parent / "fixtures" / "pyspy_raw.txt").read_text()
+    stacks = spy.parse_raw(text)
+    assert stacks and all(n > 0 for _, n in stacks)
+    s = spy.summarize(text, steps=100, marks=("run_batch", "process_batch_result", "absent_fn"))
+    assert s["process"] is not None and s["samples"] > 0
+    incl = {r["function"]: r["samples"] for r in s["inclusive"]}
+    assert incl["event_loop_normal (capture_pyspy.py)"] == s["samples"]  # every counted sample is in the loop
+    assert incl["run_batch (capture_pyspy.py)"] > incl["process_batch_result (capture_pyspy.py)"] > 0
+    assert s["marks"]["absent_fn"]["samples"] == 0
+    assert s["marks"]["run_batch"]["per_step"] == round(incl["run_batch (capture_pyspy.py)"] / 100, 3)
+    outside = sum(n for frames, n in stacks if not any("event_loop_normal" in f for f in frames))
+    assert outside > 0 and s["samples"] < sum(n for _, n in stacks)
+    assert "scheduler samples" in spy.format_summary(s)
+    assert spy.frame_key("f (a/b/c.py:12)") == "f (c.py)" and spy.frame_key("<module> (x.py)") == "<module> (x.py)"
+    assert spy.parse_raw("garbage\nf (a.py:1);g (b.py:2) 7\nno-count x\n") == [(["f (a.py:1)", "g (b.py:2)"], 7)]
+    assert spy.summarize("f (a.py:1) 3\n")["samples"] == 0  # no scheduler loop: nothing counted
+
+
+def test_spy_argv_pins_the_server_not_the_sampler():
+    argv = spy.spy_argv("/x/py-spy", "/o/s.txt", 500, [3, 1, 2], "/usr/bin/taskset")
+    assert argv[:2] == ["/x/py-spy", "record"] and "--nonblocking" in argv and "--subprocesses" in argv
+    assert argv[argv.index("--rate") + 1] == "500" and argv[argv.index("--output") + 1] == "/o/s.txt"
+    assert argv[argv.index("--") + 1:] == ["/usr/bin/taskset", "--cpu-list", "1,2,3"]
+    assert spy.spy_argv("p", "o")[-1] == "--"
+    with pytest.raises(ValueError):
+        spy.spy_argv("p", "o", 0)
+
+
+def test_bench_spy_samples_each_server_and_stops_it(tmp_path, monkeypatch, capsys):
+    """--spy with the real py-spy around each stand-in server: its capture is written (SIGINT to the sampler),
+    the server's whole process group is gone after, and the report has the scheduler loop's samples per step."""
+    exe = _pyspy()
+    usable = sorted(os.sched_getaffinity(0))
+    cpus = ["--cpus", str(usable[0])] if len(usable) > 1 else []  # the servers pinned under the sampler too
+    fake_py, state = _standin_bench(tmp_path, monkeypatch, "[1, 2, 3]\n")
+    out = tmp_path / "out"
+    code = _standin_main(tmp_path, fake_py, out, "--modes", "plain,dflash", "--concurrency", "1",
+                         "--max-new-tokens", "200", "--warmup-tokens", "0", "--graphs", "off", "--requests", "2",
+                         "--profile-steps", "5", "--spy", exe, "--spy-rate", "500", *cpus)
+    os.sched_setaffinity(0, usable)  # the clients' pinning undone for the rest of the session
+    err = capsys.readouterr().err
+    assert code == bench.EXIT_OK, err
+    assert not (state / "running").exists()  # each stand-in stopped (it holds the file while it lives)
+    doc = json.loads((out / "bench.json").read_text())
+    for r in doc["runs"]:
+        s = r["spy"]
+        assert s["samples"] > 0 and s["marks"]["run_batch"]["samples"] > 0, s
+        assert s["steps"] == bench.decode_steps(r["levels"]) and s["per_step"] > 0
+        assert (out / "spy" / s["capture"]).is_file()
+        assert "profile" not in r  # --spy replaces the torch profiler, which it would sample too
+    assert doc["runs"][1]["spy"]["steps"] == 200.0  # DFLASH's stand-in accepts 2 a step: 400 tokens, 200 steps
+    if cpus:  # each stand-in (exec'd by the pinning prefix under py-spy) ran on the servers' CPU only
+        aff = [json.loads(x) for x in (state / "affinity.jsonl").read_text().splitlines()]
+        assert aff == [[usable[0]], [usable[0]]]
+    assert "scheduler samples" in err
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--tiny-random", "--spy", exe, "--launcher", "systemd-run"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--tiny-random", "--spy", str(tmp_path / "nope"), "--launcher", "process"])

@@ -72,6 +72,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence
 
+from .spy import format_summary, spy_argv, summarize
 from .servers import (Server, ServerSpec, cpu_list, free_port, get, gpu_device_problem, gpu_memory_mib, gpu_name,
                       map_concurrent, parse_cpus, server_argv, server_env, server_mem_fraction, wait_healthy)
 
@@ -732,7 +733,18 @@ def _one_server(a, run: RunSpec, rnd: int, entry: dict, prompts, target, drafter
             os.makedirs(d, exist_ok=True)
             if a.user:
                 shutil.chown(d, user=a.user)
-    srv = Server(argv, env, os.path.join(logdir, slug + ".log"), launcher=a.launcher, cpus=a.cpus,
+    spy_out = None
+    run_argv, cpus = argv, a.cpus
+    if getattr(a, "spy", None):  # the sampler is the server's parent, on the clients' CPUs; taskset pins the server
+        spy_out = os.path.join(a.out or workdir, "spy", slug + ".txt")
+        os.makedirs(os.path.dirname(spy_out), exist_ok=True)
+        taskset = shutil.which("taskset")
+        run_argv = spy_argv(a.spy, spy_out, a.spy_rate, a.cpus if taskset else None, taskset or "") + list(argv)
+        if taskset or not a.cpus:
+            cpus = None
+        elif rnd == 0:  # no taskset: the sampler is pinned with the server (its few % of a CPU there)
+            log("    --spy: no taskset here, py-spy runs on the servers' CPUs")
+    srv = Server(run_argv, env, os.path.join(logdir, slug + ".log"), launcher=a.launcher, cpus=cpus,
                  user=a.user, runtime_max_s=a.runtime_max,
                  unit=f"{a.unit_prefix}-{slug}" if a.unit_prefix else None)
     log(f"{title}: starting ({used:.0f} of {total:.0f} MiB in use on GPU {a.gpu})")
@@ -782,9 +794,39 @@ def _one_server(a, run: RunSpec, rnd: int, entry: dict, prompts, target, drafter
             entry["error"] = "interrupted"
             raise
     finally:
+        if spy_out:
+            srv.stop_wrapped()  # the server first: py-spy writes its capture when its target exits
         srv.stop()
+    if spy_out:
+        _spy_report(entry, spy_out, log)
     if cold_warm and entry["status"] == "ok":
         _warm_restart(a, entry, argv, env, prompts, logdir, slug, log, baseline)
+
+
+def decode_steps(levels: Sequence[dict]) -> Optional[float]:
+    """Decode steps the measured levels took, from their tokens and accept lengths (1 a step without one)."""
+    total = 0.0
+    for lv in levels:
+        acc = lv.get("accept_length") or 1.0
+        total += (lv.get("output_tokens") or 0) / max(float(acc), 1e-9)
+    return round(total, 1) if total else None
+
+
+def _spy_report(entry: dict, path: str, log) -> None:
+    """The py-spy capture of one server, summarized into ``entry["spy"]`` (a failure is reported, not fatal)."""
+    try:
+        with open(path, errors="replace") as fh:
+            text = fh.read()
+        s = summarize(text, steps=decode_steps(entry.get("levels") or []),
+                      marks=("run_batch", "process_batch_result", "get_next_batch_to_run", "recv_requests",
+                             "forward_batch_generation", "_forward_tree_verify", "_tree_draft", "_tree_verify",
+                             "_tree_commit", "prepare_for_verify"))
+        s["capture"] = os.path.basename(path)
+        entry["spy"] = s
+        log("    " + format_summary(s, 20).replace("\n", "\n    "))
+    except (OSError, ValueError) as e:
+        entry["spy_error"] = f"{type(e).__name__}: {e}"[:1000]
+        log(f"    spy FAILED: {entry['spy_error'][:300]}")
 
 
 def server_overlap(info: dict) -> Optional[bool]:
@@ -906,6 +948,12 @@ def _parser() -> argparse.ArgumentParser:
                          "affinity) and this process, the clients, to the others it may use: a host-bound step's "
                          "speed then does not depend on where the kernel put the server or whom it shares a core "
                          "with (on the H200 one DDTREE server ran 1188 tok/s, the next 1869, same code)")
+    ap.add_argument("--spy", metavar="PY_SPY",
+                    help="start every server under this py-spy (record --nonblocking --subprocesses, raw) and "
+                         "report where its scheduler's host time goes, per function and per decode step "
+                         "(sglang_ddtree.spy; raw captures in OUT/spy/); with --launcher process; replaces "
+                         "--profile-steps, whose profiler would be sampled too")
+    ap.add_argument("--spy-rate", type=int, default=1000, help="py-spy samples a second (default 1000: 1 ms each)")
     ap.add_argument("--python", default=sys.executable, help="the interpreter SGLang runs from (default this one)")
     ap.add_argument("--user", help="run the servers as this user (systemd-run --uid)")
     ap.add_argument("--unit-prefix", help="name the transient units <prefix>-<run> (so a caller can stop them all)")
@@ -943,6 +991,14 @@ def parse_args(argv=None):
         ap.error("--warmup-tokens must be 0 or more")
     if not 1 <= a.rounds <= 20:
         ap.error("--rounds must be 1 to 20")
+    if a.spy:
+        if a.launcher != "process":
+            ap.error("--spy needs --launcher process (the sampler is the server's parent)")
+        if not (os.path.isfile(a.spy) and os.access(a.spy, os.X_OK)):
+            ap.error(f"--spy {a.spy}: not an executable file")
+        if not 1 <= a.spy_rate <= 10000:
+            ap.error("--spy-rate must be 1 to 10000")
+        a.profile_steps = 0
     a.client_cpus = None
     if a.cpus is not None:
         try:

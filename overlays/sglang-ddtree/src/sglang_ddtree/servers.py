@@ -266,22 +266,43 @@ class Server:
             return r.returncode == 0
         return self.proc is not None and self.proc.poll() is None
 
+    def stop_wrapped(self, timeout: float = 30) -> bool:
+        """For a server started under a wrapper (py-spy): SIGTERM to the wrapper's children - the server, which
+        shuts down as it would alone - and wait for the wrapper, which writes what it recorded when its target
+        exits (SIGINT to the wrapper itself only where it has no child left; py-spy then kills its target).
+        :meth:`stop` then ends whatever is left of the session. False where nothing ran or it did not exit."""
+        if self.unit or self.proc is None or self.proc.poll() is not None:
+            return False
+        try:
+            kids = child_pids(self.proc.pid)
+            for k in kids:
+                os.kill(k, signal.SIGTERM)
+            if not kids:
+                self.proc.send_signal(signal.SIGINT)
+            self.proc.wait(timeout=timeout)
+            return True
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            return False
+
     def stop(self) -> None:
         if self.unit:
             subprocess.run(["systemctl", "stop", self.unit], timeout=60, capture_output=True)
             return
-        if self.proc is None or self.proc.poll() is not None:
+        if self.proc is None:
             return
+        # the whole session (start_new_session: its id is the leader's pid), also when the leader has exited
+        # and left children (a wrapper interrupted first, a server whose scheduler outlived its main process)
+        pgid = self.proc.pid
         for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 10)):
             try:
-                os.killpg(self.proc.pid, sig)
+                os.killpg(pgid, sig)
             except ProcessLookupError:
                 return
-            try:
-                self.proc.wait(timeout=wait)
-                return
-            except subprocess.TimeoutExpired:
-                continue
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None and not _group_alive(pgid):
+                    return
+                time.sleep(0.1)
 
     def log_tail(self, n: int = 30) -> str:
         try:
@@ -290,6 +311,38 @@ class Server:
             return "\n".join(lines[-n:])
         except OSError:
             return ""
+
+
+def child_pids(pid: int) -> List[int]:
+    """The live children of ``pid`` (Linux: /proc/PID/task/*/children, else a scan of /proc's stat files)."""
+    kids: List[int] = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as fh:
+                kids += [int(x) for x in fh.read().split()]
+        return sorted(set(kids))
+    except OSError:
+        pass
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as fh:
+                stat = fh.read()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:  # field 4, after the command's parentheses
+            kids.append(int(d))
+    return sorted(kids)
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a member runs as another user (systemd-run --uid is the unit path): still there
+        return True
 
 
 def post(url: str, body: dict, timeout: float = 300) -> dict:

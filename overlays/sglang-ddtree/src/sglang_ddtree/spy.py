@@ -1,0 +1,127 @@
+"""Where a server's host time goes, without a profiler inside it: py-spy samples its processes from outside.
+
+The torch profiler (``--profile-steps``) counts launches and GPU time well but inflates host time ~2.5x, and a
+step here is host-bound, so it cannot say where the host's milliseconds go or compare two servers' host time.
+``bench --spy PY_SPY`` starts each server under ``py-spy record --nonblocking --subprocesses --format raw`` (the
+sampler reads the processes' memory from another CPU and never stops them) and :func:`summarize` turns the raw
+capture into the scheduler's time per function: at ``--rate 1000`` one sample is ~1 ms of wall time, and only
+samples where the scheduler's event loop is running count (start-up, graph capture and idle waits do not).
+
+Pure functions (argv in, text in -> dict out); the bench runs them. py-spy's raw format: one line per distinct
+stack, ``frame;frame;...;frame COUNT``, each frame ``function (file:line)``, the first frames
+``process PID:"cmdline"`` with ``--subprocesses`` (a child's stack starts with its parents' and its own).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter, defaultdict
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+_FRAME = re.compile(r"^(?P<func>.*?) \((?P<file>[^()]*?)(?::(?P<line>\d+))?\)$")
+_PROCESS = re.compile(r'^process (?P<pid>\d+):"(?P<cmd>.*)"$')
+
+# a sample counts for the scheduler when one of these is on its stack (SGLang's scheduler loops)
+EVENT_LOOPS = ("event_loop_normal", "event_loop_overlap", "event_loop_pp", "event_loop_normal_disagg")
+
+
+def spy_argv(py_spy: str, output: str, rate: int = 1000, cpus: Optional[Sequence[int]] = None,
+             taskset: str = "taskset") -> List[str]:
+    """The prefix that starts a server under py-spy (the server's own argv follows). ``cpus``: the CPUs the
+    server (not the sampler) is pinned to, by ``taskset`` - not a Python wrapper: py-spy reads the first Python
+    it sees in the process and would lose it at the exec - so the sampler stays on the clients' CPUs."""
+    if not 1 <= int(rate) <= 10000:
+        raise ValueError(f"py-spy rate {rate}: expected 1..10000 samples a second")
+    argv = [py_spy, "record", "--rate", str(int(rate)), "--nonblocking", "--subprocesses", "--format", "raw",
+            "--output", output, "--"]
+    if cpus:
+        argv += [taskset, "--cpu-list", ",".join(str(int(c)) for c in sorted(set(cpus)))]
+    return argv
+
+
+def parse_raw(text: str) -> List[Tuple[List[str], int]]:
+    """py-spy's raw (collapsed) output -> [(frames, count)]; lines that are not ``stack COUNT`` are skipped."""
+    out = []
+    for line in text.splitlines():
+        stack, sep, count = line.rstrip().rpartition(" ")
+        if not sep or not count.isdigit() or not stack:
+            continue
+        out.append((stack.split(";"), int(count)))
+    return out
+
+
+def frame_key(frame: str) -> str:
+    """``func (path/to/file.py:123)`` -> ``func (file.py)``: one key per function, whatever line it was on."""
+    m = _FRAME.match(frame)
+    if not m:
+        return frame
+    return f"{m.group('func')} ({m.group('file').rsplit('/', 1)[-1]})"
+
+
+def _process_of(frames: Sequence[str]) -> Optional[str]:
+    """The sampled process: the last ``process`` frame (a child's stacks start with its parents' frames)."""
+    pid = None
+    for f in frames:
+        m = _PROCESS.match(f)
+        if not m:
+            break
+        pid = m.group("pid")
+    return pid
+
+
+def _in_loop(frames: Sequence[str]) -> bool:
+    return any(frame_key(f).split(" (", 1)[0] in EVENT_LOOPS for f in frames)
+
+
+def summarize(text: str, top: int = 40, steps: Optional[float] = None,
+              marks: Iterable[str] = ()) -> Dict[str, object]:
+    """The scheduler's busy samples of one server: total, per function inclusive (each function once a stack)
+    and self (the leaf), the heaviest ``top`` of each; ``per_step`` in samples (ms at 1 kHz) where ``steps``
+    (decode steps while sampled) is given. ``marks``: function names whose inclusive samples are reported even
+    when they are not among the heaviest (e.g. the plugin's phases)."""
+    stacks = parse_raw(text)
+    by_proc: Dict[Optional[str], int] = defaultdict(int)
+    for frames, n in stacks:
+        if _in_loop(frames):
+            by_proc[_process_of(frames)] += n
+    if not by_proc:
+        return {"samples": 0, "process": None, "inclusive": [], "self": [], "marks": {}}
+    proc = max(by_proc, key=by_proc.get)  # the scheduler (TP rank 0: the busiest loop)
+    incl: Counter = Counter()
+    leaf: Counter = Counter()
+    total = 0
+    for frames, n in stacks:
+        if _process_of(frames) != proc or not _in_loop(frames):
+            continue
+        total += n
+        keys = [frame_key(f) for f in frames[1:] if not _PROCESS.match(f)]
+        for k in set(keys):
+            incl[k] += n
+        if keys:
+            leaf[keys[-1]] += n
+    wanted = set(marks)
+    mark_counts = {m: sum(v for k, v in incl.items() if k.split(" (", 1)[0] == m) for m in wanted}
+
+    def rows(counter: Counter) -> List[Dict[str, object]]:
+        return [{"function": k, "samples": v, "share": round(v / total, 4),
+                 **({"per_step": round(v / steps, 3)} if steps else {})} for k, v in counter.most_common(top)]
+
+    return {"samples": total, "process": proc, "steps": steps,
+            "per_step": round(total / steps, 3) if steps else None,
+            "inclusive": rows(incl), "self": rows(leaf),
+            "marks": {m: {"samples": v, **({"per_step": round(v / steps, 3)} if steps else {})}
+                      for m, v in sorted(mark_counts.items())}}
+
+
+def format_summary(s: Dict[str, object], n: int = 25) -> str:
+    """A few lines for a log: the heaviest inclusive functions of the scheduler, in samples (and per step)."""
+    if not s.get("samples"):
+        return "spy: no scheduler samples"
+    head = f"spy: {s['samples']} scheduler samples" + (f", {s['per_step']} a step" if s.get("per_step") else "")
+    lines = [head]
+    for r in s["inclusive"][:n]:
+        lines.append(f"    {r['samples']:7d} {100 * r['share']:5.1f}%"
+                     + (f" {r['per_step']:7.3f}/step" if "per_step" in r else "") + f"  {r['function']}")
+    for m, v in (s.get("marks") or {}).items():
+        lines.append(f"    mark {m}: {v['samples']}" + (f" ({v['per_step']}/step)" if "per_step" in v else ""))
+    return "\n".join(lines)
