@@ -752,7 +752,7 @@ def test_bench_spy_samples_each_server_and_stops_it(tmp_path, monkeypatch, capsy
     out = tmp_path / "out"
     code = _standin_main(tmp_path, fake_py, out, "--modes", "plain,dflash", "--concurrency", "1",
                          "--max-new-tokens", "200", "--warmup-tokens", "0", "--graphs", "off", "--requests", "2",
-                         "--profile-steps", "5", "--spy", exe, "--spy-rate", "500", *cpus)
+                         "--profile-steps", "5", "--spy", exe, "--spy-rate", "500", "--rounds", "2", *cpus)
     os.sched_setaffinity(0, usable)  # the clients' pinning undone for the rest of the session
     err = capsys.readouterr().err
     assert code == bench.EXIT_OK, err
@@ -765,9 +765,11 @@ def test_bench_spy_samples_each_server_and_stops_it(tmp_path, monkeypatch, capsy
         assert (out / "spy" / s["capture"]).is_file()
         assert "profile" not in r  # --spy replaces the torch profiler, which it would sample too
     assert doc["runs"][1]["spy"]["steps"] == 200.0  # DFLASH's stand-in accepts 2 a step: 400 tokens, 200 steps
-    if cpus:  # each stand-in (exec'd by the pinning prefix under py-spy) ran on the servers' CPU only
+    for r in doc["runs"]:  # the second round's server sampled too, its summary kept with its round
+        assert r["rounds"][1]["spy"]["samples"] > 0 and r["rounds"][1]["spy"]["capture"].endswith("-r2.txt")
+    if cpus:  # each stand-in (started by taskset under py-spy) ran on the servers' CPU only
         aff = [json.loads(x) for x in (state / "affinity.jsonl").read_text().splitlines()]
-        assert aff == [[usable[0]], [usable[0]]]
+        assert aff == [[usable[0]]] * 4
     assert "scheduler samples" in err
     with pytest.raises(SystemExit):
         bench.parse_args(["--tiny-random", "--spy", exe, "--launcher", "systemd-run"])

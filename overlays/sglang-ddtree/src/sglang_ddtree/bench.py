@@ -691,7 +691,8 @@ def run_bench(a, runs: List[RunSpec], prompts: List[List[int]], target: str, dra
                         logdir, slug, doc, f"[{k + 1}/{len(runs)}] {run.label}{tag}", log)
             if rounds > 1:  # the headline so far: a report saved mid-way holds the medians of the rounds done
                 entry.setdefault("rounds", []).append({key: trial.get(key) for key in ("status", "error", "start_s",
-                                                                                       "levels")})
+                                                                                       "levels", "spy")
+                                                       if key != "spy" or key in trial})
                 _merge_rounds(entry)
             save(doc)
 
