@@ -69,9 +69,8 @@ def test_env_switch(v):
     assert G.glue_graph_level({G.GLUE_GRAPHS_ENV: "1"}, recurrent=False) == 1  # an explicit level wins
     assert G.glue_graph_level({G.GLUE_GRAPHS_ENV: "0"}, recurrent=False) == 0
     assert G.glue_graphs_enabled({G.GLUE_GRAPHS_ENV: "2"}) and G.glue_graph_level({G.GLUE_GRAPHS_ENV: " 2 "}) == 2
-    assert G.glue_graph_level({G.GLUE_GRAPHS_ENV: "3"}, recurrent=False) == 3
-    for bad in ("maybe", "4", "-1"):
-        with pytest.raises(ValueError, match="must be 0, 1, 2 or 3"):
+    for bad in ("maybe", "3", "-1"):
+        with pytest.raises(ValueError, match="must be 0, 1 or 2"):
             G.glue_graphs_enabled({G.GLUE_GRAPHS_ENV: bad})
 
 

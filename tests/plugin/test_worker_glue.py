@@ -459,61 +459,6 @@ def test_0517_glue_level_two_commits_the_same_recurrent_state_as_level_one():
     assert got is None or (type(got) is int and got >= 0)
 
 
-@pytest.mark.skipif(SGLANG != "0.5.17", reason="only SGLang 0.5.17's DFlash worker imports on a CPU host")
-def test_0517_glue_level_three_appends_the_same_drafter_kv_inside_the_accept():
-    """Glue level 3: the accepted path's drafter-KV append runs inside the accept (graph 2) with exactly the
-    arguments the commit passes at levels 1-2 (rows of the verify's hidden states, the prefix-valid 2-D slots,
-    positions, commit lengths), and the commit then does not append it again."""
-    from types import SimpleNamespace
-
-    import torch
-
-    from sglang_ddtree import step as S
-    from sglang_ddtree.tree import rank_draft_tokens
-
-    mod = importlib.import_module("sglang_ddtree.adapters.v0_5_17_worker")
-    appended = []
-
-    def worker():
-        w = object.__new__(mod.DDTreeWorker)
-        w.model_runner = SimpleNamespace(req_to_token_pool=SimpleNamespace(
-            req_to_token=torch.zeros(4, 256, dtype=torch.int32)))
-        w.block_size, w.ddtree = 8, SimpleNamespace(budget=15, topk=2)
-        w.accept_stats = S.TreeAcceptStats(7, 1000)
-        w._need_mamba_verify_commit, w._glue_track_interval = False, None
-        w._ddtree_verify_tree_greedy = lambda **kw: S.tree_accept_greedy_reference(
-            kw["candidates"], kw["retrieve_index"], kw["retrieve_next_token"], kw["retrieve_next_sibling"],
-            kw["target_predict"], kw["accept_index"].shape[1])
-        w._append_target_hidden_to_draft_kv_by_loc = lambda **kw: appended.append(kw)
-        return w
-
-    g = torch.Generator().manual_seed(5)
-    lp = torch.log_softmax(torch.randn(2, 7, 50, generator=g) * 3, -1).double()
-    vals, ids = rank_draft_tokens(lp, 15)
-    prefix = torch.tensor([10, 13])
-    tree, vin = S.tree_verify_inputs(vals, ids, torch.tensor([3, 4]), prefix, 15, 2)
-    d = vin.draft_token_num
-    window = torch.arange(2 * d).view(2, d) + 100
-    pred = torch.roll(vin.draft_token.view(2, d), -1, 1)
-    hidden = torch.randn(2 * d, 12, generator=g)
-    args = (pred, vin.draft_token.view(-1, d), vin.retrieve_index, vin.retrieve_next_token,
-            vin.retrieve_next_sibling, tree.ranks, prefix, window, window, torch.tensor([0, 1]))
-    *_, c2 = worker()._glue_commit_fn(*args)  # level <= 2: no append in the accept
-    assert appended == []
-    worker()._append_draft_kv(hidden, c2)  # what the commit does at level <= 2
-    *_, c3 = worker()._glue_commit_fn(*args, hidden)  # level 3
-    assert len(appended) == 2
-    lvl2, lvl3 = appended
-    assert lvl2.keys() == lvl3.keys() == {"target_hidden", "cache_loc", "cache_loc_2d", "positions", "commit_lens"}
-    for k in lvl2:
-        assert torch.equal(lvl2[k], lvl3[k]), k
-    assert torch.equal(lvl3["target_hidden"], hidden.index_select(0, c3.append_rows))
-    assert (c3.commit_lens >= 1).all() and lvl3["cache_loc_2d"].shape[0] == 2
-    # the commit at level 3 leaves the drafter KV alone (draft_kv_done) and still returns the step's result
-    src = inspect.getsource(mod.DDTreeWorker._tree_commit)
-    assert "if not draft_kv_done:" in src
-
-
 @pytest.mark.skipif(SGLANG != "0.5.17", reason="only SGLang 0.5.17's DFlash worker imports on a CPU host; overlap "
                     "scheduling is its adapter's (capabilities.json overlap_schedule)")
 def test_0517_overlap_step_orders_the_schedulers_stream_after_its_writes_and_never_syncs_the_mask():
@@ -568,7 +513,7 @@ def test_0517_overlap_step_orders_the_schedulers_stream_after_its_writes_and_nev
     batch = SimpleNamespace(spec_info=object(), seq_lens=torch.tensor([10, 13]), req_pool_indices=torch.tensor([0, 1]),
                             reqs=[], sampling_info=None)
     batch.seq_lens.record_stream = lambda s: None
-    w._warned_unsupported, w._glue_draft_kv = True, False
+    w._warned_unsupported = True
     w._tree_draft = lambda b: SimpleNamespace(window=torch.zeros(2, 2 * d, dtype=torch.long))
     w._tree_verify = lambda b, dr: (SimpleNamespace(ranks=None), vin, SimpleNamespace(logits_output=None), None)
     w._ddtree_draft_window_ids = lambda dr, win: win
@@ -577,7 +522,7 @@ def test_0517_overlap_step_orders_the_schedulers_stream_after_its_writes_and_nev
     w.accept_stats = SimpleNamespace(add=lambda counts: None)
     real = mod.DDTreeWorker._shared_writes_done.__get__(w)
     w._shared_writes_done = lambda: order.append("read-done event") or real()
-    w._tree_commit = lambda *a, **k: order.append("commit (publish, drafter KV)") or "result"
+    w._tree_commit = lambda *a: order.append("commit (publish, drafter KV)") or "result"
     assert w._forward_tree_verify(batch, None) == "result"
     assert order == ["accept + window write into req_to_token", "commit (publish, drafter KV)", "read-done event"]
 

@@ -52,12 +52,11 @@ MAX_KEYS = 64  # batch sizes a server sees are bounded by --max-running-requests
 
 # What each level of SGLANG_DDTREE_GLUE_GRAPHS captures (the worker reads glue_graph_level):
 # 0 nothing (every glue op eager), 1 the two glue graphs, 2 also the FULL mask's scatter index (into graph 1)
-# and the recurrent commit's indices (into graph 2), and graph 2 reads graph 1's outputs in place (share);
-# 3 also the accepted path's drafter KV append (DFlash's projection and prefix-valid writer) into graph 2.
+# and the recurrent commit's indices (into graph 2), and graph 2 reads graph 1's outputs in place (share).
 # Unset, the level is what has served on the H200 for that kind of target (session 5: level 2 on the dense pair,
 # 86 -> 65 launches a step, 0 glue failures; level 2's recurrent indices only in ddtree_checks.glue_check, not
 # yet served), so a hybrid target stays at 1 unless asked for 2.
-GLUE_LEVELS = {"0": 0, "off": 0, "false": 0, "1": 1, "on": 1, "true": 1, "2": 2, "3": 3}
+GLUE_LEVELS = {"0": 0, "off": 0, "false": 0, "1": 1, "on": 1, "true": 1, "2": 2}
 DEFAULT_LEVEL = {False: 2, True: 1}  # keyed by "the target has recurrent (Mamba/GDN) layers"
 
 
@@ -68,7 +67,7 @@ def glue_graph_level(environ=None, recurrent: bool = True) -> int:
     if not v:
         return DEFAULT_LEVEL[bool(recurrent)]
     if v not in GLUE_LEVELS:
-        raise ValueError(f"{GLUE_GRAPHS_ENV} must be 0, 1, 2 or 3, got {v!r}")
+        raise ValueError(f"{GLUE_GRAPHS_ENV} must be 0, 1 or 2, got {v!r}")
     return GLUE_LEVELS[v]
 
 

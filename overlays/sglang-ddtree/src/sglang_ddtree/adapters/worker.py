@@ -230,11 +230,9 @@ class DDTreeWorkerBase(DFlashWorkerV2):
             self._glue_commit = GlueGraph("accept_commit", self._glue_commit_fn, enabled=level >= 1,
                                           share=level >= 2)
             self._glue_full_index = level >= 2
-            self._glue_draft_kv = level >= 3
             self._glue_track_interval = self._glue_track_interval_or_none() if level >= 2 else None
         else:
             self._glue_full_index, self._glue_track_interval = False, None
-            self._glue_draft_kv = False
         logger.info("DDTreeWorker (SGLang %s adapter): %s, drafter block %d, %s scheduler", adapter.VERSION,
                     self.ddtree, int(self.block_size), "overlap" if self._overlap else "synchronous")
 
@@ -394,14 +392,11 @@ class DDTreeWorkerBase(DFlashWorkerV2):
             window = draft.window[:, :d]
             draft_window_ids = self._ddtree_draft_window_ids(draft, window)
             greedy_predict = self._greedy_target_predict(batch, vin, target_out.logits_output, target_predict)
-            draft_kv_done = False
-            if greedy_predict is not None:  # accept + counters + commit indices (+ the drafter's KV): one replay
-                hidden = (self._target_hidden(target_out.logits_output),) if self._glue_draft_kv else ()
+            if greedy_predict is not None:  # accept + counters + commit indices: one graph replay
                 predict, accept_index, accept_num, counts, commit = self._glue_commit(
                     greedy_predict, vin.draft_token.view(-1, d), vin.retrieve_index, vin.retrieve_next_token,
                     vin.retrieve_next_sibling, tree.ranks, batch.seq_lens, window, draft_window_ids,
-                    batch.req_pool_indices, *hidden)
-                draft_kv_done = self._glue_draft_kv
+                    batch.req_pool_indices)
             else:
                 predict, accept_index, accept_num = self._tree_sample_accept(batch, vin, target_out.logits_output)
                 counts, commit = accept_commit(predict, accept_index, accept_num, tree.ranks, batch.seq_lens, window,
@@ -413,7 +408,7 @@ class DDTreeWorkerBase(DFlashWorkerV2):
                 totals["glue_graphs"] = {g.name: g.stats() for g in (self._glue_build, self._glue_commit)}
                 logger.info("DDTREE accept stats %s", json.dumps(totals, sort_keys=True))
         with record_function("ddtree.commit"):
-            result = self._tree_commit(batch, vin, target_out, commit, on_publish, draft_kv_done=draft_kv_done)
+            result = self._tree_commit(batch, vin, target_out, commit, on_publish)
         self._shared_writes_done()
         return result
 
@@ -495,12 +490,9 @@ class DDTreeWorkerBase(DFlashWorkerV2):
                                   self.ddtree.budget, self.ddtree.topk, full_index=self._glue_full_index)
 
     def _glue_commit_fn(self, target_predict, candidates, retrieve_index, retrieve_next_token,
-                        retrieve_next_sibling, ranks, prefix, window, draft_window_ids, req_pool_indices,
-                        target_hidden=None):
+                        retrieve_next_sibling, ranks, prefix, window, draft_window_ids, req_pool_indices):
         """Greedy tree accept (SGLang's kernel), the accept counters and every commit index, and the accepted
-        path's KV window written to ``req_to_token``; with ``target_hidden`` (the verify's hidden states, glue
-        level 3) also the accepted path's drafter KV (DFlash's projection and writer). Idempotent: a re-run
-        writes the same values to the same slots."""
+        path's KV window written to ``req_to_token`` (idempotent: a re-run writes the same values)."""
         bs, d = ranks.shape
         device = ranks.device
         m = min(int(self.block_size) - 1, int(self.ddtree.budget)) + 1  # = compile's max_tree_depth + 1
@@ -521,26 +513,7 @@ class DDTreeWorkerBase(DFlashWorkerV2):
         counts, c = accept_commit(predict, accept_index, accept_num, ranks, prefix, window, draft_window_ids,
                                   self.accept_stats.max_depth, **self._recurrent_commit_args())
         self._write_window(prefix, req_pool_indices, c.window_locs, d)
-        if target_hidden is not None:
-            self._append_draft_kv(target_hidden, c)
         return predict, accept_index, accept_num, counts, c
-
-    @staticmethod
-    def _target_hidden(logits_output):
-        hidden = logits_output.hidden_states
-        if hidden is None:
-            raise RuntimeError("DDTREE verify requires target hidden states, but got None.")
-        return hidden
-
-    def _append_draft_kv(self, target_hidden, c) -> None:
-        """The accepted path's target hidden states into the drafter's KV (its next block attends to them)."""
-        self._append_target_hidden_to_draft_kv_by_loc(
-            target_hidden=target_hidden.index_select(0, c.append_rows),
-            cache_loc=c.append_cache_loc_2d.reshape(-1),
-            cache_loc_2d=c.append_cache_loc_2d,
-            positions=c.append_positions,
-            commit_lens=c.commit_lens,
-        )
 
     def _glue_track_interval_or_none(self):
         """The adapter's start-time track interval; None (the indices stay in the commit) where it cannot say."""
@@ -710,10 +683,9 @@ class DDTreeWorkerBase(DFlashWorkerV2):
             req_pool_indices=batch.req_pool_indices[: commit_lens.shape[0]],
         )
 
-    def _tree_commit(self, batch, vin, target_out, c, on_publish, draft_kv_done: bool = False):
+    def _tree_commit(self, batch, vin, target_out, c, on_publish):
         """The accepted path becomes the sequence (its KV window already written by the accept step; recurrent
-        state, drafter KV append unless the accept's glue graph did it: ``draft_kv_done``) and the DFlash-shaped
-        result. ``c``: the step's ``StepCommit``."""
+        state, drafter KV append) and the DFlash-shaped result. ``c``: the step's ``StepCommit``."""
         prefix = batch.seq_lens
         logits_output = target_out.logits_output
         # What leaves the step (the scheduler keeps it past the next step) must not live in a glue graph's
@@ -727,10 +699,17 @@ class DDTreeWorkerBase(DFlashWorkerV2):
         if on_publish is not None:
             on_publish(new_seq_lens)
 
-        hidden = self._target_hidden(logits_output)
-        if not draft_kv_done:
-            with record_function("ddtree.commit_draft_kv"):
-                self._append_draft_kv(hidden, c)
+        hidden = logits_output.hidden_states
+        if hidden is None:
+            raise RuntimeError("DDTREE verify requires target hidden states, but got None.")
+        with record_function("ddtree.commit_draft_kv"):
+            self._append_target_hidden_to_draft_kv_by_loc(
+                target_hidden=hidden.index_select(0, c.append_rows),
+                cache_loc=c.append_cache_loc_2d.reshape(-1),
+                cache_loc_2d=c.append_cache_loc_2d,
+                positions=c.append_positions,
+                commit_lens=c.commit_lens,
+            )
         logits_output.hidden_states = None
         return GenerationBatchResult(
             logits_output=logits_output,
