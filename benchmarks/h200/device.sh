@@ -13,7 +13,8 @@
 #                             --graphs $GRAPHS (default on; off or both for the graphs on/off figures),
 #                             SGLANG_DDTREE_OVERLAP=$OVERLAP where set (1: DDTREE on SGLang's overlap scheduler),
 #                             --cpus $CPUS where set (every server pinned there, the clients on the other CPUs),
-#                             --spy (py-spy around every server, instead of the profile) where SPY=1
+#                             --spy (py-spy around every server, instead of the profile) where SPY=1,
+#                             --server-args "$SERVER_ARGS" (every server) where set
 #                                                         -> $OUT/bench-FAMILY-gGLUE[-GRAPHS][-ovOVERLAP].{json,txt,png}
 #                             and the logs and the DDTREE servers' traces -> $OUT/bench-...-raw.tgz
 #   matrix FAMILY BUDGETS     python -m ddtree_checks.serve_matrix (item 6, 64 x 128, conc 1 and 8)
@@ -76,7 +77,7 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'sglang', sglang
     timeout "${BENCH_TIMEOUT:-570}" python3 -m sglang_ddtree.bench --tiny /tmp/tiny \
       --family "$fam" --launcher process --out "$o" --modes "$modes" --budgets "$budgets" --graphs "${GRAPHS:-on}" \
       --concurrency "$conc" --max-new-tokens 128 --requests 16 --profile-steps 20 --rounds "${ROUNDS:-1}" \
-      ${CPUS:+--cpus "$CPUS"} ${SPY:+--spy "$SITE/bin/py-spy"} \
+      ${CPUS:+--cpus "$CPUS"} ${SPY:+--spy "$SITE/bin/py-spy"} ${SERVER_ARGS:+--server-args "$SERVER_ARGS"} \
       2>&1 | tee "$OUT/$name.log"
     rc=$?
     stop_servers

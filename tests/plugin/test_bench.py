@@ -730,6 +730,23 @@ def test_spy_summary_of_a_real_capture():
     assert spy.frame_key("f (a/b/c.py:12)") == "f (c.py)" and spy.frame_key("<module> (x.py)") == "<module> (x.py)"
     assert spy.parse_raw("garbage\nf (a.py:1);g (b.py:2) 7\nno-count x\n") == [(["f (a.py:1)", "g (b.py:2)"], 7)]
     assert spy.summarize("f (a.py:1) 3\n")["samples"] == 0  # no scheduler loop: nothing counted
+    # SGLang's shapes: methods by qualified name, a spawned child's command line holding a newline and a ';'
+    raw = ('process 1:"python -m sglang.launch_server";process 2:"python -c from multiprocessing.spawn import '
+           'spawn_main;\n spawn_main(tracker_fd=3)";Scheduler.event_loop_normal (sglang/scheduler.py:10);'
+           'Scheduler.run_batch (sglang/scheduler.py:20) 5\n'
+           'process 1:"python -m sglang.launch_server";process 2:"python -c from multiprocessing.spawn import '
+           'spawn_main;\n spawn_main(tracker_fd=3)";Scheduler.event_loop_normal (sglang/scheduler.py:10);'
+           'Scheduler.on_idle (sglang/scheduler.py:30) 7\n'
+           'process 1:"python -m sglang.launch_server";process 2:"x";Scheduler.event_loop_normal (s.py:1);'
+           'JITFunction._do_compile (triton/jit.py:9) 2\n'
+           'process 1:"python -m sglang.launch_server";main (launch_server.py:3) 4\n')
+    assert [n for _, n in spy.parse_raw(raw)] == [5, 7, 2, 4]
+    assert spy.parse_raw(raw)[0][0][1].startswith('process 2:"python -c from') and spy._process_of(
+        spy.parse_raw(raw)[0][0]) == "2"
+    q = spy.summarize(raw, marks=("run_batch",))
+    assert q["samples"] == 5 and q["excluded"] == {"on_idle": 7, "_do_compile": 2}
+    assert q["marks"]["run_batch"]["samples"] == 5
+    assert spy.summarize(raw, exclude=())["samples"] == 14
 
 
 def test_spy_argv_pins_the_server_not_the_sampler():

@@ -19,10 +19,13 @@ from collections import Counter, defaultdict
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 _FRAME = re.compile(r"^(?P<func>.*?) \((?P<file>[^()]*?)(?::(?P<line>\d+))?\)$")
-_PROCESS = re.compile(r'^process (?P<pid>\d+):"(?P<cmd>.*)"$')
+_PROCESS = re.compile(r'^process (?P<pid>\d+):"(?P<cmd>.*)"$', re.S)  # a command line may hold newlines
 
 # a sample counts for the scheduler when one of these is on its stack (SGLang's scheduler loops)
 EVENT_LOOPS = ("event_loop_normal", "event_loop_overlap", "event_loop_pp", "event_loop_normal_disagg")
+# ... and not one of these: Triton's JIT compiling a kernel at its first use (the warm-up's, not a step's) and
+# the loop's idle work between requests (SGLang 0.5.17's on_idle publishes its load snapshot)
+EXCLUDE = ("_do_compile", "on_idle")
 
 
 def spy_argv(py_spy: str, output: str, rate: int = 1000, cpus: Optional[Sequence[int]] = None,
@@ -39,14 +42,43 @@ def spy_argv(py_spy: str, output: str, rate: int = 1000, cpus: Optional[Sequence
     return argv
 
 
+_RECORD_START = re.compile(r'^process \d+:"', re.M)
+
+
+def _records(text: str) -> List[str]:
+    """One string a stack. With ``--subprocesses`` every stack starts with ``process PID:"cmdline"``, and a
+    command line may hold newlines (multiprocessing's spawn: ``-c from multiprocessing.spawn import ...\n...``),
+    so a record runs from one such start to the next; without them, one a line."""
+    starts = [m.start() for m in _RECORD_START.finditer(text)]
+    if not starts:
+        return text.splitlines()
+    head = text[:starts[0]].splitlines()  # lines before the first process frame (none in py-spy's output)
+    return head + [text[a:b].rstrip("\n") for a, b in zip(starts, starts[1:] + [len(text)])]
+
+
+def _split_frames(stack: str) -> List[str]:
+    """``;``-separated frames, where a quoted command line (a process frame) may itself hold ``;``."""
+    frames, cur, quoted = [], [], False
+    for ch in stack:
+        if ch == '"':
+            quoted = not quoted
+        if ch == ";" and not quoted:
+            frames.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    frames.append("".join(cur))
+    return frames
+
+
 def parse_raw(text: str) -> List[Tuple[List[str], int]]:
-    """py-spy's raw (collapsed) output -> [(frames, count)]; lines that are not ``stack COUNT`` are skipped."""
+    """py-spy's raw (collapsed) output -> [(frames, count)]; records that are not ``stack COUNT`` are skipped."""
     out = []
-    for line in text.splitlines():
-        stack, sep, count = line.rstrip().rpartition(" ")
+    for rec in _records(text):
+        stack, sep, count = rec.rstrip().rpartition(" ")
         if not sep or not count.isdigit() or not stack:
             continue
-        out.append((stack.split(";"), int(count)))
+        out.append((_split_frames(stack), int(count)))
     return out
 
 
@@ -69,44 +101,56 @@ def _process_of(frames: Sequence[str]) -> Optional[str]:
     return pid
 
 
+def short_name(key_or_frame: str) -> str:
+    """``Scheduler.run_batch (scheduler.py)`` -> ``run_batch``: what a mark or a loop name matches (py-spy names
+    methods by their qualified name)."""
+    return key_or_frame.split(" (", 1)[0].rsplit(".", 1)[-1]
+
+
 def _in_loop(frames: Sequence[str]) -> bool:
-    return any(frame_key(f).split(" (", 1)[0] in EVENT_LOOPS for f in frames)
+    return any(short_name(f) in EVENT_LOOPS for f in frames)
 
 
 def summarize(text: str, top: int = 40, steps: Optional[float] = None,
-              marks: Iterable[str] = ()) -> Dict[str, object]:
+              marks: Iterable[str] = (), exclude: Sequence[str] = EXCLUDE) -> Dict[str, object]:
     """The scheduler's busy samples of one server: total, per function inclusive (each function once a stack)
     and self (the leaf), the heaviest ``top`` of each; ``per_step`` in samples (ms at 1 kHz) where ``steps``
     (decode steps while sampled) is given. ``marks``: function names whose inclusive samples are reported even
-    when they are not among the heaviest (e.g. the plugin's phases)."""
+    when they are not among the heaviest (e.g. the plugin's phases). Stacks through a function of ``exclude``
+    are left out (counted in ``excluded``)."""
     stacks = parse_raw(text)
     by_proc: Dict[Optional[str], int] = defaultdict(int)
     for frames, n in stacks:
         if _in_loop(frames):
             by_proc[_process_of(frames)] += n
     if not by_proc:
-        return {"samples": 0, "process": None, "inclusive": [], "self": [], "marks": {}}
+        return {"samples": 0, "process": None, "excluded": {}, "inclusive": [], "self": [], "marks": {}}
     proc = max(by_proc, key=by_proc.get)  # the scheduler (TP rank 0: the busiest loop)
     incl: Counter = Counter()
     leaf: Counter = Counter()
+    excluded: Counter = Counter()
     total = 0
     for frames, n in stacks:
         if _process_of(frames) != proc or not _in_loop(frames):
             continue
+        keys = [frame_key(f) for f in frames if not _PROCESS.match(f)]
+        hit = next((x for x in exclude if any(short_name(k) == x for k in keys)), None)
+        if hit:
+            excluded[hit] += n
+            continue
         total += n
-        keys = [frame_key(f) for f in frames[1:] if not _PROCESS.match(f)]
         for k in set(keys):
             incl[k] += n
         if keys:
             leaf[keys[-1]] += n
     wanted = set(marks)
-    mark_counts = {m: sum(v for k, v in incl.items() if k.split(" (", 1)[0] == m) for m in wanted}
+    mark_counts = {m: sum(v for k, v in incl.items() if short_name(k) == m) for m in wanted}
 
     def rows(counter: Counter) -> List[Dict[str, object]]:
         return [{"function": k, "samples": v, "share": round(v / total, 4),
                  **({"per_step": round(v / steps, 3)} if steps else {})} for k, v in counter.most_common(top)]
 
-    return {"samples": total, "process": proc, "steps": steps,
+    return {"samples": total, "process": proc, "steps": steps, "excluded": dict(excluded),
             "per_step": round(total / steps, 3) if steps else None,
             "inclusive": rows(incl), "self": rows(leaf),
             "marks": {m: {"samples": v, **({"per_step": round(v / steps, 3)} if steps else {})}
@@ -117,7 +161,8 @@ def format_summary(s: Dict[str, object], n: int = 25) -> str:
     """A few lines for a log: the heaviest inclusive functions of the scheduler, in samples (and per step)."""
     if not s.get("samples"):
         return "spy: no scheduler samples"
-    head = f"spy: {s['samples']} scheduler samples" + (f", {s['per_step']} a step" if s.get("per_step") else "")
+    head = f"spy: {s['samples']} scheduler samples" + (f", {s['per_step']} a step" if s.get("per_step") else "") \
+        + "".join(f", {v} in {k} left out" for k, v in (s.get("excluded") or {}).items())
     lines = [head]
     for r in s["inclusive"][:n]:
         lines.append(f"    {r['samples']:7d} {100 * r['share']:5.1f}%"
