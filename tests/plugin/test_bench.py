@@ -636,6 +636,31 @@ def test_rounds_run_the_whole_list_again_with_fresh_servers(tmp_path, monkeypatc
         bench.parse_args(["--tiny-random", "--rounds", "0"])
 
 
+def test_a_round_interrupted_while_its_server_stops_keeps_what_it_measured(tmp_path, monkeypatch, capsys):
+    """A timeout's SIGTERM that lands while a measured server is being stopped (session 7 on the H200 lost a round's
+    figure that way): the round is in the report saved on the way out, its levels with it."""
+    fake_py, state = _standin_bench(tmp_path, monkeypatch, "[1, 2, 3]\n")
+    out = tmp_path / "out"
+    real_stop, stops = servers.Server.stop, []
+
+    def stop(self):
+        real_stop(self)
+        stops.append(1)
+        if len(stops) == 3:  # the third server (round 2's first) is stopped, then the signal lands
+            bench._on_sigterm(15, None)
+
+    monkeypatch.setattr(servers.Server, "stop", stop)
+    code = _standin_main(tmp_path, fake_py, out, "--modes", "plain,dflash", "--concurrency", "1",
+                         "--max-new-tokens", "4", "--warmup-tokens", "0", "--graphs", "off", "--rounds", "3")
+    capsys.readouterr()
+    assert code == 130
+    doc = json.loads((out / "bench.json").read_text())
+    plain = doc["runs"][0]
+    assert len(plain["rounds"]) == 2 and plain["rounds"][1]["status"] == "ok"
+    assert plain["levels"][0]["tok_s_rounds"] == [r["levels"][0]["output_tok_s"] for r in plain["rounds"]]
+    assert len(doc["runs"][1]["rounds"]) == 1  # dflash's second round never started
+
+
 def test_cpu_lists_parse_strictly_and_print_compactly():
     assert servers.parse_cpus("0-3,8,10-11") == [0, 1, 2, 3, 8, 10, 11]
     assert servers.parse_cpus(" 5 ") == [5] and servers.parse_cpus("2,1,2") == [1, 2]

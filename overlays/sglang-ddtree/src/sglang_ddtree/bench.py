@@ -687,14 +687,16 @@ def run_bench(a, runs: List[RunSpec], prompts: List[List[int]], target: str, dra
             tag = f" (round {rnd + 1}/{rounds})" if rounds > 1 else ""
             slug = f"{k:02d}-{run.mode}-{run.budget or run.block or 0}-{'g' if run.graphs else 'e'}" + \
                 (f"-r{rnd + 1}" if rnd else "")
-            _one_server(a, run, rnd, trial, prompts, target, drafter, sizing, weights, extra, baseline, workdir,
-                        logdir, slug, doc, f"[{k + 1}/{len(runs)}] {run.label}{tag}", log)
-            if rounds > 1:  # the headline so far: a report saved mid-way holds the medians of the rounds done
-                entry.setdefault("rounds", []).append({key: trial.get(key) for key in ("status", "error", "start_s",
-                                                                                       "levels", "spy")
-                                                       if key != "spy" or key in trial})
-                _merge_rounds(entry)
-            save(doc)
+            try:
+                _one_server(a, run, rnd, trial, prompts, target, drafter, sizing, weights, extra, baseline, workdir,
+                            logdir, slug, doc, f"[{k + 1}/{len(runs)}] {run.label}{tag}", log)
+            finally:  # also when interrupted (a timeout's SIGTERM) while this server stops: what it measured stays
+                if rounds > 1:  # the headline so far: a report saved mid-way holds the medians of the rounds done
+                    entry.setdefault("rounds", []).append({key: trial.get(key) for key in ("status", "error",
+                                                                                           "start_s", "levels", "spy")
+                                                           if key != "spy" or key in trial})
+                    _merge_rounds(entry)
+                save(doc)
 
 
 def _merge_rounds(entry: dict) -> None:
