@@ -817,3 +817,23 @@ def test_bench_spy_samples_each_server_and_stops_it(tmp_path, monkeypatch, capsy
         bench.parse_args(["--tiny-random", "--spy", exe, "--launcher", "systemd-run"])
     with pytest.raises(SystemExit):
         bench.parse_args(["--tiny-random", "--spy", str(tmp_path / "nope"), "--launcher", "process"])
+
+
+def test_stop_ends_the_whole_session_also_after_its_leader_exited(tmp_path):
+    """Server.stop: a server whose main process exited and left a child (what py-spy's SIGINT or a crashed
+    launch_server leaves) still has that child stopped; the group counts as gone once only zombies are left."""
+    log = tmp_path / "server.log"
+    code = ("import subprocess, sys, time; "
+            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+            "print(p.pid, flush=True)")
+    srv = servers.Server([sys.executable, "-c", code], dict(os.environ), str(log), launcher="process")
+    srv.start()
+    srv.proc.wait(timeout=60)  # the leader is gone; its child sleeps on in the same session
+    child = int(log.read_text().split()[0])
+    assert servers._group_alive(srv.proc.pid) and servers._stat_fields(str(child))[2] == str(srv.proc.pid)
+    t = time.monotonic()
+    srv.stop()
+    assert time.monotonic() - t < 14  # SIGTERM sufficed; not the SIGKILL round
+    f = servers._stat_fields(str(child))
+    assert f is None or (f[0] == "Z" and not servers._group_alive(srv.proc.pid))
+    assert servers.child_pids(os.getpid()) == sorted(servers.child_pids(os.getpid()))

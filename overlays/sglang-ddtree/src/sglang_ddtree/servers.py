@@ -326,22 +326,37 @@ def child_pids(pid: int) -> List[int]:
     for d in os.listdir("/proc"):
         if not d.isdigit():
             continue
-        try:
-            with open(f"/proc/{d}/stat") as fh:
-                stat = fh.read()
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:  # field 4, after the command's parentheses
+        f = _stat_fields(d)
+        if f and f[1] == str(pid):  # ppid: field 4, the second after the command's parentheses
             kids.append(int(d))
     return sorted(kids)
 
+
+def _stat_fields(pid: str) -> Optional[List[str]]:
+    """/proc/PID/stat's fields after the command (state, ppid, pgrp, ...), None where it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def _group_alive(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` still runs. A zombie does not count: in a container whose init does not
+    reap, a server's exited scheduler would otherwise keep its group "alive" for the whole wait."""
+    if os.path.isdir("/proc/self"):
+        for d in os.listdir("/proc"):
+            if d.isdigit():
+                f = _stat_fields(d)
+                if f and f[2] == str(pgid) and f[0] != "Z":
+                    return True
+        return False
     try:
         os.killpg(pgid, 0)
         return True
     except ProcessLookupError:
         return False
-    except PermissionError:  # a member runs as another user (systemd-run --uid is the unit path): still there
+    except PermissionError:  # a member runs as another user: still there
         return True
 
 
