@@ -15,8 +15,9 @@
 #                             --cpus $CPUS where set (every server pinned there, the clients on the other CPUs),
 #                             --spy (py-spy around every server, instead of the profile) where SPY=1,
 #                             --server-args "$SERVER_ARGS" (every server) where set
-#                                                         -> $OUT/bench-FAMILY-gGLUE[-GRAPHS][-ovOVERLAP].{json,txt,png}
-#                             and the logs and the DDTREE servers' traces -> $OUT/bench-...-raw.tgz
+#                                                         -> $OUT/bench-FAMILY-gGLUE[-GRAPHS][-ovOVERLAP][-TAG].{json,txt,png}
+#                             and the logs (with SPY=1 the py-spy captures; with RAW_TRACES=1 the DDTREE servers'
+#                             profiler traces) -> $OUT/bench-...-raw.tgz (only the logs where that passes 16 MB)
 #   matrix FAMILY BUDGETS     python -m ddtree_checks.serve_matrix (item 6, 64 x 128, conc 1 and 8)
 #                             -> $OUT/matrix-FAMILY.{json,txt}
 # The call sequence and what each takes: benchmarks/h200/README.md.
