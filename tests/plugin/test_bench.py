@@ -837,3 +837,20 @@ def test_stop_ends_the_whole_session_also_after_its_leader_exited(tmp_path):
     f = servers._stat_fields(str(child))
     assert f is None or (f[0] == "Z" and not servers._group_alive(srv.proc.pid))
     assert servers.child_pids(os.getpid()) == sorted(servers.child_pids(os.getpid()))
+
+
+def test_spy_reads_a_kept_capture_again_from_the_command_line(tmp_path, capsys):
+    """``python -m sglang_ddtree.spy CAPTURE``: the same summary as bench's, per step with --steps; a capture with no
+    scheduler loop exits 1, a missing file 2 with one line."""
+    cap = Path(__file__).parent / "fixtures" / "pyspy_raw.txt"
+    assert spy.main([str(cap), "--steps", "150", "--mark", "process_batch_result", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got == json.loads(json.dumps(spy.summarize(cap.read_text(), steps=150, marks=["process_batch_result"])))
+    assert got["marks"]["process_batch_result"]["per_step"] > 0
+    assert spy.main([str(cap), "--top", "3"]) == 0 and "scheduler samples" in capsys.readouterr().out
+    empty = tmp_path / "x.txt"
+    empty.write_text("f (a.py:1) 3\n")
+    assert spy.main([str(empty)]) == 1
+    assert spy.main([str(tmp_path / "missing.txt")]) == 2 and "cannot read" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        spy.main([str(cap), "--steps", "0"])

@@ -170,3 +170,39 @@ def format_summary(s: Dict[str, object], n: int = 25) -> str:
     for m, v in (s.get("marks") or {}).items():
         lines.append(f"    mark {m}: {v['samples']}" + (f" ({v['per_step']}/step)" if "per_step" in v else ""))
     return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    """``python -m sglang_ddtree.spy CAPTURE``: a kept raw capture (bench's ``OUT/spy/*.txt``) read again."""
+    import argparse
+    import json
+    import sys
+
+    ap = argparse.ArgumentParser(prog="python -m sglang_ddtree.spy", description=main.__doc__.split(": ", 1)[1])
+    ap.add_argument("capture", help="py-spy raw output (record --format raw --subprocesses)")
+    ap.add_argument("--steps", type=float,
+                    help="decode steps while it was sampled (bench reports them): per-step figures")
+    ap.add_argument("--top", type=int, default=40, help="functions listed (default 40)")
+    ap.add_argument("--mark", action="append", default=[], help="a function name always reported (repeatable)")
+    ap.add_argument("--keep", action="append", default=[], choices=EXCLUDE,
+                    help="count this otherwise left-out part too (repeatable)")
+    ap.add_argument("--json", action="store_true", help="the summary as JSON")
+    a = ap.parse_args(argv)
+    if a.steps is not None and a.steps <= 0:
+        ap.error("--steps must be positive")
+    if a.top < 1:
+        ap.error("--top must be at least 1")
+    try:
+        with open(a.capture, errors="replace") as fh:
+            text = fh.read()
+    except OSError as e:
+        print(f"spy: cannot read {a.capture}: {e.strerror}", file=sys.stderr)
+        return 2
+    s = summarize(text, top=a.top, steps=a.steps, marks=a.mark,
+                  exclude=tuple(x for x in EXCLUDE if x not in a.keep))
+    print(json.dumps(s, indent=1) if a.json else format_summary(s, a.top))
+    return 0 if s["samples"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
