@@ -692,9 +692,10 @@ def run_bench(a, runs: List[RunSpec], prompts: List[List[int]], target: str, dra
                             logdir, slug, doc, f"[{k + 1}/{len(runs)}] {run.label}{tag}", log)
             finally:  # also when interrupted (a timeout's SIGTERM) while this server stops: what it measured stays
                 if rounds > 1:  # the headline so far: a report saved mid-way holds the medians of the rounds done
-                    entry.setdefault("rounds", []).append({key: trial.get(key) for key in ("status", "error",
-                                                                                           "start_s", "levels", "spy")
-                                                           if key != "spy" or key in trial})
+                    kept = {key: trial.get(key) for key in ("status", "error", "start_s", "levels")}
+                    if "spy" in trial:
+                        kept["spy"] = trial["spy"]
+                    entry.setdefault("rounds", []).append(kept)
                     _merge_rounds(entry)
                 save(doc)
 
@@ -741,12 +742,13 @@ def _one_server(a, run: RunSpec, rnd: int, entry: dict, prompts, target, drafter
     if getattr(a, "spy", None):  # the sampler is the server's parent, on the clients' CPUs; taskset pins the server
         spy_out = os.path.join(a.out or workdir, "spy", slug + ".txt")
         os.makedirs(os.path.dirname(spy_out), exist_ok=True)
-        taskset = shutil.which("taskset")
-        run_argv = spy_argv(a.spy, spy_out, a.spy_rate, a.cpus if taskset else None, taskset or "") + list(argv)
-        if taskset or not a.cpus:
+        taskset = shutil.which("taskset") if a.cpus else None
+        run_argv = spy_argv(a.spy, spy_out, a.spy_rate, a.cpus if taskset else None, taskset or "taskset") + list(argv)
+        if a.cpus and not taskset:  # the sampler is pinned with the server (its few % of a CPU there)
+            if rnd == 0:
+                log("    --spy: no taskset here, py-spy runs on the servers' CPUs")
+        else:
             cpus = None
-        elif rnd == 0:  # no taskset: the sampler is pinned with the server (its few % of a CPU there)
-            log("    --spy: no taskset here, py-spy runs on the servers' CPUs")
     srv = Server(run_argv, env, os.path.join(logdir, slug + ".log"), launcher=a.launcher, cpus=cpus,
                  user=a.user, runtime_max_s=a.runtime_max,
                  unit=f"{a.unit_prefix}-{slug}" if a.unit_prefix else None)

@@ -15,7 +15,7 @@ stack, ``frame;frame;...;frame COUNT``, each frame ``function (file:line)``, the
 from __future__ import annotations
 
 import re
-from collections import Counter, defaultdict
+from collections import Counter
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 _FRAME = re.compile(r"^(?P<func>.*?) \((?P<file>[^()]*?)(?::(?P<line>\d+))?\)$")
@@ -118,23 +118,24 @@ def summarize(text: str, top: int = 40, steps: Optional[float] = None,
     (decode steps while sampled) is given. ``marks``: function names whose inclusive samples are reported even
     when they are not among the heaviest (e.g. the plugin's phases). Stacks through a function of ``exclude``
     are left out (counted in ``excluded``)."""
-    stacks = parse_raw(text)
-    by_proc: Dict[Optional[str], int] = defaultdict(int)
-    for frames, n in stacks:
-        if _in_loop(frames):
-            by_proc[_process_of(frames)] += n
+    # one pass: the scheduler loop's stacks, by process (the others never count)
+    loop = [(_process_of(frames), frames, n) for frames, n in parse_raw(text) if _in_loop(frames)]
+    by_proc: Counter = Counter()
+    for pid, _, n in loop:
+        by_proc[pid] += n
     if not by_proc:
         return {"samples": 0, "process": None, "excluded": {}, "inclusive": [], "self": [], "marks": {}}
-    proc = max(by_proc, key=by_proc.get)  # the scheduler (TP rank 0: the busiest loop)
+    proc = by_proc.most_common(1)[0][0]  # the scheduler (TP rank 0: the busiest loop)
     incl: Counter = Counter()
     leaf: Counter = Counter()
     excluded: Counter = Counter()
     total = 0
-    for frames, n in stacks:
-        if _process_of(frames) != proc or not _in_loop(frames):
+    for pid, frames, n in loop:
+        if pid != proc:
             continue
         keys = [frame_key(f) for f in frames if not _PROCESS.match(f)]
-        hit = next((x for x in exclude if any(short_name(k) == x for k in keys)), None)
+        names = {short_name(k) for k in keys}
+        hit = next((x for x in exclude if x in names), None)
         if hit:
             excluded[hit] += n
             continue
@@ -143,18 +144,21 @@ def summarize(text: str, top: int = 40, steps: Optional[float] = None,
             incl[k] += n
         if keys:
             leaf[keys[-1]] += n
-    wanted = set(marks)
-    mark_counts = {m: sum(v for k, v in incl.items() if short_name(k) == m) for m in wanted}
+
+    def per_step(v: int) -> Dict[str, float]:
+        return {"per_step": round(v / steps, 3)} if steps else {}
 
     def rows(counter: Counter) -> List[Dict[str, object]]:
-        return [{"function": k, "samples": v, "share": round(v / total, 4),
-                 **({"per_step": round(v / steps, 3)} if steps else {})} for k, v in counter.most_common(top)]
+        return [{"function": k, "samples": v, "share": round(v / total, 4), **per_step(v)}
+                for k, v in counter.most_common(top)]
 
+    marks_out = {}
+    for m in sorted(set(marks)):
+        v = sum(c for k, c in incl.items() if short_name(k) == m)
+        marks_out[m] = {"samples": v, **per_step(v)}
     return {"samples": total, "process": proc, "steps": steps, "excluded": dict(excluded),
             "per_step": round(total / steps, 3) if steps else None,
-            "inclusive": rows(incl), "self": rows(leaf),
-            "marks": {m: {"samples": v, **({"per_step": round(v / steps, 3)} if steps else {})}
-                      for m, v in sorted(mark_counts.items())}}
+            "inclusive": rows(incl), "self": rows(leaf), "marks": marks_out}
 
 
 def format_summary(s: Dict[str, object], n: int = 25) -> str:
