@@ -166,6 +166,7 @@ SSH_KEYS = {
     "known_hosts": (values.local_path, "a path"),
     "identity_file": (values.local_path, "a path"),
     "connect_timeout": (_in_range(1, 600), "seconds, an integer in [1, 600]"),
+    "connect_retries": (_in_range(0, 5), "new connections after sshd cut a handshake, an integer in [0, 5]"),
 }
 SETTINGS_KEYS = {
     "parallel": (_in_range(1, 256), "an integer in [1, 256]"),

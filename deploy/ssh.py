@@ -95,28 +95,78 @@ def tcp_connect(address: str, port: int, timeout: float) -> socket.socket:
     return sock
 
 
-def open_checked(inv: Inventory, host: Host) -> Connection:
-    """connect() and open now, turning paramiko's exceptions into one HostError with a clear kind."""
-    conn = connect(inv, host)
-    try:
-        conn.connect_kwargs["sock"] = tcp_connect(host.address, host.port, inv.ssh.get("connect_timeout", 10))
-        conn.open()
-    except BadHostKeyException as exc:
-        raise HostError(host.name, "host-key-mismatch",
-                        f"{host.address} presented a {exc.key.get_name()} key that differs from "
-                        f"{known_hosts_path(inv)}; refusing (possible man-in-the-middle or rebuilt host)") from None
-    except SSHException as exc:
+CONNECT_RETRIES = 2  # ssh.connect_retries: new connections after sshd cut a handshake (0 = none)
+
+
+def handshake_cut(exc: BaseException) -> bool:
+    """True when sshd ended the connection in the middle of the SSH handshake without refusing anything: end of
+    file or a reset while reading its banner, during key exchange or before its answer to our authentication.
+
+    sshd does this to shed load (MaxStartups drops unauthenticated connections at random), when the process
+    serving the connection dies, or while it restarts; a new connection a moment later is answered. Nothing else
+    is this: a refused key, an unknown or changed host key, a timeout, a refused TCP connection are never retried
+    (a timeout already spent its deadline; the others would fail the same way again)."""
+    if isinstance(exc, (EOFError, ConnectionResetError, ConnectionAbortedError, BrokenPipeError)):
+        return True
+    if isinstance(exc, BadHostKeyException):
+        return False
+    if isinstance(exc, AuthenticationException):
+        # paramiko's words when the transport ended (EOF) while it waited for the server's answer
+        return "transport shut down or saw EOF" in str(exc)
+    if isinstance(exc, SSHException) and str(exc).startswith("Error reading SSH protocol banner"):
+        return isinstance(exc.__context__, (EOFError, ConnectionResetError))  # not a banner timeout
+    return False
+
+
+def _host_error(inv: Inventory, host: Host, exc: BaseException, attempts: int) -> HostError:
+    """paramiko's exception as one HostError with a clear kind."""
+    if handshake_cut(exc):
+        tried = f" ({attempts} connections)" if attempts > 1 else ""
+        return HostError(host.name, "handshake-cut",
+                         f"sshd on {host.address}:{host.port} closed the connection during the SSH handshake "
+                         f"(authenticating as {host.user}){tried}: {type(exc).__name__}: {exc}; nothing was refused "
+                         f"-- sshd's journal on the host says why (MaxStartups, a dying sshd, a restart)")
+    if isinstance(exc, BadHostKeyException):
+        return HostError(host.name, "host-key-mismatch",
+                         f"{host.address} presented a {exc.key.get_name()} key that differs from "
+                         f"{known_hosts_path(inv)}; refusing (possible man-in-the-middle or rebuilt host)")
+    if isinstance(exc, SSHException):
         if "not found in known_hosts" in str(exc):
-            raise HostError(host.name, "host-key-unknown",
-                            f"{host.address} is not in {known_hosts_path(inv)}; add its key after checking "
-                            f"it out of band (host keys are never auto-accepted)") from None
+            return HostError(host.name, "host-key-unknown",
+                             f"{host.address} is not in {known_hosts_path(inv)}; add its key after checking "
+                             f"it out of band (host keys are never auto-accepted)")
         if isinstance(exc, AuthenticationException):
-            raise HostError(host.name, "auth", f"authentication as {host.user} failed: {exc}") from None
-        raise HostError(host.name, "ssh", str(exc)) from None
-    except (NoValidConnectionsError, socket.timeout, TimeoutError, OSError) as exc:
-        raise HostError(host.name, "unreachable", f"{host.address}:{host.port}: {exc}") from None
-    conn.client.get_transport().set_keepalive(KEEPALIVE)
-    return conn
+            return HostError(host.name, "auth", f"authentication as {host.user} failed: {exc}")
+        return HostError(host.name, "ssh", str(exc))
+    if isinstance(exc, (NoValidConnectionsError, socket.timeout, TimeoutError, OSError)):
+        return HostError(host.name, "unreachable", f"{host.address}:{host.port}: {exc}")
+    return HostError(host.name, "ssh", f"{type(exc).__name__}: {exc}")  # EOFError outside a handshake
+
+
+def open_checked(inv: Inventory, host: Host) -> Connection:
+    """connect() and open now, turning paramiko's exceptions into one HostError with a clear kind.
+
+    A handshake that sshd cut (handshake_cut) is tried again on a new connection, `ssh.connect_retries` times
+    (default 2) after 0.5 s, then 1 s: each try is bounded by `connect_timeout`, so the whole open is too."""
+    retries = inv.ssh.get("connect_retries", CONNECT_RETRIES)
+    timeout = inv.ssh.get("connect_timeout", 10)
+    for attempt in range(retries + 1):
+        conn = connect(inv, host)
+        try:
+            conn.connect_kwargs["sock"] = tcp_connect(host.address, host.port, timeout)
+            conn.open()
+        except (SSHException, EOFError, OSError) as exc:  # OSError: socket errors, timeouts, NoValidConnections
+            conn.close()
+            if attempt < retries and handshake_cut(exc):
+                delay = 0.5 * 2 ** attempt
+                print(f"{host.name}: sshd closed the connection during the SSH handshake ({type(exc).__name__}: "
+                      f"{exc}); a new connection in {delay:g} s ({attempt + 1} of {retries})", file=sys.stderr)
+                time.sleep(delay)
+                continue
+            raise _host_error(inv, host, exc, attempt + 1) from None
+        conn.client.get_transport().set_keepalive(KEEPALIVE)
+        return conn
+    raise AssertionError("unreachable")  # the loop returns or raises
 
 
 KEEPALIVE = 15  # seconds between SSH keepalives on long, quiet calls (a health gate can take minutes)

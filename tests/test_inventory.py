@@ -76,6 +76,8 @@ def test_repo_inventories_load():
     (GOOD.replace("    address: 10.0.0.2\n", "    address: 10.0.0.1\n"), 16, "10.0.0.1:22 is also host a"),
     (GOOD.replace("venv: /opt/v", "venv: opt/v"), 4, "vars.venv: must be an absolute path"),
     (GOOD.replace("  a:\n    address: 10.0.0.1\n", "  a:\n    port: 22\n"), 12, "hosts.a.address: required"),
+    (GOOD.replace("fleet: t\n", "fleet: t\nssh: {connect_retries: 9}\n"), 2,
+     "ssh.connect_retries: must be new connections after sshd cut a handshake, an integer in [0, 5]"),
     (GOOD.replace("fleet: t\n", "fleet: t\nfleet: u\n"), 2, "fleet: duplicate key"),
     (GOOD.replace("  venv: /opt/v", "  venv: [/opt/v"), 5, "YAML syntax"),
     (GOOD.replace("vars:\n  venv", "vars:\n  service_user: root\n  venv"), 4, "service_user: must be a non-root user"),

@@ -49,3 +49,42 @@ def test_connect_refused_is_an_oserror_not_a_hang():
     s.close()  # nothing listens there now
     with pytest.raises(OSError):
         tcp_connect("127.0.0.1", port, timeout=2)
+
+
+def _raised_in(context: BaseException, outer: BaseException) -> BaseException:
+    """`outer` as paramiko raises it: inside an except block, so `context` is its __context__."""
+    try:
+        try:
+            raise context
+        except BaseException:
+            raise outer
+    except BaseException as e:
+        return e
+
+
+def test_handshake_cut_is_an_end_of_file_or_reset_never_a_refusal():
+    import paramiko
+    from paramiko.ssh_exception import AuthenticationException, BadAuthenticationType, BadHostKeyException
+
+    from deploy.ssh import handshake_cut
+    key = paramiko.Ed25519Key.from_private_key_file(_a_key())
+    banner = "Error reading SSH protocol banner"
+    cut = [EOFError(), ConnectionResetError(104, "reset"), BrokenPipeError(),
+           AuthenticationException("Authentication failed: transport shut down or saw EOF"),
+           _raised_in(EOFError(), paramiko.SSHException(banner)),
+           _raised_in(ConnectionResetError(), paramiko.SSHException(banner + "[Errno 104] reset"))]
+    not_cut = [AuthenticationException("Authentication failed."), BadAuthenticationType("bad", ["password"]),
+               AuthenticationException("Authentication timeout."), BadHostKeyException("h", key, key),
+               paramiko.SSHException("Server '[h]:22' not found in known_hosts"), ConnectionRefusedError(),
+               socket.timeout("timed out"), _raised_in(socket.timeout(), paramiko.SSHException(banner)),
+               paramiko.SSHException("Negotiation failed."), ValueError("a bug")]
+    assert [handshake_cut(e) for e in cut] == [True] * len(cut)
+    assert [handshake_cut(e) for e in not_cut] == [False] * len(not_cut)
+
+
+def _a_key() -> str:
+    import subprocess
+    import tempfile
+    d = tempfile.mkdtemp()
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", f"{d}/k"], check=True)
+    return f"{d}/k"

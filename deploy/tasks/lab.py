@@ -43,6 +43,17 @@ def drift(c, host, kind):
     print(f"{host}: {DRIFTS[kind]}")
 
 
+@task(help={"host": "only these lab hosts (comma list)", "lines": "lines per host (default 25)"})
+def journal(c, host=None, lines=25):
+    """Print each lab host's recent journal warnings and sshd lines, routine logins left out (read from outside)."""
+    from ..lab import fleet
+    names = [n for n in (host or "").split(",") if n] or None
+    for name, kept in fleet.journal(names, int(lines)).items():
+        print(f"== {name}: its journal's last {len(kept)} warnings and sshd lines (routine logins left out)")
+        for ln in kept:
+            print(f"  {ln}")
+
+
 @task(help={"json": "print JSON"})
 def status(c, json=False):
     """Show the lab hosts: running, address, sshd, GPU persona, torch build."""
