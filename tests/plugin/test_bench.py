@@ -611,8 +611,8 @@ def test_median_round_takes_one_real_round_and_keeps_every_rounds_figure():
 
 
 def test_rounds_run_the_whole_list_again_with_fresh_servers(tmp_path, monkeypatch, capsys):
-    """--rounds 2: A B, A B (a fresh stand-in server each time, one at a time); each level's row is a median
-    round with every round's tok/s, the table shows them, the report passes its schema."""
+    """--rounds 2: A B, B A (a fresh stand-in server each time, one at a time); each level's row is a median
+    round with every round's tok/s, the table shows them and the paired ratios, the report passes its schema."""
     fake_py, state = _standin_bench(tmp_path, monkeypatch, "[1, 2, 3]\n[4, 5]\n")
     out = tmp_path / "out"
     code = _standin_main(tmp_path, fake_py, out, "--modes", "plain,tree-verify", "--budgets", "7",
@@ -627,11 +627,14 @@ def test_rounds_run_the_whole_list_again_with_fresh_servers(tmp_path, monkeypatc
         for i, lv in enumerate(r["levels"]):
             per = [x["levels"][i]["output_tok_s"] for x in r["rounds"]]
             assert lv["tok_s_rounds"] == per and lv["output_tok_s"] == min(per)  # the lower of two
-    argvs = (state / "argv.jsonl").read_text().splitlines()
-    assert len(argvs) == 4  # two servers, twice
+    argvs = [json.loads(x) for x in (state / "argv.jsonl").read_text().splitlines()]
+    assert len(argvs) == 4  # two servers, twice; the second round in reverse
+    assert ["--speculative-algorithm" in " ".join(map(str, x)) for x in argvs] == [False, True, True, False]
     assert sorted(os.listdir(out / "logs")) == ["00-plain-0-e-r2.log", "00-plain-0-e.log",
                                                 "01-tree-verify-7-e-r2.log", "01-tree-verify-7-e.log"]
     assert "tok/s rounds" in table and "spread" in table
+    assert "paired by round, against plain:\ntree-verify B=7 graphs=off / plain graphs=off at c=1: median paired " \
+           "ratio" in table and "ahead in" in table and "of 2 rounds" in table
     with pytest.raises(SystemExit):
         bench.parse_args(["--tiny-random", "--rounds", "0"])
 
@@ -646,7 +649,8 @@ def test_a_round_interrupted_while_its_server_stops_keeps_what_it_measured(tmp_p
     def stop(self):
         real_stop(self)
         stops.append(1)
-        if len(stops) == 3:  # the third server (round 2's first) is stopped, then the signal lands
+        if len(stops) == 3:  # the third server (round 2's first: dflash, the round runs reversed) is stopped, then
+            # the signal lands
             bench._on_sigterm(15, None)
 
     monkeypatch.setattr(servers.Server, "stop", stop)
@@ -655,10 +659,11 @@ def test_a_round_interrupted_while_its_server_stops_keeps_what_it_measured(tmp_p
     capsys.readouterr()
     assert code == 130
     doc = json.loads((out / "bench.json").read_text())
-    plain = doc["runs"][0]
-    assert len(plain["rounds"]) == 2 and plain["rounds"][1]["status"] == "ok"
-    assert plain["levels"][0]["tok_s_rounds"] == [r["levels"][0]["output_tok_s"] for r in plain["rounds"]]
-    assert len(doc["runs"][1]["rounds"]) == 1  # dflash's second round never started
+    dflash = doc["runs"][1]
+    assert [r["mode"] for r in doc["runs"]] == ["plain", "dflash"]  # the order asked, whatever order they ran in
+    assert len(dflash["rounds"]) == 2 and dflash["rounds"][1]["status"] == "ok"
+    assert dflash["levels"][0]["tok_s_rounds"] == [r["levels"][0]["output_tok_s"] for r in dflash["rounds"]]
+    assert len(doc["runs"][0]["rounds"]) == 1  # plain's second round never started
 
 
 def test_cpu_lists_parse_strictly_and_print_compactly():

@@ -27,9 +27,11 @@ the largest concurrency).  A server that refuses to start (today DDTREE tree-ver
 recorded as a failed run with the reason and its log tail, and the others still run.  ``--server-args`` words
 are appended to every server's command line (last, so they win).
 
-``--rounds N`` runs the whole list N times over (a fresh server each time; a level's row is its median round,
-with every round's tok/s in ``tok_s_rounds``): on the H200's host the same step's host time differed by ~30%
-between two servers started one after the other, more than the gaps being measured.
+``--rounds N`` runs the whole list N times over, every other round in reverse (A B C, C B A, ...; a fresh server
+each time; a level's row is its median round, with every round's tok/s in ``tok_s_rounds``), and prints, under
+the table, each run's paired ratio to DFLASH (and to plain) round by round (:mod:`sglang_ddtree.paired`): on the
+H200's host the same step's host time differed by ~30% between two servers started one after the other, and one
+server's tok/s 2x from one start to another, more than the gaps being measured.
 
 Each level is preceded by ``c`` unmeasured warm-up requests of ``--warmup-tokens`` tokens at that concurrency
 (Triton compiles per batch shape); a level sends ``max(--requests, c)`` requests (prompts reused in order).
@@ -658,15 +660,23 @@ def median_round(levels_by_round: Sequence[dict]) -> dict:
     return pick
 
 
+def run_order(n: int, rnd: int) -> List[int]:
+    """The order of the runs in round `rnd`: as asked in even rounds, reversed in odd ones (A B C, C B A, ...), so
+    a drift of the host over the rounds (a warming machine, a neighbour's load) falls on every run alike instead of
+    always favouring the one that runs first."""
+    return list(range(n)) if rnd % 2 == 0 else list(range(n - 1, -1, -1))
+
+
 def run_bench(a, runs: List[RunSpec], prompts: List[List[int]], target: str, drafter: Optional[str], workdir: str,
               logdir: str, doc: dict, log=print, save=lambda doc: None) -> None:
     """Start each run's server alone, measure every level, stop it; fills ``doc["runs"]`` as it goes and
     ``save``s it after each run (a run killed later still leaves what it measured).
 
-    ``--rounds N``: the whole list N times over (A B C, A B C, ...), a fresh server each time, so host noise
-    that lasts minutes or comes with a start (on a shared host, a server's processes land on other cores) is
-    spread over every run alike; each level's row is its median round (:func:`median_round`), every round kept
-    in ``entry["rounds"]``. The profile and ``--cold-warm`` belong to the first round."""
+    ``--rounds N``: the whole list N times over, every other round reversed (A B C, C B A, ...: :func:`run_order`),
+    a fresh server each time, so host noise that lasts minutes or comes with a start (on a shared host, a server's
+    processes land on other cores) is spread over every run alike; each level's row is its median round
+    (:func:`median_round`), every round kept in ``entry["rounds"]`` (index = round), which
+    :mod:`sglang_ddtree.paired` pairs round by round. The profile and ``--cold-warm`` belong to the first round."""
     tcfg, dcfg = read_config(target), read_config(drafter)
     sizing = plan_sizing(prompts, a.max_new_tokens, a.concurrency, runs, tcfg, dcfg)
     weights = _weights_mib(target) + _weights_mib(drafter)
@@ -675,13 +685,15 @@ def run_bench(a, runs: List[RunSpec], prompts: List[List[int]], target: str, dra
     baseline, _ = gpu_memory_mib(a.gpu)
     rounds = max(1, int(getattr(a, "rounds", 1) or 1))
     entries: List[dict] = []
+    for run in runs:
+        entry = {"mode": run.mode, "budget": run.budget, "block": run.block, "draft_tokens": run.draft_tokens,
+                 "graphs": run.graphs, "status": "failed", "error": None, "levels": []}
+        entries.append(entry)
     for rnd in range(rounds):
-        for k, run in enumerate(runs):
-            if rnd == 0:
-                entry = {"mode": run.mode, "budget": run.budget, "block": run.block, "draft_tokens": run.draft_tokens,
-                         "graphs": run.graphs, "status": "failed", "error": None, "levels": []}
-                doc["runs"].append(entry)
-                entries.append(entry)
+        for k in run_order(len(runs), rnd):
+            run = runs[k]
+            if rnd == 0:  # round 0 runs them in order: the report's list is the order asked
+                doc["runs"].append(entries[k])
             entry = entries[k]
             trial = entry if rnd == 0 else {"levels": [], "status": "failed", "error": None}
             tag = f" (round {rnd + 1}/{rounds})" if rounds > 1 else ""
@@ -935,8 +947,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--warmup-tokens", type=int, default=16, help="tokens of each warm-up request (0: none)")
     ap.add_argument("--gpu", type=int, default=0)
     ap.add_argument("--rounds", type=int, default=1, metavar="N",
-                    help="measure the whole list N times over (A B C, A B C, ...), a fresh server each time; each "
-                         "level reports its median round and every round's tok/s (default 1)")
+                    help="measure the whole list N times over (A B C, C B A, ...), a fresh server each time; each "
+                         "level reports its median round and every round's tok/s, and the paired ratios to DFLASH "
+                         "and plain round by round (default 1)")
     ap.add_argument("--profile-steps", type=int, default=0, metavar="N",
                     help="after each server's levels, profile N decode steps at one request (torch profiler via "
                          "SGLang's /start_profile) and keep the summary: per-step GPU time, launches, syncs, "
@@ -1157,6 +1170,12 @@ def main(argv=None) -> int:
     _write_json(doc, a.json)
     if doc["runs"]:
         print(format_table(doc), flush=True)
+        if (doc.get("settings") or {}).get("rounds", 1) > 1:
+            from .paired import format_pairs, pairs
+            for peer in ("dflash", "plain"):
+                text = format_pairs(pairs([doc], peer))
+                if text:
+                    print(f"paired by round, against {peer}:\n{text}", flush=True)
     if a.plot and any(r.get("levels") for r in doc["runs"]):
         try:
             write_plot(doc, a.plot)

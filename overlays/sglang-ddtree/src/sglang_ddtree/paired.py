@@ -1,0 +1,176 @@
+"""Paired speed comparisons over bench rounds: is a mode ahead of its peer, and how sure is that?
+
+On the H200's host one server's tok/s moved up to 2x from one start to the next (the same code: 1030 and 2154
+tok/s), more than the gaps being measured, and the move was shared by servers started close together. So a mode
+is compared with its peer round by round, never median against median: in round i of a report, the two servers
+ran one right after the other (``bench --rounds``), and their ratio is one paired figure. Pairs from several
+reports (several calls, machines or days) pool; each report's rounds are paired only within that report, and
+reports pool only under the same conditions (target, prompts, tokens, requests, server arguments, server CPUs and
+the plugin's SGLANG_DDTREE_* switches as the report recorded them): other conditions are other rows.
+
+For each (run, peer, concurrency): every round's ratio, their median, a distribution-free 95% interval of that
+median (order statistics of the sign test: with n pairs, the k-th smallest and k-th largest ratio, k the largest
+with P(Binomial(n, 1/2) < k) <= 2.5%; none below 6 pairs), and in how many rounds the run was ahead. A failed
+round (a server that did not start or measured nothing) pairs with nothing.
+
+    python -m sglang_ddtree.paired REPORT.json [REPORT.json ...] [--peer dflash] [--json]
+
+Exit status: 0 a comparison was made, 1 none could be (no round where both ran), 2 a report could not be read.
+Pure functions, tested on CPU and on the reports kept from the H200 (benchmarks/results/h200_s6, h200_s7).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from typing import Dict, List, Optional, Sequence, Tuple
+
+LEVEL = 0.95
+
+
+def _label(run: dict) -> str:
+    from .bench import RunSpec  # the one way a run is named, as bench's table names it
+    return RunSpec(run["mode"], run.get("budget"), run.get("block"), bool(run.get("graphs"))).label
+
+
+def round_tok_s(run: dict) -> Dict[int, List[Optional[float]]]:
+    """Per concurrency, the run's tok/s in each round, in round order (None: that round did not measure it).
+
+    A report of one round (no ``rounds`` list) is one round of its ``levels``."""
+    rounds = run.get("rounds")
+    if rounds is None:
+        rounds = [{"status": run.get("status"), "levels": run.get("levels") or []}]
+    out: Dict[int, List[Optional[float]]] = {}
+    for i, r in enumerate(rounds):
+        for lv in r.get("levels") or []:
+            v = lv.get("output_tok_s")
+            good = r.get("status") == "ok" and not lv.get("errors") and isinstance(v, (int, float)) and v > 0
+            col = out.setdefault(lv["concurrency"], [None] * len(rounds))
+            col[i] = float(v) if good else None
+    return out
+
+
+def median(xs: Sequence[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+
+
+def median_interval(xs: Sequence[float], level: float = LEVEL) -> Optional[Tuple[float, float]]:
+    """A distribution-free interval of the median covering it with probability >= level: (x_(k), x_(n+1-k)),
+    k the largest with P(Binomial(n, 1/2) <= k - 1) <= (1 - level) / 2. None when n is too small for one."""
+    n, tail = len(xs), (1 - level) / 2
+    k, cdf = 0, 0.0
+    while k < n:
+        p = cdf + math.comb(n, k) / 2 ** n  # P(Binomial <= k)
+        if p > tail:
+            break
+        cdf, k = p, k + 1
+    if k == 0:
+        return None
+    s = sorted(xs)
+    return s[k - 1], s[n - k]
+
+
+def conditions(doc: dict) -> Dict[str, object]:
+    """What must be the same for two reports' rounds to pool (as the report recorded it)."""
+    s = doc.get("settings") or {}
+    return {"target": (doc.get("model") or {}).get("target"), "max_new_tokens": s.get("max_new_tokens"),
+            "prompts": s.get("prompts"), "requests": s.get("requests_per_level"),
+            "server_args": s.get("server_args") or "", "cpus": s.get("server_cpus"), "env": s.get("ddtree_env") or {}}
+
+
+def conditions_text(cond: Dict[str, object]) -> str:
+    """The conditions a reader must see beside a figure: server CPUs, arguments and plugin switches when set."""
+    parts = []
+    if cond.get("cpus"):
+        parts.append(f"server CPUs {cond['cpus']}")
+    if cond.get("server_args"):
+        parts.append(f"server args {cond['server_args']!r}")
+    parts += [f"{k}={v}" for k, v in sorted(dict(cond.get("env") or {}).items())]
+    return ", ".join(parts) or "defaults"
+
+
+def pairs(docs: Sequence[dict], peer: str = "dflash") -> List[dict]:
+    """Every run that is not `peer`, against the report's first `peer` run with the same graphs setting, per
+    concurrency: the paired rounds of every report under the same conditions pooled (a run is known by its
+    label)."""
+    pooled: Dict[Tuple[str, str, str, int], dict] = {}
+    for d_i, doc in enumerate(docs):
+        cond = conditions(doc)
+        fp = json.dumps(cond, sort_keys=True)
+        runs = [r for r in doc.get("runs") or [] if r.get("mode")]
+        for run in runs:
+            if run["mode"] == peer:
+                continue
+            base = next((r for r in runs if r["mode"] == peer and bool(r.get("graphs")) == bool(run.get("graphs"))),
+                        None)
+            if base is None:
+                continue
+            mine, theirs = round_tok_s(run), round_tok_s(base)
+            for c, col in mine.items():
+                other = theirs.get(c) or []
+                key = (fp, _label(run), _label(base), c)
+                row = pooled.setdefault(key, {"run": key[1], "peer": key[2], "concurrency": c, "conditions": cond,
+                                              "pairs": []})
+                for i, v in enumerate(col):
+                    w = other[i] if i < len(other) else None
+                    if v is not None and w is not None:
+                        row["pairs"].append({"report": d_i, "round": i, "tok_s": v, "peer_tok_s": w,
+                                             "ratio": round(v / w, 4)})
+    out = []
+    for key in sorted(pooled, key=lambda k: (k[3], k[1], k[0])):
+        row = pooled[key]
+        ratios = [p["ratio"] for p in row["pairs"]]
+        if not ratios:
+            continue
+        iv = median_interval(ratios)
+        row.update(n=len(ratios), median_ratio=round(median(ratios), 4),
+                   interval=None if iv is None else [iv[0], iv[1]], level=LEVEL,
+                   ahead=sum(r > 1 for r in ratios),
+                   median_tok_s=round(median([p["tok_s"] for p in row["pairs"]]), 1),
+                   peer_median_tok_s=round(median([p["peer_tok_s"] for p in row["pairs"]]), 1))
+        out.append(row)
+    return out
+
+
+def format_pairs(rows: Sequence[dict]) -> str:
+    """One line per comparison: the median paired ratio, its interval, rounds ahead, every ratio."""
+    lines = []
+    for r in rows:
+        iv = (f"{r['interval'][0]:.2f}-{r['interval'][1]:.2f}" if r["interval"]
+              else f"none with {r['n']} pairs (6 needed)")
+        lines.append(f"{r['run']} / {r['peer']} at c={r['concurrency']}: median paired ratio {r['median_ratio']:.2f}x "
+                     f"(95% interval {iv}), ahead in {r['ahead']} of {r['n']} rounds; ratios "
+                     + " ".join(f"{p['ratio']:.2f}" for p in r["pairs"])
+                     + f"; medians {r['median_tok_s']:.1f} vs {r['peer_median_tok_s']:.1f} tok/s"
+                     + f" [{conditions_text(r['conditions'])}]")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m sglang_ddtree.paired", description=__doc__.split("\n\n")[0])
+    ap.add_argument("reports", nargs="+", help="bench JSON reports (schema ddtree-bench/1)")
+    ap.add_argument("--peer", default="dflash", help="the mode every other run is compared with (default dflash)")
+    ap.add_argument("--json", action="store_true", help="print the comparisons as JSON")
+    a = ap.parse_args(argv)
+    docs = []
+    for path in a.reports:
+        try:
+            with open(path) as fh:
+                doc = json.load(fh)
+            if not isinstance(doc, dict) or not isinstance(doc.get("runs"), list):
+                raise ValueError("not a bench report (no runs list)")
+        except (OSError, ValueError) as e:
+            print(f"{path}: {e}", file=sys.stderr)
+            return 2
+        docs.append(doc)
+    rows = pairs(docs, a.peer)
+    print(json.dumps(rows, indent=1) if a.json else (format_pairs(rows) or f"no round where {a.peer} and another "
+                                                                           f"run both measured"))
+    return 0 if rows else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
