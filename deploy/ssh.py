@@ -8,6 +8,7 @@ work runs on `run_per_host`: a fixed-size thread pool of per-host Connections.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import sys
 import time
@@ -118,6 +119,14 @@ def handshake_cut(exc: BaseException) -> bool:
     return False
 
 
+def _wait_after_cut(host: Host, detail: str, attempt: int, retries: int) -> None:
+    """Say on stderr that sshd cut a handshake and wait before the next connection: 0.5 s, then 1 s, ..."""
+    delay = 0.5 * 2 ** attempt
+    print(f"{host.name}: sshd closed the connection during the SSH handshake ({detail}); a new connection in "
+          f"{delay:g} s ({attempt + 1} of {retries})", file=sys.stderr)
+    time.sleep(delay)
+
+
 def _host_error(inv: Inventory, host: Host, exc: BaseException, attempts: int) -> HostError:
     """paramiko's exception as one HostError with a clear kind."""
     if handshake_cut(exc):
@@ -158,15 +167,40 @@ def open_checked(inv: Inventory, host: Host) -> Connection:
         except (SSHException, EOFError, OSError) as exc:  # OSError: socket errors, timeouts, NoValidConnections
             conn.close()
             if attempt < retries and handshake_cut(exc):
-                delay = 0.5 * 2 ** attempt
-                print(f"{host.name}: sshd closed the connection during the SSH handshake ({type(exc).__name__}: "
-                      f"{exc}); a new connection in {delay:g} s ({attempt + 1} of {retries})", file=sys.stderr)
-                time.sleep(delay)
+                _wait_after_cut(host, f"{type(exc).__name__}: {exc}", attempt, retries)
                 continue
             raise _host_error(inv, host, exc, attempt + 1) from None
         conn.client.get_transport().set_keepalive(KEEPALIVE)
         return conn
     raise AssertionError("unreachable")  # the loop returns or raises
+
+
+# OpenSSH's `ssh` (LogLevel=INFO: at ERROR it exits 255 without a word) when sshd ended the connection before
+# authentication completed (after it, the words are "Connection to HOST closed by remote host."; a refused key is
+# "Permission denied (...)", an unknown or changed host key "Host key verification failed.")
+_OPENSSH_CUT = re.compile(r"^(Connection closed by \S+ port \d+|Connection reset by \S+ port \d+|"
+                          r"kex_exchange_identification: (Connection closed by remote host|"
+                          r"read: Connection reset by peer))\r?$", re.M)
+
+
+def openssh_handshake_cut(returncode: int | None, stderr: str) -> bool:
+    """OpenSSH's `ssh` ended (exit 255) because sshd cut the handshake: handshake_cut's case, in ssh's words."""
+    return returncode == 255 and bool(_OPENSSH_CUT.search(stderr or ""))
+
+
+def retry_cut_streams(inv: Inventory, host: Host, attempt: Callable[[], Any]) -> Any:
+    """attempt() again, like open_checked, while it fails with a LinkLost whose OpenSSH stream sshd cut in its
+    handshake (nothing ran on the host, no byte moved): `ssh.connect_retries` times, after 0.5 s, then 1 s."""
+    from .remote.client import LinkLost
+    retries = inv.ssh.get("connect_retries", CONNECT_RETRIES)
+    for n in range(retries + 1):
+        try:
+            return attempt()
+        except LinkLost as exc:
+            if n >= retries or not exc.handshake_cut:
+                raise
+            _wait_after_cut(host, "OpenSSH: " + exc.message.splitlines()[-1][-160:], n, retries)
+    raise AssertionError("unreachable")
 
 
 KEEPALIVE = 15  # seconds between SSH keepalives on long, quiet calls (a health gate can take minutes)
@@ -179,7 +213,7 @@ def openssh_argv(inv: Inventory, host: Host) -> list[str]:
     argv = ["ssh", "-F", "/dev/null", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes",
             "-o", f"UserKnownHostsFile={known_hosts_path(inv)}", "-o", "GlobalKnownHostsFile=/dev/null",
             "-o", f"ConnectTimeout={inv.ssh.get('connect_timeout', 10)}", "-o", "ServerAliveInterval=10",
-            "-o", "ServerAliveCountMax=3", "-o", "LogLevel=ERROR"]
+            "-o", "ServerAliveCountMax=3", "-o", "LogLevel=INFO"]  # INFO: a cut handshake says so, ERROR is silent
     identity = inv.ssh_path("identity_file")
     if identity:
         argv += ["-i", identity, "-o", "IdentitiesOnly=yes"]

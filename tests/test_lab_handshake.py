@@ -111,3 +111,49 @@ def test_lab_journal_shows_warnings_and_sshd_lines_not_routine_logins(lab, fab):
     assert re.search(rf"ddtree-test\[\d+\]: {mark}\n", r.stdout) and f"{mark}-info" not in r.stdout
     assert "== ct200: " in r.stdout and "== ct129" not in r.stdout
     assert "sshd[" in r.stdout and "Accepted publickey" not in r.stdout and "pam_env(" not in r.stdout
+
+
+def test_an_openssh_stream_cut_in_its_handshake_is_made_again(cutting, tmp_path, capsys):
+    """Wheel transfers run through OpenSSH's own `ssh` (provision/transfer.py): a stream that sshd cut before
+    anything ran is made again the same way; past the retries it fails as a cut (LinkLost.handshake_cut)."""
+    import hashlib
+
+    from deploy.provision import transfer
+    from deploy.remote.client import LinkLost, Remote
+    inv, host, arm = cutting
+    name, size = "ddtree_cut_demo-1.0-py3-none-any.whl", 300_000
+    path = f"/root/cut-demo/{name}"
+    digest = root_ssh(host, f"mkdir -p /root/cut-demo && head -c {size} /dev/urandom > {path} && sha256sum {path}")
+    arm(0)
+    conn = open_checked(inv, host)
+    try:
+        remote = Remote(conn, host.name)
+        remote.call("lock.read", {}, deadline=30)  # the agent's zipapp is on the host: streams can run it
+        calls = arm(1)
+        part = tmp_path / "demo.part"
+        st = transfer.fetch(remote, inv, host, [(path, part, size)])
+        assert st.bytes == size and hashlib.sha256(part.read_bytes()).hexdigest() == digest.split()[0]
+        assert calls() == 3  # cut once; then OpenSSH asks about its key before signing with it: two calls
+        err = capsys.readouterr().err
+        assert "ct129: sshd closed the connection during the SSH handshake (OpenSSH: ssh exited 255 after 0 of " \
+               f"{size} bytes: Connection closed by {host.address} port {PORT})" in err and "(1 of 2)" in err
+        calls = arm(5)
+        again = tmp_path / "again.part"
+        with pytest.raises(LinkLost) as e:
+            transfer.fetch(remote, inv, host, [(path, again, size)])
+        assert e.value.handshake_cut and calls() == 3 and (not again.exists() or again.stat().st_size == 0)
+    finally:
+        conn.close()
+        root_ssh(host, "rm -rf /root/cut-demo")
+
+
+def test_openssh_handshake_cut_in_ssh_s_own_words():
+    from deploy.ssh import openssh_handshake_cut as cut
+    assert cut(255, "Connection closed by 10.231.77.129 port 2201\n")
+    assert cut(255, "kex_exchange_identification: Connection closed by remote host\r\n")
+    assert cut(255, "Connection reset by 10.0.0.1 port 22\n")
+    for rc, err in ((0, "Connection closed by 10.0.0.1 port 22\n"),
+                    (255, "Connection to 10.0.0.1 closed by remote host.\n"),
+                    (255, "root@10.0.0.1: Permission denied (publickey).\n"), (255, "Host key verification failed.\n"),
+                    (255, "ssh: connect to host 10.0.0.1 port 22: Connection refused\n"), (255, ""), (None, "")):
+        assert not cut(rc, err), (rc, err)

@@ -427,7 +427,8 @@ def _apply_locked(remote, host, plan, ref_facts, cache, prog, opts, inv, rep, he
             procs: list = []
             started = procs.append
             inner = cb
-            cb = (lambda n, _i=inner, _p=procs: (_i and _i(n), hook(host, _p[0] if _p else None, n)))
+            # the newest stream: a stream sshd cut in its handshake is made again (transfer.send)
+            cb = (lambda n, _i=inner, _p=procs: (_i and _i(n), hook(host, _p[-1] if _p else None, n)))
         res, st = transfer.send(remote, inv, host, items, held, cb, started)
         rep.sent_bytes += st.bytes
         prog.note(f"{host.name}: sent {len(items)} wheel(s) {human(st.bytes)} in {st.seconds:.1f}s"

@@ -5,7 +5,8 @@ A download runs the reference's `provision.send` op, which streams the file with
 cache's `.part` (appended to what an earlier attempt left); WheelCache.commit checks it. An upload runs a
 target's `provision.receive` op with the wheel on stdin from the offset its partial upload reached; the agent
 hashes it as it arrives and renames it into the private staging directory only when the sha256 matches.
-Every transfer has a deadline and a stall limit, and uses the inventory's known_hosts and key.
+Every transfer has a deadline and a stall limit, and uses the inventory's known_hosts and key. A stream that sshd
+cut in its handshake (nothing ran, no byte moved) is made again, as a connection is (ssh.retry_cut_streams).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import Callable
 
 from ..inventory import Host, Inventory
 from ..remote import client
-from ..ssh import openssh_argv
+from ..ssh import openssh_argv, retry_cut_streams
 
 MIN_RATE = 5e6       # bytes/s: a transfer slower than this over its whole length is given up
 SLACK = 120.0        # seconds on top of size / MIN_RATE
@@ -59,7 +60,8 @@ def fetch(remote: client.Remote, inv: Inventory, host: Host, items: list[tuple[s
         argv = remote.stream_argv(openssh_argv(inv, host), "provision.send",
                                   {"files": [{"path": path, "offset": off} for path, _pt, _s, off in todo]}, dl,
                                   raw=True)
-        st.bytes = client.download(argv, [(part, size - off) for _p, part, size, off in todo], progress, dl)
+        sinks = [(part, size - off) for _p, part, size, off in todo]
+        st.bytes = retry_cut_streams(inv, host, lambda: client.download(argv, sinks, progress, dl))
     st.seconds = time.time() - t0
     return st
 
@@ -84,7 +86,8 @@ def send(remote: client.Remote, inv: Inventory, host: Host, items: list[dict], l
         if progress:
             progress(n)
     t0 = time.time()
-    res = client.upload(argv, [(i["local"], i["offset"], i["size"]) for i in items], counted, dl, started=started)
+    sources = [(i["local"], i["offset"], i["size"]) for i in items]
+    res = retry_cut_streams(inv, host, lambda: client.upload(argv, sources, counted, dl, started=started))
     st.seconds = time.time() - t0
     st.bytes = sent[0]
     return res.get("wheels") or {}, st

@@ -39,7 +39,17 @@ class AgentError(RuntimeError):
 
 
 class LinkLost(AgentError):
-    pass
+    """The link died. `handshake_cut`: OpenSSH's `ssh` said sshd ended the connection during its handshake, before
+    anything ran on the host or a byte moved (ssh.openssh_handshake_cut): a new stream may be made at once."""
+
+    handshake_cut = False
+
+
+def _lost(reason: str, returncode: int | None, err: str, moved: int) -> LinkLost:
+    from ..ssh import openssh_handshake_cut
+    exc = LinkLost("link-lost", reason + ": " + err.strip()[-600:])
+    exc.handshake_cut = moved == 0 and openssh_handshake_cut(returncode, err)
+    return exc
 
 
 def _loader_source() -> str:
@@ -256,10 +266,12 @@ def upload(argv: list[str], sources: list[tuple[str, int, int]], progress: Calla
                                daemon=True)
     watcher.start()
     replies: list[dict] = []
+    heard = 0  # the agent's envelopes of any kind: once one came, the host ran something
     for line in p.stdout:
         obj = envelope.parse_line(line)
         if obj is None:
             continue
+        heard += 1
         if obj["type"] == "event" and obj.get("event") == "received":
             if progress and obj["bytes"] > moved[1]:
                 progress(obj["bytes"] - moved[1])
@@ -273,8 +285,9 @@ def upload(argv: list[str], sources: list[tuple[str, int, int]], progress: Calla
     fin = envelope.final(replies)
     if fin is None:
         err = b"".join(errbuf).decode("utf-8", "replace")
-        raise LinkLost("link-lost", (why[0] if why and why[0] else f"ssh exited {p.returncode}") + ": "
-                       + err.strip()[-600:])
+        cut_short = why[0] if why and why[0] else None  # our own deadline or stall watch killed it
+        raise _lost(cut_short or f"ssh exited {p.returncode}", None if cut_short else p.returncode, err,
+                    moved[1] + heard)
     if fin["type"] == "error":
         raise AgentError(fin.get("kind") or "error", fin.get("error") or "agent failed", fin)
     if fin["type"] == "ship":
@@ -322,7 +335,6 @@ def download(argv: list[str], sinks: list[tuple[Path, int]], progress: Callable[
         fin = envelope.final(envelope.parse_output(err))
         if fin and fin["type"] == "error":
             raise AgentError(fin.get("kind") or "error", fin.get("error") or "agent failed", fin)
-        raise LinkLost("link-lost", ((why[0] if why and why[0] else None) or
-                                     f"ssh exited {p.returncode} after {got} of {want} bytes") + ": "
-                       + err.strip()[-600:])
+        raise _lost((why[0] if why and why[0] else None) or f"ssh exited {p.returncode} after {got} of {want} bytes",
+                    None if why and why[0] else p.returncode, err, got)
     return got
