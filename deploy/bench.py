@@ -344,6 +344,7 @@ def parse_report(doc) -> dict:
         out_runs.append({"mode": mode, "budget": budget if mode in ("tree-verify", "shadow-linear") else None,
                          "block": block, "graphs": graphs, "status": r.get("status"), "error": _text(r.get("error")),
                          "levels": out_levels})
+    paired = _parse_paired(doc.get("paired"), {run_label(r) for r in out_runs} if not p else set(), p)
     if p:
         raise BadReport(p)
     gpu = doc.get("gpu") if isinstance(doc.get("gpu"), dict) else {}
@@ -358,7 +359,47 @@ def parse_report(doc) -> dict:
                     if _nonneg(gpu.get("memory_used_mib_at_start")) else None},
             "versions": {k: _text(vers.get(k), 100) for k in ("sglang", "sglang-ddtree", "torch")},
             "max_new_tokens": st.get("max_new_tokens") if type(st.get("max_new_tokens")) is int else None,
-            "runs": out_runs}
+            "runs": out_runs, "paired": paired}
+
+
+def _parse_paired(section, labels: set[str], p: list[str]) -> list[dict]:
+    """A report's `paired` section (--rounds: each run against DFLASH and plain, round by round, as the plugin's
+    sglang_ddtree.paired computed it on the host), checked like the rest: numbers in range, and the two runs named
+    exactly as two of the report's own runs (so no host text reaches the terminal); absent -> []."""
+    if section is None:
+        return []
+    if not isinstance(section, list) or len(section) > MAX_RUNS:
+        p.append(f"paired must be a list of at most {MAX_RUNS}")
+        return []
+    out = []
+    for i, r in enumerate(section):
+        n = r.get("n") if isinstance(r, dict) else None
+        iv = r.get("interval") if isinstance(r, dict) else None
+        if not (isinstance(r, dict) and type(n) is int and 1 <= n <= 20 and _nonneg(r.get("median_ratio"))
+                and type(r.get("concurrency")) is int and 1 <= r["concurrency"] <= 4096
+                and type(r.get("ahead")) is int and 0 <= r["ahead"] <= n
+                and isinstance(r.get("ratios"), list) and len(r["ratios"]) == n and all(map(_nonneg, r["ratios"]))
+                and (iv is None or (isinstance(iv, list) and len(iv) == 2 and all(map(_nonneg, iv))))
+                and r.get("run") in labels and r.get("peer") in labels):
+            p.append(f"paired[{i}] is not a paired comparison of two of the report's runs (n 1-20 ratios, their "
+                     f"median, interval, rounds ahead)")
+            continue
+        out.append({"run": r["run"], "peer": r["peer"],
+                    "concurrency": r["concurrency"], "n": n, "median_ratio": r["median_ratio"],
+                    "interval": list(iv) if iv is not None else None, "ahead": r["ahead"], "ratios": list(r["ratios"])})
+    return out
+
+
+def paired_lines(report: dict) -> list[str]:
+    """The report's paired comparisons, a line each, for under the table."""
+    out = []
+    for r in report.get("paired") or []:
+        iv = (f"{r['interval'][0]:.2f}-{r['interval'][1]:.2f}" if r["interval"]
+              else f"none with {r['n']} pairs (6 needed)")
+        out.append(f"{r['run']} / {r['peer']} at c={r['concurrency']}: median paired ratio {r['median_ratio']:.2f}x "
+                   f"(95% interval {iv}), ahead in {r['ahead']} of {r['n']} rounds; ratios "
+                   + " ".join(f"{x:.2f}" for x in r["ratios"]))
+    return out
 
 
 # ----------------------------------------------------------------------------- results kept here
@@ -556,13 +597,18 @@ def failure_line(error) -> str:
     return (lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}")[:300]
 
 
+def run_label(run: dict) -> str:
+    """A run's name in tables, as the plugin's bench names it (RunSpec.label)."""
+    part = {"plain": "plain", "dflash": f"dflash blk={run['block']}"}.get(run["mode"],
+                                                                          f"{run['mode']} B={run['budget']}")
+    return f"{part} graphs={'on' if run['graphs'] else 'off'}"
+
+
 def rows(report: dict) -> list[dict]:
     """One flat row per run and level (a failed run with no level: one row saying why)."""
     out = []
     for run in report["runs"]:
-        part = {"plain": "plain", "dflash": f"dflash blk={run['block']}"}.get(
-            run["mode"], f"{run['mode']} B={run['budget']}")
-        label = f"{part} graphs={'on' if run['graphs'] else 'off'}"
+        label = run_label(run)
         if not run["levels"]:
             out.append({"label": label, "failed": failure_line(run.get("error") or run["status"])})
         for lv in run["levels"]:

@@ -88,6 +88,8 @@ def bench(c, host, gpu=None, modes=None, budgets=None, concurrency=None, graphs=
             from rich.console import Console
 
             Console(width=200).print(lib.table(rec))
+            for line in lib.paired_lines(rec["report"]):
+                print(f"[{host}] paired by round: {line}")
             print(f"[{host}] kept {out['saved']}" + (f", plot {out['plot']}" if out.get("plot") else ""))
         print(f"[{host}] {out['line']}")
     if out["exit"]:

@@ -161,6 +161,36 @@ def test_the_plugins_report_passes_the_control_sides_check():
     assert bench.REPORT_SCHEMA == pb.SCHEMA
 
 
+def test_the_plugins_paired_section_is_kept_checked_and_shown():
+    """--rounds: the host's paired comparisons (sglang_ddtree.paired) pass the control side's check, are kept and
+    printed under the table; numbers out of range, or a run the report does not have, refuse the report."""
+    pp = pytest.importorskip("sglang_ddtree.paired")
+
+    level = report()["runs"][0]["levels"][0]
+
+    def run(mode, per_round, **kw):
+        rounds = [{"status": "ok", "levels": [dict(level, output_tok_s=v)]} for v in per_round]
+        return {"mode": mode, "budget": kw.get("budget"), "block": kw.get("block"), "graphs": True, "status": "ok",
+                "error": None, "rounds": rounds, "levels": [dict(level, output_tok_s=sorted(per_round)[0])]}
+    doc = report()
+    doc["runs"] = [run("dflash", [100.0, 200.0], block=16), run("tree-verify", [150.0, 180.0], budget=31)]
+    doc["paired"] = pp.report_section(doc)
+    got = bench.parse_report(json.loads(json.dumps(doc)))
+    assert got["paired"] == [{"run": "tree-verify B=31 graphs=on", "peer": "dflash blk=16 graphs=on", "concurrency": 1,
+                              "n": 2, "median_ratio": 1.2, "interval": None, "ahead": 1, "ratios": [1.5, 0.9]}]
+    assert bench.paired_lines(got) == ["tree-verify B=31 graphs=on / dflash blk=16 graphs=on at c=1: median paired "
+                                       "ratio 1.20x (95% interval none with 2 pairs (6 needed)), ahead in 1 of 2 "
+                                       "rounds; ratios 1.50 0.90"]
+    for mutate in (lambda r: r.update(run="tree-verify B=63 graphs=on"),    # not a run of this report
+                   lambda r: r.update(peer="\x1b]0;owned\x07plain"), lambda r: r.update(ratios=[1.5]),
+                   lambda r: r.update(median_ratio=-1), lambda r: r.update(ahead=3), lambda r: r.update(interval=[1])):
+        d = json.loads(json.dumps(doc))
+        mutate(d["paired"][0])
+        with pytest.raises(bench.BadReport, match=r"paired\[0\]"):
+            bench.parse_report(d)
+    assert bench.parse_report(report())["paired"] == []  # one round: no section
+
+
 def test_parse_report_refuses_what_is_not_a_report_and_cuts_strings():
     assert bench.parse_report(report())["runs"][2]["budget"] == 15
     for mutate, needle in [

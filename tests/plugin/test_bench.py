@@ -633,8 +633,15 @@ def test_rounds_run_the_whole_list_again_with_fresh_servers(tmp_path, monkeypatc
     assert sorted(os.listdir(out / "logs")) == ["00-plain-0-e-r2.log", "00-plain-0-e.log",
                                                 "01-tree-verify-7-e-r2.log", "01-tree-verify-7-e.log"]
     assert "tok/s rounds" in table and "spread" in table
-    assert "paired by round, against plain:\ntree-verify B=7 graphs=off / plain graphs=off at c=1: median paired " \
-           "ratio" in table and "ahead in" in table and "of 2 rounds" in table
+    assert "paired by round (each ratio: two servers one right after the other):\ntree-verify B=7 graphs=off / " \
+           "plain graphs=off at c=1: median paired ratio" in table and "of 2 rounds" in table
+    tv, plain = doc["runs"][1], doc["runs"][0]
+    assert [(r["run"], r["peer"], r["concurrency"], r["n"]) for r in doc["paired"]] == [
+        ("tree-verify B=7 graphs=off", "plain graphs=off", 1, 2), ("tree-verify B=7 graphs=off", "plain graphs=off", 2, 2)]
+    assert doc["paired"][0]["ratios"] == [round(a["levels"][0]["output_tok_s"] / b["levels"][0]["output_tok_s"], 4)
+                                          for a, b in zip(tv["rounds"], plain["rounds"])]
+    bad = dict(doc, paired=[dict(doc["paired"][0], ratios=[1.0])])
+    assert bench.validate_report(bad) == ["paired[0] is not a paired comparison (sglang_ddtree.paired.report_section)"]
     with pytest.raises(SystemExit):
         bench.parse_args(["--tiny-random", "--rounds", "0"])
 

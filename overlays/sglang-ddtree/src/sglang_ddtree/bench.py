@@ -464,6 +464,16 @@ def validate_report(doc) -> List[str]:
             tr = lv.get("tok_s_rounds")
             if tr is not None and not (isinstance(tr, list) and tr and all(_is_num(x, allow_none=False) for x in tr)):
                 errs.append(f"{w}.tok_s_rounds must be a non-empty list of non-negative numbers")
+    for i, r in enumerate(doc.get("paired") or []):  # --rounds: sglang_ddtree.paired.report_section
+        ok = isinstance(r, dict) and isinstance(r.get("run"), str) and isinstance(r.get("peer"), str) and \
+            type(r.get("concurrency")) is int and type(r.get("n")) is int and r["n"] > 0 and \
+            _is_num(r.get("median_ratio"), allow_none=False) and type(r.get("ahead")) is int and \
+            isinstance(r.get("ratios"), list) and len(r["ratios"]) == r["n"] and \
+            all(_is_num(x, allow_none=False) for x in r["ratios"]) and \
+            (r.get("interval") is None or (isinstance(r["interval"], list) and len(r["interval"]) == 2
+                                           and all(_is_num(x, allow_none=False) for x in r["interval"])))
+        if not ok:
+            errs.append(f"paired[{i}] is not a paired comparison (sglang_ddtree.paired.report_section)")
     return errs
 
 
@@ -1163,6 +1173,9 @@ def main(argv=None) -> int:
     finally:
         signal.signal(signal.SIGTERM, old)
         shutil.rmtree(workdir, ignore_errors=True)
+    if (doc.get("settings") or {}).get("rounds", 1) > 1 and doc["runs"]:
+        from .paired import report_section
+        doc["paired"] = report_section(doc)
     bad = validate_report(doc)
     if bad:  # a bug here, not the host's: say so rather than write a report the control side will refuse
         doc["ok"], doc["error"] = False, "report fails its own schema: " + "; ".join(bad[:5])
@@ -1170,12 +1183,10 @@ def main(argv=None) -> int:
     _write_json(doc, a.json)
     if doc["runs"]:
         print(format_table(doc), flush=True)
-        if (doc.get("settings") or {}).get("rounds", 1) > 1:
-            from .paired import format_pairs, pairs
-            for peer in ("dflash", "plain"):
-                text = format_pairs(pairs([doc], peer))
-                if text:
-                    print(f"paired by round, against {peer}:\n{text}", flush=True)
+        if doc.get("paired"):
+            from .paired import section_line
+            print("paired by round (each ratio: two servers one right after the other):\n"
+                  + "\n".join(section_line(r) for r in doc["paired"]), flush=True)
     if a.plot and any(r.get("levels") for r in doc["runs"]):
         try:
             write_plot(doc, a.plot)

@@ -135,18 +135,35 @@ def pairs(docs: Sequence[dict], peer: str = "dflash") -> List[dict]:
     return out
 
 
+PEERS = ("dflash", "plain")
+
+
+def report_section(doc: dict) -> List[dict]:
+    """The ``paired`` section of a bench report of 2+ rounds: every run against DFLASH and plain, per concurrency,
+    without the conditions (one report has one) and with the ratios in round order."""
+    out = []
+    for peer in PEERS:
+        for r in pairs([doc], peer):
+            out.append({"run": r["run"], "peer": r["peer"], "concurrency": r["concurrency"], "n": r["n"],
+                        "median_ratio": r["median_ratio"], "interval": r["interval"], "ahead": r["ahead"],
+                        "ratios": [p["ratio"] for p in r["pairs"]]})
+    return out
+
+
+def section_line(r: dict) -> str:
+    """One line of a report's ``paired`` section (the table's footer, here and in ``fab bench``)."""
+    iv = (f"{r['interval'][0]:.2f}-{r['interval'][1]:.2f}" if r["interval"]
+          else f"none with {r['n']} pairs (6 needed)")
+    return (f"{r['run']} / {r['peer']} at c={r['concurrency']}: median paired ratio {r['median_ratio']:.2f}x (95% "
+            f"interval {iv}), ahead in {r['ahead']} of {r['n']} rounds; ratios "
+            + " ".join(f"{x:.2f}" for x in r["ratios"]))
+
+
 def format_pairs(rows: Sequence[dict]) -> str:
     """One line per comparison: the median paired ratio, its interval, rounds ahead, every ratio."""
-    lines = []
-    for r in rows:
-        iv = (f"{r['interval'][0]:.2f}-{r['interval'][1]:.2f}" if r["interval"]
-              else f"none with {r['n']} pairs (6 needed)")
-        lines.append(f"{r['run']} / {r['peer']} at c={r['concurrency']}: median paired ratio {r['median_ratio']:.2f}x "
-                     f"(95% interval {iv}), ahead in {r['ahead']} of {r['n']} rounds; ratios "
-                     + " ".join(f"{p['ratio']:.2f}" for p in r["pairs"])
+    return "\n".join(section_line(dict(r, ratios=[p["ratio"] for p in r["pairs"]]))
                      + f"; medians {r['median_tok_s']:.1f} vs {r['peer_median_tok_s']:.1f} tok/s"
-                     + f" [{conditions_text(r['conditions'])}]")
-    return "\n".join(lines)
+                     + f" [{conditions_text(r['conditions'])}]" for r in rows)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
