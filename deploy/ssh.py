@@ -119,14 +119,6 @@ def handshake_cut(exc: BaseException) -> bool:
     return False
 
 
-def _wait_after_cut(host: Host, detail: str, attempt: int, retries: int) -> None:
-    """Say on stderr that sshd cut a handshake and wait before the next connection: 0.5 s, then 1 s, ..."""
-    delay = 0.5 * 2 ** attempt
-    print(f"{host.name}: sshd closed the connection during the SSH handshake ({detail}); a new connection in "
-          f"{delay:g} s ({attempt + 1} of {retries})", file=sys.stderr)
-    time.sleep(delay)
-
-
 def _host_error(inv: Inventory, host: Host, exc: BaseException, attempts: int) -> HostError:
     """paramiko's exception as one HostError with a clear kind."""
     if handshake_cut(exc):
@@ -155,23 +147,44 @@ def _host_error(inv: Inventory, host: Host, exc: BaseException, attempts: int) -
 def open_checked(inv: Inventory, host: Host) -> Connection:
     """connect() and open now, turning paramiko's exceptions into one HostError with a clear kind.
 
-    A handshake that sshd cut (handshake_cut) is tried again on a new connection, `ssh.connect_retries` times
-    (default 2) after 0.5 s, then 1 s: each try is bounded by `connect_timeout`, so the whole open is too."""
-    retries = inv.ssh.get("connect_retries", CONNECT_RETRIES)
+    A handshake that sshd cut (handshake_cut) is tried again on a new connection (retry_cut): each try is bounded
+    by `connect_timeout`, so the whole open is too."""
     timeout = inv.ssh.get("connect_timeout", 10)
-    for attempt in range(retries + 1):
+
+    def once() -> Connection:
         conn = connect(inv, host)
         try:
             conn.connect_kwargs["sock"] = tcp_connect(host.address, host.port, timeout)
             conn.open()
-        except (SSHException, EOFError, OSError) as exc:  # OSError: socket errors, timeouts, NoValidConnections
+        except BaseException:
             conn.close()
-            if attempt < retries and handshake_cut(exc):
-                _wait_after_cut(host, f"{type(exc).__name__}: {exc}", attempt, retries)
-                continue
-            raise _host_error(inv, host, exc, attempt + 1) from None
-        conn.client.get_transport().set_keepalive(KEEPALIVE)
+            raise
         return conn
+    try:
+        conn = retry_cut(inv, host, once, lambda e: f"{type(e).__name__}: {e}" if handshake_cut(e) else None)
+    except (SSHException, EOFError, OSError) as exc:  # OSError: socket errors, timeouts, NoValidConnections
+        # a cut that is raised here was cut on every try
+        raise _host_error(inv, host, exc, inv.ssh.get("connect_retries", CONNECT_RETRIES) + 1) from None
+    conn.client.get_transport().set_keepalive(KEEPALIVE)
+    return conn
+
+
+def retry_cut(inv: Inventory, host: Host, attempt: Callable[[], Any], cut: Callable[[Exception], str | None]) -> Any:
+    """attempt() again while it fails with a handshake that sshd cut (`cut` names it: its detail, else None):
+    `ssh.connect_retries` times (default 2, 0 for none) after 0.5 s, then 1 s, each said on stderr. The one
+    retry of both paramiko's connections (open_checked) and OpenSSH's streams (retry_cut_streams)."""
+    retries = inv.ssh.get("connect_retries", CONNECT_RETRIES)
+    for n in range(retries + 1):
+        try:
+            return attempt()
+        except Exception as exc:
+            detail = cut(exc) if n < retries else None
+            if detail is None:
+                raise
+            delay = 0.5 * 2 ** n
+            print(f"{host.name}: sshd closed the connection during the SSH handshake ({detail}); a new connection "
+                  f"in {delay:g} s ({n + 1} of {retries})", file=sys.stderr)
+            time.sleep(delay)
     raise AssertionError("unreachable")  # the loop returns or raises
 
 
@@ -189,18 +202,11 @@ def openssh_handshake_cut(returncode: int | None, stderr: str) -> bool:
 
 
 def retry_cut_streams(inv: Inventory, host: Host, attempt: Callable[[], Any]) -> Any:
-    """attempt() again, like open_checked, while it fails with a LinkLost whose OpenSSH stream sshd cut in its
-    handshake (nothing ran on the host, no byte moved): `ssh.connect_retries` times, after 0.5 s, then 1 s."""
+    """retry_cut for an OpenSSH stream: a LinkLost whose stream sshd cut in its handshake (nothing ran on the host,
+    no byte moved) is made again."""
     from .remote.client import LinkLost
-    retries = inv.ssh.get("connect_retries", CONNECT_RETRIES)
-    for n in range(retries + 1):
-        try:
-            return attempt()
-        except LinkLost as exc:
-            if n >= retries or not exc.handshake_cut:
-                raise
-            _wait_after_cut(host, "OpenSSH: " + exc.message.splitlines()[-1][-160:], n, retries)
-    raise AssertionError("unreachable")
+    return retry_cut(inv, host, attempt, lambda e: "OpenSSH: " + e.message.splitlines()[-1][-160:]
+                     if isinstance(e, LinkLost) and e.handshake_cut else None)
 
 
 KEEPALIVE = 15  # seconds between SSH keepalives on long, quiet calls (a health gate can take minutes)
