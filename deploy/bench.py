@@ -323,8 +323,10 @@ def parse_report(doc) -> dict:
                    if not (type(lv.get(k)) is int and 0 <= lv[k] < 10 ** 9)]
             bad += [k for k in ("output_tok_s", "wall_s") if not _nonneg(lv.get(k))]
             bad += [k for k in ("accept_length",) if not _nonneg(lv.get(k), allow_none=True)]
-            for k in ("ttft_ms", "itl_ms"):
+            for k in ("ttft_ms", "itl_ms", "step_ms"):
                 d = lv.get(k)
+                if d is None and k == "step_ms":  # reports of plugins from before it
+                    continue
                 if not (isinstance(d, dict) and _nonneg(d.get("p50"), True) and _nonneg(d.get("p99"), True)):
                     bad.append(k)
             if lv.get("concurrency") == 0:
@@ -339,6 +341,8 @@ def parse_report(doc) -> dict:
             out_levels.append({k: lv[k] for k in ("concurrency", "requests", "errors", "output_tokens", "output_tok_s",
                                                   "wall_s", "accept_length")}
                               | {k: {"p50": lv[k]["p50"], "p99": lv[k]["p99"]} for k in ("ttft_ms", "itl_ms")}
+                              | ({"step_ms": {"p50": lv["step_ms"]["p50"], "p99": lv["step_ms"]["p99"]}}
+                                 if lv.get("step_ms") is not None else {})
                               | {"first_error": _text(lv.get("first_error"), 300)}
                               | ({"tok_s_rounds": list(tr)} if tr is not None else {}))
         out_runs.append({"mode": mode, "budget": budget if mode in ("tree-verify", "shadow-linear") else None,
@@ -625,7 +629,8 @@ def table(record: dict):
     what = record.get("model") or f"tiny {record.get('tiny')} pair (trained on the host)"
     t = Table(title=Text(f"{record['host']} GPU {record['gpu']} ({rep['gpu'].get('name')}), release "
                          f"{record['release']}: {what}, {rep.get('max_new_tokens')} new tokens a request"))
-    for col in ("run", "conc", "req", "tok/s", "accept", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms"):
+    for col in ("run", "conc", "req", "tok/s", "accept", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
+                "step p50 ms"):
         t.add_column(col, justify="left" if col == "run" else "right")
 
     def f(v, nd=1):
@@ -633,12 +638,12 @@ def table(record: dict):
 
     for r in rows(rep):
         if "failed" in r:
-            cells = (r["label"], "-", "-", "FAILED", r["failed"], "", "", "", "")
+            cells = (r["label"], "-", "-", "FAILED", r["failed"], "", "", "", "", "")
         else:
             cells = (r["label"], str(r["concurrency"]),
                      f"{r['requests']}" + (f" ({r['errors']} err)" if r["errors"] else ""), f(r["output_tok_s"]),
                      f(r["accept_length"], 2), f(r["ttft_ms"]["p50"]), f(r["ttft_ms"]["p99"]), f(r["itl_ms"]["p50"], 2),
-                     f(r["itl_ms"]["p99"], 2))
+                     f(r["itl_ms"]["p99"], 2), f((r.get("step_ms") or {}).get("p50"), 2))
         t.add_row(*[Text(x) for x in cells])
     return t
 

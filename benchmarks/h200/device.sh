@@ -14,7 +14,7 @@
 #                             SGLANG_DDTREE_OVERLAP=$OVERLAP where set (1: DDTREE on SGLang's overlap scheduler),
 #                             --cpus $CPUS where set (every server pinned there, the clients on the other CPUs),
 #                             --spy (py-spy around every server, instead of the profile) where SPY=1,
-#                             --server-args "$SERVER_ARGS" (every server) where set
+#                             --server-args "$SERVER_ARGS" (every server) where set, --requests $REQUESTS (default 16)
 #                                                         -> $OUT/bench-FAMILY-gGLUE[-GRAPHS][-ovOVERLAP][-TAG].{json,txt,png}
 #                             and the logs (with SPY=1 the py-spy captures; with RAW_TRACES=1 the DDTREE servers'
 #                             profiler traces) -> $OUT/bench-...-raw.tgz (only the logs where that passes 16 MB)
@@ -46,7 +46,9 @@ case "$step" in
     python3 -m pip install -q --no-deps --no-build-isolation --no-compile --upgrade --target "$SITE" \
       ./overlays/sglang-ddtree 2>&1 | grep -v WARNING | tail -3
     rm -rf overlays/sglang-ddtree/build
-    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader
+    # where the host's noise may come from: the CPUs the GPU is local to, the CPU model, what else runs
+    nvidia-smi topo -m 2>/dev/null | head -4; lscpu 2>/dev/null | grep -E '^(Model name|CPU\(s\)|NUMA|Thread)'
     python3 -c "import torch, triton, sglang, sgl_kernel, sglang_ddtree, transformers; \
 print('torch', torch.__version__, 'triton', triton.__version__, 'sglang', sglang.__version__, \
 'transformers', transformers.__version__, 'plugin', sglang_ddtree.__file__)";;
@@ -77,7 +79,7 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'sglang', sglang
     [ -z "${OVERLAP:-}" ] || export SGLANG_DDTREE_OVERLAP=$OVERLAP
     timeout "${BENCH_TIMEOUT:-570}" python3 -m sglang_ddtree.bench --tiny /tmp/tiny \
       --family "$fam" --launcher process --out "$o" --modes "$modes" --budgets "$budgets" --graphs "${GRAPHS:-on}" \
-      --concurrency "$conc" --max-new-tokens 128 --requests 16 --profile-steps 20 --rounds "${ROUNDS:-1}" \
+      --concurrency "$conc" --max-new-tokens 128 --requests "${REQUESTS:-16}" --profile-steps 20 --rounds "${ROUNDS:-1}" \
       ${CPUS:+--cpus "$CPUS"} ${SPY:+--spy "$SITE/bin/py-spy"} ${SERVER_ARGS:+--server-args "$SERVER_ARGS"} \
       2>&1 | tee "$OUT/$name.log"
     rc=$?

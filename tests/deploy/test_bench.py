@@ -149,6 +149,14 @@ def test_the_plugins_report_passes_the_control_sides_check():
     assert pb.validate_report(doc) == []
     got = bench.parse_report(json.loads(json.dumps(doc)))
     assert got["runs"][0]["levels"][0]["accept_length"] == pytest.approx(8 / 3, abs=1e-3)
+    # the decode step (40 ms over SGLang's 3 verify steps) is kept; a report from before it still reads
+    assert got["runs"][0]["levels"][0]["step_ms"] == {"p50": pytest.approx(13.333, abs=1e-3),
+                                                      "p99": pytest.approx(13.333, abs=1e-3)}
+    assert "step_ms" not in bench.parse_report(report())["runs"][0]["levels"][0]
+    bad = json.loads(json.dumps(doc))
+    bad["runs"][0]["levels"][0]["step_ms"] = {"p50": "slow", "p99": 1}
+    with pytest.raises(bench.BadReport, match="step_ms"):
+        bench.parse_report(bad)
     # --rounds: the median round's row with every round's tok/s, kept on the control side too
     lv = pb.median_round([pb.aggregate_level(recs, w, 1) for w in (0.05, 0.04, 0.06)])
     doc["runs"][0]["levels"] = [lv]
@@ -282,6 +290,11 @@ def test_plot_and_table(tmp_path):
     text = con.export_text()
     assert "[red]boom[/red]" in text and "FAILED" in text  # shown as is, never as markup
     assert "tree-verify B=15 graphs=off" in text and "NVIDIA H200" in text
+    assert "step p50 ms" in text  # "-" where a report has no step_ms
+    rec["report"]["runs"][1]["levels"][0]["step_ms"] = {"p50": 2.714, "p99": 3.3}
+    con = Console(width=220, record=True)
+    con.print(bench.table(rec))
+    assert "2.71" in con.export_text()
 
 
 # ----------------------------------------------------------------------------- mode: auto

@@ -185,6 +185,17 @@ def test_request_ttft_and_per_token_latency():
     assert bench.RequestRecord(sent=0.0).ttft() is None
 
 
+def test_request_decode_step_is_its_decode_time_over_its_steps():
+    chunks = [(10.0, 0), (10.5, 1), (10.6, 4), (10.6, 4), (11.0, 5)]
+    # SGLang counted 2 verify steps after the prefill's token: 0.5 s of decode over 2 steps
+    assert bench.RequestRecord(sent=10.0, chunks=chunks, meta={"spec_verify_ct": 2}).step() == pytest.approx(0.25)
+    # plain (no verify count) or a count that says nothing: a step a token after the first, 4 of them
+    assert bench.RequestRecord(sent=10.0, chunks=chunks).step() == pytest.approx(0.125)
+    assert bench.RequestRecord(sent=10.0, chunks=chunks, meta={"spec_verify_ct": 0}).step() == pytest.approx(0.125)
+    assert bench.RequestRecord(sent=10.0, chunks=chunks, meta={"spec_verify_ct": True}).step() == pytest.approx(0.125)
+    assert bench.RequestRecord(sent=0.0, chunks=[(0.0, 0), (0.2, 3)]).step() is None  # one chunk: no span
+
+
 def test_parse_sse_and_token_counts():
     stream = [b'data: {"output_ids": [5], "meta_info": {"completion_tokens": 1}}\n', b"\n",
               b": keep-alive\n", b'data: {"output_ids": [5, 6, 7]}\n', b"\n", b"data: [DONE]\n",
@@ -206,6 +217,8 @@ def test_aggregate_level_sums_sglangs_counters():
     assert row["accept_length"] == pytest.approx(8 / 3, abs=1e-4)  # token-weighted, not the mean of 2.0 and 4.0
     assert row["ttft_ms"]["p50"] == pytest.approx(200.0) and row["first_error"] == "HTTPError: 500"
     assert row["itl_ms"]["p50"] == pytest.approx(1000 * 0.1 / 3, rel=1e-3)
+    # steps: 0.1 s over 2 verify steps (50 ms) and 0.2 s over 1 (200 ms); the failed request has none
+    assert row["step_ms"]["p50"] == pytest.approx(125.0) and row["step_ms"]["p99"] == pytest.approx(198.5)
     plain = bench.aggregate_level([_rec(0.0, [(0.1, 1), (0.2, 2)], {"completion_tokens": 2})], 0.2, 1)
     assert plain["accept_length"] is None
     old = bench.aggregate_level([_rec(0.0, [(0.1, 2)], {"spec_accept_length": 1.5})], 0.1, 1)
@@ -260,6 +273,7 @@ def test_a_level_streams_every_request_and_measures_it(sse_server):
     row = bench.aggregate_level(recs, wall, 3)
     assert row["output_tokens"] == 36 and row["accept_length"] == 2.0
     assert 15 <= row["ttft_ms"]["p50"] < 500 and 5 <= row["itl_ms"]["p50"] < 250  # 20 ms a 2-token chunk
+    assert 5 <= row["step_ms"]["p50"] < 500  # 20 ms a chunk; the stand-in also counts its first chunk a step
     assert 0.1 < wall < 5  # two waves of three concurrent requests, three 20 ms chunks each
     short = bench.stream_request(sse_server, [1], 5, timeout=30)
     assert short.error is None and short.tokens == 5
@@ -304,6 +318,13 @@ def test_report_schema_accepts_the_report_and_names_what_is_wrong():
     assert any("runs[2].graphs" in e for e in got)
     bad["runs"][1]["levels"][0]["output_tok_s"] = float("nan")
     assert any("levels[0].output_tok_s" in e for e in bench.validate_report(bad))
+    # step_ms: absent in reports from before it (valid), checked like the other latencies where present
+    old = json.loads(json.dumps(doc))
+    del old["runs"][0]["levels"][0]["step_ms"]
+    assert bench.validate_report(old) == []
+    old["runs"][0]["levels"][1]["step_ms"] = {"p50": -0.5, "p99": 1.0}
+    assert [e for e in bench.validate_report(old) if "step_ms" in e] == [
+        "runs[0].levels[1].step_ms must be {p50, p99} of non-negative numbers or null"]
 
 
 def test_table_has_a_line_per_run_and_level_and_says_what_failed():
@@ -315,6 +336,7 @@ def test_table_has_a_line_per_run_and_level_and_says_what_failed():
     assert len(body) == 6
     assert body[0].startswith("plain graphs=off") and body[0].split()[2:4] == ["1", "1"]
     assert "150.0" in body[2] and "tree-verify B=15 graphs=off" in body[2]
+    assert lines[1].split()[-2:] == ["step", "p50"] and body[0].split()[-1] == "0.16"  # 10 ms over 63 steps
     assert body[4].split()[:4] == ["tree-verify", "B=15", "graphs=on", "-"] and "FAILED" in body[4]
     assert body[5] == ("FAILED tree-verify B=15 graphs=on: RuntimeError: server exited during start-up: ... "
                        "DDTREE tree-verify needs ...")

@@ -73,6 +73,57 @@ def test_the_h200_reports_of_session_7_read_as_the_closing_note_says():
     assert [round(p["ratio"], 2) for p in pinned["pairs"]] == [1.43, 1.22]
 
 
+def test_what_a_ratio_is_made_of_accept_and_step_paired_like_the_ratio():
+    """Each pair also says how many tokens a step bought (accept) and what a step cost (bench's step_ms p50)
+    against the peer's; the row takes their medians, and the line prints them."""
+    def run(mode, rounds, **kw):
+        r = _run(mode, [t for t, _, _ in rounds], **kw)
+        for rnd, (_, acc, step) in zip(r["rounds"], rounds):
+            rnd["levels"][0].update(accept_length=acc, step_ms={"p50": step, "p99": step}, ttft_ms={"p50": 9.0})
+        return r
+    doc = _doc([run("dflash", [(100, 5.0, 2.0), (90, 5.0, 2.5)], block=16),
+                run("tree-verify", [(120, 7.5, 2.4), (99, 7.5, 2.5)], budget=63)])
+    (row,) = paired.pairs([doc])
+    assert [(p["accept_ratio"], p["step_ratio"]) for p in row["pairs"]] == [(1.5, 1.2), (1.5, 1.0)]
+    assert (row["median_accept_ratio"], row["median_step_ratio"], row["median_step_ms"],
+            row["median_peer_step_ms"], row["step_estimated"]) == (1.5, 1.1, 2.45, 2.25, False)
+    assert "; accept 1.50x, step 1.10x the peer's (2.45 vs 2.25 ms) [defaults]" in paired.format_pairs([row])
+    # plain's accept is one token a step
+    plain = _doc([run("dflash", [(100, 5.0, 2.0)], block=16), _run("plain", [40])])
+    assert paired.pairs([plain])[0]["median_accept_ratio"] == 0.2
+
+
+def test_reports_from_before_step_ms_get_an_estimate_at_one_request_only():
+    """Without step_ms, a one-request level's step is estimated from what it kept: (max_new / tok/s - TTFT p50)
+    over max_new / accept steps; said so in the line. At higher concurrency there is no such estimate."""
+    def run(mode, tok_s, acc, conc=1, **kw):
+        r = _run(mode, [tok_s], **kw)
+        r["rounds"][0]["levels"][0].update(accept_length=acc, ttft_ms={"p50": 10.0}, concurrency=conc)
+        return r
+    (row,) = paired.pairs([_doc([run("dflash", 400.0, 4.0, block=16), run("tree-verify", 500.0, 8.0, budget=63)])])
+    # max_new 8: dflash 20 ms a request, 10 after the TTFT, over 2 steps: 5 ms; DDTREE 6 ms over 1 step
+    assert (row["pairs"][0]["step_ms"], row["pairs"][0]["peer_step_ms"], row["step_estimated"]) == (6.0, 5.0, True)
+    assert "step 1.20x the peer's (6.00 vs 5.00 ms, estimated from tok/s and TTFT)" in paired.format_pairs([row])
+    (c4,) = paired.pairs([_doc([run("dflash", 400.0, 4.0, conc=4, block=16),
+                                run("tree-verify", 500.0, 8.0, conc=4, budget=63)])])
+    assert "median_step_ratio" not in c4 and "step " not in paired.format_pairs([c4])
+
+
+def test_the_h200_reports_of_session_9_b63_race():
+    """Session 9's three calls (REQUESTS=32, unpinned, DFLASH block 16 against DDTREE B=31 and B=63 at one
+    request): 10 B=63 pairs, median 1.21x, the sign test's interval 0.96-1.51, ahead in 8; accept 1.47x and a
+    step ~1.21x DFLASH's (estimated: these reports predate step_ms)."""
+    docs = [json.loads(p.read_text()) for p in sorted((RESULTS / "h200_s9").glob("bench-dense-gdef-s9*.json"))]
+    rows = {r["run"]: r for r in paired.pairs(docs)}
+    b63 = rows["tree-verify B=63 graphs=on"]
+    assert [round(p["ratio"], 2) for p in b63["pairs"]] == [1.39, 1.60, 1.16, 0.96, 0.84, 1.22, 1.28, 1.19, 1.20,
+                                                             1.51]
+    assert (round(b63["median_ratio"], 2), b63["ahead"]) == (1.21, 8)
+    assert [round(x, 2) for x in b63["interval"]] == [0.96, 1.51]
+    assert round(b63["median_accept_ratio"], 2) == 1.47 and 1.1 < b63["median_step_ratio"] < 1.3
+    assert b63["step_estimated"] and rows["tree-verify B=31 graphs=on"]["n"] == 2
+
+
 def test_cli_exit_codes(tmp_path, capsys):
     good = tmp_path / "a.json"
     good.write_text(json.dumps(_doc([_run("dflash", [100], block=16), _run("tree-verify", [150], budget=31)])))

@@ -14,6 +14,9 @@ Ctrl-C.  It then replays the prompts (token ids through ``/generate`` with ``--s
 * ``accept_length``: SGLang's own figures, summed over the level's requests: ``completion_tokens /
   spec_verify_ct`` (SGLang 0.5.17's ``meta_info``; per request that is ``spec_accept_length``); None for plain;
 * ``ttft_ms`` p50/p99: time to the first streamed chunk that carries a token;
+* ``step_ms`` p50/p99 over the level's requests: one request's decode time (first token-carrying chunk to the
+  last) over its decode steps (SGLang's ``spec_verify_ct``; plain: a step a token). With ``accept_length`` it
+  splits a race in two: what a step costs and what it buys (tok/s ~ accept / step, less the fixed TTFT);
 * ``itl_ms`` p50/p99: per-token latency after the first chunk.  A streamed chunk that brings ``n`` tokens
   ``g`` ms after the previous one counts as ``n`` tokens of ``g / n`` ms each (a speculative step emits several
   tokens at once; counting the chunk gap as one token's latency would penalise exactly what speculation buys);
@@ -330,6 +333,17 @@ class RequestRecord:
         first = next((t for t, n in self.chunks if n > 0), None)
         return None if first is None else first - self.sent
 
+    def step(self) -> Optional[float]:
+        """Seconds a decode step took, on average over this request: first token-carrying chunk to last, over the
+        steps between (``meta_info.spec_verify_ct`` verify steps where SGLang counts them - the first token is the
+        prefill's - else one step a token after the first). None where the request had no such span."""
+        marks = [(t, n) for t, n in self.chunks if n > 0]
+        if len(marks) < 2:
+            return None
+        verify = self.meta.get("spec_verify_ct")
+        steps = verify if type(verify) is int and verify > 0 else marks[-1][1] - marks[0][1]
+        return (marks[-1][0] - marks[0][0]) / steps if steps > 0 else None
+
     def itl(self) -> List[float]:
         """Per-token latencies after the first token-carrying chunk (a chunk of n tokens: n x gap / n)."""
         out: List[float] = []
@@ -388,6 +402,7 @@ def aggregate_level(records: Sequence[RequestRecord], wall_s: float, concurrency
     tokens = sum(r.tokens for r in ok)
     ttfts = [x for x in (r.ttft() for r in ok) if x is not None]
     itls = [x for r in ok for x in r.itl()]
+    steps = [x for x in (r.step() for r in ok) if x is not None]
     verify = [(r.meta.get("completion_tokens"), r.meta.get("spec_verify_ct")) for r in ok]
     verify = [(c, v) for c, v in verify if isinstance(c, int) and isinstance(v, int) and v > 0]
     if verify:
@@ -403,6 +418,7 @@ def aggregate_level(records: Sequence[RequestRecord], wall_s: float, concurrency
         "accept_length": None if accept is None else round(accept, 4),
         "ttft_ms": {"p50": _ms(percentile(ttfts, 50)), "p99": _ms(percentile(ttfts, 99))},
         "itl_ms": {"p50": _ms(percentile(itls, 50)), "p99": _ms(percentile(itls, 99))},
+        "step_ms": {"p50": _ms(percentile(steps, 50)), "p99": _ms(percentile(steps, 99))},
         "first_error": next((r.error for r in records if r.error), None),
     }
 
@@ -457,8 +473,10 @@ def validate_report(doc) -> List[str]:
                     errs.append(f"{w}.{k} must be a non-negative number")
             if not _is_num(lv.get("accept_length")):
                 errs.append(f"{w}.accept_length must be a non-negative number or null")
-            for k in ("ttft_ms", "itl_ms"):
+            for k in ("ttft_ms", "itl_ms", "step_ms"):
                 d = lv.get(k)
+                if d is None and k == "step_ms":  # reports from before step_ms
+                    continue
                 if not (isinstance(d, dict) and _is_num(d.get("p50")) and _is_num(d.get("p99"))):
                     errs.append(f"{w}.{k} must be {{p50, p99}} of non-negative numbers or null")
             tr = lv.get("tok_s_rounds")
@@ -504,19 +522,20 @@ def _f(v, nd=1) -> str:
 
 def format_table(doc: dict) -> str:
     """The report as a fixed-width text table (one line per mode/budget/graphs and concurrency)."""
-    head = ("run", "conc", "req", "tok/s", "accept", "ttft p50", "ttft p99", "itl p50", "itl p99")
+    head = ("run", "conc", "req", "tok/s", "accept", "ttft p50", "ttft p99", "itl p50", "itl p99", "step p50")
     rounds = any(r.get("tok_s_rounds") for r in rows(doc))
     if rounds:  # --rounds: the median round's row, and every round's tok/s beside it
         head += ("tok/s rounds",)
     lines, notes = [], []
     for r in rows(doc):
         if "failed" in r:
-            lines.append((r["label"], "-", "-", "FAILED", "", "", "", "", "") + (("",) if rounds else ()))
+            lines.append((r["label"], "-", "-", "FAILED", "", "", "", "", "", "") + (("",) if rounds else ()))
             notes.append(f"FAILED {r['label']}: {failure_summary(r['failed'])}")
             continue
         line = (r["label"], str(r["concurrency"]), f"{r['requests']}" + (f" ({r['errors']} err)" if r["errors"] else ""),
                 _f(r["output_tok_s"]), _f(r["accept_length"], 2), _f(r["ttft_ms"]["p50"]),
-                _f(r["ttft_ms"]["p99"]), _f(r["itl_ms"]["p50"], 2), _f(r["itl_ms"]["p99"], 2))
+                _f(r["ttft_ms"]["p99"]), _f(r["itl_ms"]["p50"], 2), _f(r["itl_ms"]["p99"], 2),
+                _f((r.get("step_ms") or {}).get("p50"), 2))
         if rounds:
             tr = r.get("tok_s_rounds") or []
             line += (" ".join(_f(x) for x in tr) + (f" (spread {100 * r['tok_s_spread']:.0f}%)"
@@ -802,7 +821,8 @@ def _one_server(a, run: RunSpec, rnd: int, entry: dict, prompts, target, drafter
             row = aggregate_level(recs, wall, c)
             entry["levels"].append(row)
             log(f"    c={c}: {row['output_tok_s']} tok/s, accept {row['accept_length']}, "
-                f"ttft p50 {row['ttft_ms']['p50']} ms, itl p50 {row['itl_ms']['p50']} ms"
+                f"ttft p50 {row['ttft_ms']['p50']} ms, itl p50 {row['itl_ms']['p50']} ms, "
+                f"step p50 {row['step_ms']['p50']} ms"
                 + (f", {row['errors']} errors ({row['first_error']})" if row["errors"] else ""))
         if a.profile_steps and rnd == 0:
             # with --out the raw trace stays beside the report (the summary says what; the trace says where)

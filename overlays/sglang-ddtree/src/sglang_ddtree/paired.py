@@ -34,21 +34,52 @@ def _label(run: dict) -> str:
     return RunSpec(run["mode"], run.get("budget"), run.get("block"), bool(run.get("graphs"))).label
 
 
-def round_tok_s(run: dict) -> Dict[int, List[Optional[float]]]:
-    """Per concurrency, the run's tok/s in each round, in round order (None: that round did not measure it).
-
-    A report of one round (no ``rounds`` list) is one round of its ``levels``."""
+def round_levels(run: dict) -> Dict[int, List[Optional[dict]]]:
+    """Per concurrency, the run's measured level in each round, in round order (None: that round did not measure
+    it: a failed server, an error, no tok/s). A report of one round (no ``rounds`` list) is one round of its
+    ``levels``."""
     rounds = run.get("rounds")
     if rounds is None:
         rounds = [{"status": run.get("status"), "levels": run.get("levels") or []}]
-    out: Dict[int, List[Optional[float]]] = {}
+    out: Dict[int, List[Optional[dict]]] = {}
     for i, r in enumerate(rounds):
         for lv in r.get("levels") or []:
             v = lv.get("output_tok_s")
-            good = r.get("status") == "ok" and not lv.get("errors") and isinstance(v, (int, float)) and v > 0
+            good = r.get("status") == "ok" and not lv.get("errors") and _pos(v)
             col = out.setdefault(lv["concurrency"], [None] * len(rounds))
-            col[i] = float(v) if good else None
+            col[i] = lv if good else None
     return out
+
+
+def round_tok_s(run: dict) -> Dict[int, List[Optional[float]]]:
+    """Per concurrency, the run's tok/s in each round, in round order (None: that round did not measure it)."""
+    return {c: [None if lv is None else float(lv["output_tok_s"]) for lv in col]
+            for c, col in round_levels(run).items()}
+
+
+def _pos(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
+
+def _step(lv: dict, max_new) -> Tuple[Optional[float], bool]:
+    """A level's decode step in ms and whether it is estimated: bench's ``step_ms`` p50 where the report has it;
+    in reports from before it, at one request, estimated from what they kept: a request's time (max_new / tok/s)
+    less its TTFT p50, over its steps (max_new / accept: SGLang's accept is tokens over verify steps; plain: a
+    step a token after the first)."""
+    v = (lv.get("step_ms") or {}).get("p50")
+    if _pos(v):
+        return float(v), False
+    ttft, tok_s, acc = (lv.get("ttft_ms") or {}).get("p50"), lv.get("output_tok_s"), lv.get("accept_length")
+    if lv.get("concurrency") != 1 or not (type(max_new) is int and max_new > 1 and _pos(ttft) and _pos(tok_s)):
+        return None, False
+    steps = max_new / acc if _pos(acc) else max_new - 1 if acc is None else 0
+    decode_ms = max_new / tok_s * 1000.0 - ttft
+    return (round(decode_ms / steps, 4), True) if steps > 0 and decode_ms > 0 else (None, False)
+
+
+def _accept(lv: dict) -> Optional[float]:
+    v = lv.get("accept_length")
+    return float(v) if _pos(v) else 1.0 if v is None else None  # plain: one token a step
 
 
 def median(xs: Sequence[float]) -> float:
@@ -99,6 +130,7 @@ def pairs(docs: Sequence[dict], peer: str = "dflash") -> List[dict]:
     pooled: Dict[Tuple[str, str, str, int], dict] = {}
     for d_i, doc in enumerate(docs):
         cond = conditions(doc)
+        max_new = cond["max_new_tokens"]
         fp = json.dumps(cond, sort_keys=True)
         runs = [r for r in doc.get("runs") or [] if r.get("mode")]
         for run in runs:
@@ -108,17 +140,27 @@ def pairs(docs: Sequence[dict], peer: str = "dflash") -> List[dict]:
                         None)
             if base is None:
                 continue
-            mine, theirs = round_tok_s(run), round_tok_s(base)
+            mine, theirs = round_levels(run), round_levels(base)
             for c, col in mine.items():
                 other = theirs.get(c) or []
                 key = (fp, _label(run), _label(base), c)
                 row = pooled.setdefault(key, {"run": key[1], "peer": key[2], "concurrency": c, "conditions": cond,
                                               "pairs": []})
-                for i, v in enumerate(col):
-                    w = other[i] if i < len(other) else None
-                    if v is not None and w is not None:
-                        row["pairs"].append({"report": d_i, "round": i, "tok_s": v, "peer_tok_s": w,
-                                             "ratio": round(v / w, 4)})
+                for i, lv in enumerate(col):
+                    pv = other[i] if i < len(other) else None
+                    if lv is None or pv is None:
+                        continue
+                    v, w = float(lv["output_tok_s"]), float(pv["output_tok_s"])
+                    pair = {"report": d_i, "round": i, "tok_s": v, "peer_tok_s": w, "ratio": round(v / w, 4)}
+                    # why the ratio is what it is: what a step buys (accept) and what it costs (step_ms)
+                    a, pa = _accept(lv), _accept(pv)
+                    (st, est), (pst, pest) = _step(lv, max_new), _step(pv, max_new)
+                    if a and pa:
+                        pair["accept_ratio"] = round(a / pa, 4)
+                    if st and pst:
+                        pair.update(step_ms=st, peer_step_ms=pst, step_ratio=round(st / pst, 4),
+                                    step_estimated=est or pest)
+                    row["pairs"].append(pair)
     out = []
     for key in sorted(pooled, key=lambda k: (k[3], k[1], k[0])):
         row = pooled[key]
@@ -131,6 +173,12 @@ def pairs(docs: Sequence[dict], peer: str = "dflash") -> List[dict]:
                    ahead=sum(r > 1 for r in ratios),
                    median_tok_s=round(median([p["tok_s"] for p in row["pairs"]]), 1),
                    peer_median_tok_s=round(median([p["peer_tok_s"] for p in row["pairs"]]), 1))
+        for k in ("accept_ratio", "step_ratio", "step_ms", "peer_step_ms"):  # over the pairs that have it
+            xs = [p[k] for p in row["pairs"] if k in p]
+            if xs:
+                row["median_" + k] = round(median(xs), 4)
+        if "median_step_ratio" in row:
+            row["step_estimated"] = any(p.get("step_estimated") for p in row["pairs"])
         out.append(row)
     return out
 
@@ -159,10 +207,25 @@ def section_line(r: dict) -> str:
             + " ".join(f"{x:.2f}" for x in r["ratios"]))
 
 
+def why_text(r: dict) -> str:
+    """What a comparison's ratio is made of, where the reports say: the accept ratio (tokens a step) and the step
+    ratio (what a decode step costs, paired medians; estimated at one request in reports from before ``step_ms``).
+    Their quotient is the decode ratio; the request's fixed time to its first token moves tok/s off it."""
+    parts = []
+    if "median_accept_ratio" in r:
+        parts.append(f"accept {r['median_accept_ratio']:.2f}x")
+    if "median_step_ratio" in r:
+        parts.append(f"step {r['median_step_ratio']:.2f}x the peer's ({r['median_step_ms']:.2f} vs "
+                     f"{r['median_peer_step_ms']:.2f} ms" + (", estimated from tok/s and TTFT" if
+                                                             r.get("step_estimated") else "") + ")")
+    return "; " + ", ".join(parts) if parts else ""
+
+
 def format_pairs(rows: Sequence[dict]) -> str:
-    """One line per comparison: the median paired ratio, its interval, rounds ahead, every ratio."""
+    """One line per comparison: the median paired ratio, its interval, rounds ahead, every ratio, the medians,
+    what the ratio is made of (:func:`why_text`) and the conditions."""
     return "\n".join(section_line(dict(r, ratios=[p["ratio"] for p in r["pairs"]]))
-                     + f"; medians {r['median_tok_s']:.1f} vs {r['peer_median_tok_s']:.1f} tok/s"
+                     + f"; medians {r['median_tok_s']:.1f} vs {r['peer_median_tok_s']:.1f} tok/s" + why_text(r)
                      + f" [{conditions_text(r['conditions'])}]" for r in rows)
 
 
