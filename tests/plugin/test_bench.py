@@ -318,6 +318,10 @@ def test_report_schema_accepts_the_report_and_names_what_is_wrong():
     assert any("runs[2].graphs" in e for e in got)
     bad["runs"][1]["levels"][0]["output_tok_s"] = float("nan")
     assert any("levels[0].output_tok_s" in e for e in bench.validate_report(bad))
+    hostile = json.loads(json.dumps(doc))
+    hostile["runs"][0]["levels"][0]["host"] = {"busy_pct": "all", "procs": "x"}
+    assert [e for e in bench.validate_report(hostile) if "host" in e] == [
+        "runs[0].levels[0].host must be {busy_pct, steal_pct, procs} (sglang_ddtree.hostload)"]
     # step_ms: absent in reports from before it (valid), checked like the other latencies where present
     old = json.loads(json.dumps(doc))
     del old["runs"][0]["levels"][0]["step_ms"]
@@ -448,6 +452,11 @@ def test_a_whole_run_on_stand_in_servers_one_at_a_time(tmp_path, monkeypatch, ca
     lv = doc["runs"][2]["levels"]
     assert [(x["concurrency"], x["requests"], x["errors"], x["output_tokens"]) for x in lv] == [(1, 3, 0, 36), (4, 4, 0, 48)]
     assert lv[1]["output_tok_s"] > lv[0]["output_tok_s"]  # 4 in flight beat 1 on a server that batches freely
+    # the host's CPUs over each level, and the stand-in server's process among the busiest where it used a tick
+    for x in lv:
+        h = x["host"]
+        assert 0 <= h["steal_pct"] <= h["busy_pct"] <= 100 and isinstance(h["procs"], list)
+        assert all(p["cpu_s"] > 0 and p["last_cpu"] >= 0 for p in h["procs"])
     argvs = [json.loads(x) for x in (state / "argv.jsonl").read_text().splitlines()]
     assert len(argvs) == 6 and all(x[x.index("--chunked-prefill-size") + 1] == "256" for x in argvs)
     tv = argvs[2]

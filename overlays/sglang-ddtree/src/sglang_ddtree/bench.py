@@ -17,6 +17,9 @@ Ctrl-C.  It then replays the prompts (token ids through ``/generate`` with ``--s
 * ``step_ms`` p50/p99 over the level's requests: one request's decode time (first token-carrying chunk to the
   last) over its decode steps (SGLang's ``spec_verify_ct``; plain: a step a token). With ``accept_length`` it
   splits a race in two: what a step costs and what it buys (tok/s ~ accept / step, less the fixed TTFT);
+* ``host`` (where /proc is): the machine's busy and stolen CPU time over the level and the server's busiest
+  processes, their CPU share and the CPU each last ran on (:mod:`sglang_ddtree.hostload`): on a shared or virtual
+  host a whole server instance can run slow, and this says next to its tok/s whether the host was why;
 * ``itl_ms`` p50/p99: per-token latency after the first chunk.  A streamed chunk that brings ``n`` tokens
   ``g`` ms after the previous one counts as ``n`` tokens of ``g / n`` ms each (a speculative step emits several
   tokens at once; counting the chunk gap as one token's latency would penalise exactly what speculation buys);
@@ -77,6 +80,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence
 
+from .hostload import LevelWatch, host_line
 from .spy import format_summary, spy_argv, summarize
 from .servers import (Server, ServerSpec, cpu_list, free_port, get, gpu_device_problem, gpu_memory_mib, gpu_name,
                       map_concurrent, parse_cpus, server_argv, server_env, server_mem_fraction, wait_healthy)
@@ -479,6 +483,11 @@ def validate_report(doc) -> List[str]:
                     continue
                 if not (isinstance(d, dict) and _is_num(d.get("p50")) and _is_num(d.get("p99"))):
                     errs.append(f"{w}.{k} must be {{p50, p99}} of non-negative numbers or null")
+            h = lv.get("host")
+            if h is not None and not (isinstance(h, dict) and _is_num(h.get("busy_pct"), allow_none=False)
+                                      and _is_num(h.get("steal_pct"), allow_none=False)
+                                      and isinstance(h.get("procs"), list)):
+                errs.append(f"{w}.host must be {{busy_pct, steal_pct, procs}} (sglang_ddtree.hostload)")
             tr = lv.get("tok_s_rounds")
             if tr is not None and not (isinstance(tr, list) and tr and all(_is_num(x, allow_none=False) for x in tr)):
                 errs.append(f"{w}.tok_s_rounds must be a non-empty list of non-negative numbers")
@@ -816,14 +825,20 @@ def _one_server(a, run: RunSpec, rnd: int, entry: dict, prompts, target, drafter
         for c in a.concurrency:
             if a.warmup_tokens:
                 run_level(base, level_prompts(prompts, c, c), a.warmup_tokens, c, a.request_timeout)
+            watch = LevelWatch(srv.pids)  # the host's CPUs and the server's processes over the level
             recs, wall = run_level(base, level_prompts(prompts, a.requests, c), a.max_new_tokens, c,
                                    a.request_timeout)
             row = aggregate_level(recs, wall, c)
+            host = watch.done(wall)
+            if host:
+                row["host"] = host
             entry["levels"].append(row)
             log(f"    c={c}: {row['output_tok_s']} tok/s, accept {row['accept_length']}, "
                 f"ttft p50 {row['ttft_ms']['p50']} ms, itl p50 {row['itl_ms']['p50']} ms, "
                 f"step p50 {row['step_ms']['p50']} ms"
                 + (f", {row['errors']} errors ({row['first_error']})" if row["errors"] else ""))
+            if host:
+                log(f"      {host_line(host)}")
         if a.profile_steps and rnd == 0:
             # with --out the raw trace stays beside the report (the summary says what; the trace says where)
             _profile_run(a, entry, base, prompts,

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 from .config import BUDGET_ENV, MODE_ENV, SHADOW_LINEAR, TREE_VERIFY
+from .hostload import group_pids
 
 MODES = ("tree-verify", "shadow-linear", "linear", "dflash", "plain")  # linear = dflash: SGLang's own DFLASH chain
 
@@ -304,6 +305,25 @@ class Server:
                     return
                 time.sleep(0.1)
 
+    def pids(self) -> List[int]:
+        """The server's live processes: its unit's control group (systemd-run), else its session's process group
+        (the process launcher starts it in a new session: every process it forks stays in the group)."""
+        if self.unit:
+            r = subprocess.run(["systemctl", "show", "--property=ControlGroup", "--value", self.unit],
+                               capture_output=True, text=True, timeout=10)
+            cg = r.stdout.strip()
+            # a path systemd gave; still checked whole before it names a file
+            if r.returncode != 0 or not cg.startswith("/") or ".." in cg.split("/") or "\x00" in cg:
+                return []
+            try:
+                with open(os.path.join("/sys/fs/cgroup", cg.lstrip("/"), "cgroup.procs")) as fh:
+                    return sorted(int(x) for x in fh.read().split() if x.isdigit())
+            except OSError:
+                return []
+        if self.proc is None:
+            return []
+        return group_pids(self.proc.pid)
+
     def log_tail(self, n: int = 30) -> str:
         try:
             with open(self.log_path, errors="replace") as fh:
@@ -345,12 +365,7 @@ def _group_alive(pgid: int) -> bool:
     """Whether a process of group ``pgid`` still runs. A zombie does not count: in a container whose init does not
     reap, a server's exited scheduler would otherwise keep its group "alive" for the whole wait."""
     if os.path.isdir("/proc/self"):
-        for d in os.listdir("/proc"):
-            if d.isdigit():
-                f = _stat_fields(d)
-                if f and f[2] == str(pgid) and f[0] != "Z":
-                    return True
-        return False
+        return bool(group_pids(pgid))
     try:
         os.killpg(pgid, 0)
         return True
