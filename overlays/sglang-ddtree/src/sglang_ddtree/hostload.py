@@ -65,16 +65,21 @@ def cpu_shares(before: Dict[str, Dict[str, int]], after: Dict[str, Dict[str, int
             "steal_max_cpu": int(worst[0][3:]) if worst else None}
 
 
+def stat_fields(text: str) -> Optional[List[str]]:
+    """/proc/PID/stat's fields after the command (state, ppid, pgrp, ...: field N is item N - 3). The command sits
+    in parentheses and may hold spaces and parentheses itself: it ends at the last ``)``. None where there is none."""
+    head, sep, rest = text.rpartition(")")
+    return rest.split() if sep and "(" in head else None
+
+
 def parse_pid_stat(text: str) -> Optional[dict]:
     """/proc/PID/stat -> {"comm", "state", "pgrp", "utime", "stime", "processor"} (clock ticks; ``processor``: the
-    CPU it last ran on). The command sits in parentheses and may hold spaces and parentheses itself: it ends at the last
-    ``)``. None where the text is not such a line."""
-    head, sep, rest = text.rpartition(")")
-    if not sep or "(" not in head:
+    CPU it last ran on; the command as :func:`stat_fields` bounds it). None where the text is not such a line."""
+    f = stat_fields(text)
+    if f is None:
         return None
-    comm = head.split("(", 1)[1]
-    f = rest.split()
-    try:  # fields after the command, from field 3 (state): field N is f[N - 3]
+    comm = text.rpartition(")")[0].split("(", 1)[1]
+    try:  # field N is f[N - 3]
         return {"comm": comm[:32], "state": f[0][:1], "pgrp": int(f[2]), "utime": int(f[11]), "stime": int(f[12]),
                 "processor": int(f[36])}
     except (IndexError, ValueError):

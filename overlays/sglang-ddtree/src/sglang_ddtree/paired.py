@@ -51,12 +51,6 @@ def round_levels(run: dict) -> Dict[int, List[Optional[dict]]]:
     return out
 
 
-def round_tok_s(run: dict) -> Dict[int, List[Optional[float]]]:
-    """Per concurrency, the run's tok/s in each round, in round order (None: that round did not measure it)."""
-    return {c: [None if lv is None else float(lv["output_tok_s"]) for lv in col]
-            for c, col in round_levels(run).items()}
-
-
 def _pos(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 from .config import BUDGET_ENV, MODE_ENV, SHADOW_LINEAR, TREE_VERIFY
-from .hostload import group_pids
+from .hostload import group_pids, stat_fields
 
 MODES = ("tree-verify", "shadow-linear", "linear", "dflash", "plain")  # linear = dflash: SGLang's own DFLASH chain
 
@@ -234,6 +234,7 @@ class Server:
         self.runtime_max_s, self.user = runtime_max_s, user
         self.proc = None
         self.unit = None
+        self._cgroup: Optional[str] = None  # the unit's control group, once systemd said it (pids)
 
     def start(self) -> None:
         if self.launcher == "systemd-run":
@@ -309,14 +310,16 @@ class Server:
         """The server's live processes: its unit's control group (systemd-run), else its session's process group
         (the process launcher starts it in a new session: every process it forks stays in the group)."""
         if self.unit:
-            r = subprocess.run(["systemctl", "show", "--property=ControlGroup", "--value", self.unit],
-                               capture_output=True, text=True, timeout=10)
-            cg = r.stdout.strip()
-            # a path systemd gave; still checked whole before it names a file
-            if r.returncode != 0 or not cg.startswith("/") or ".." in cg.split("/") or "\x00" in cg:
-                return []
+            if self._cgroup is None:  # a unit's control group is fixed for its life: asked once, not every level
+                r = subprocess.run(["systemctl", "show", "--property=ControlGroup", "--value", self.unit],
+                                   capture_output=True, text=True, timeout=10)
+                cg = r.stdout.strip()
+                # a path systemd gave; still checked whole before it names a file
+                if r.returncode != 0 or not cg.startswith("/") or ".." in cg.split("/") or "\x00" in cg:
+                    return []
+                self._cgroup = cg
             try:
-                with open(os.path.join("/sys/fs/cgroup", cg.lstrip("/"), "cgroup.procs")) as fh:
+                with open(os.path.join("/sys/fs/cgroup", self._cgroup.lstrip("/"), "cgroup.procs")) as fh:
                     return sorted(int(x) for x in fh.read().split() if x.isdigit())
             except OSError:
                 return []
@@ -356,8 +359,8 @@ def _stat_fields(pid: str) -> Optional[List[str]]:
     """/proc/PID/stat's fields after the command (state, ppid, pgrp, ...), None where it is gone."""
     try:
         with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
+            return stat_fields(fh.read())
+    except OSError:
         return None
 
 
