@@ -3,6 +3,7 @@
 # Every step writes what it measured under $OUT (at most 8 files of 16 MiB come back) and prints a summary.
 #   install BATCH...          carried wheel batches (.gpu/A ...; benchmarks/h200/batches.sh) into /tmp/site
 #   setup                     the plugin of this checkout into /tmp/site; SGLang and the plugin import
+#   cpuspeed                  each CPU's time for one pinned Python loop, $REPS passes -> $OUT/cpuspeed.txt
 #   glue                      python -m ddtree_checks.glue_check (no SGLang server)     -> $OUT/glue_check.txt
 #   kit                       train the tiny pairs (trainkit, seed 0, 180 s) into /tmp/tiny -> $OUT/kit-*.tgz
 #   unkit                     a carried kit (.gpu/kit/kit-*.tgz, prompts.jsonl, manifest.json) into /tmp/tiny
@@ -11,7 +12,8 @@
 #                             SGLANG_DDTREE_GLUE_GRAPHS=GLUE (default: unset, the plugin's own default: 2 on a
 #                             dense target, 1 on a hybrid one), --rounds $ROUNDS (default 1),
 #                             --graphs $GRAPHS (default on; off or both for the graphs on/off figures),
-#                             SGLANG_DDTREE_OVERLAP=$OVERLAP where set (1: DDTREE on SGLang's overlap scheduler),
+#                             SGLANG_DDTREE_OVERLAP=$OVERLAP where set (1: DDTREE on SGLang's overlap scheduler;
+#                             both / on / off: bench --overlap, each DDTREE server its own - both: one of each a round),
 #                             --cpus $CPUS where set (every server pinned there, the clients on the other CPUs),
 #                             --spy (py-spy around every server, instead of the profile) where SPY=1,
 #                             --server-args "$SERVER_ARGS" (every server) where set, --requests $REQUESTS (default 16)
@@ -27,7 +29,7 @@ export PYTHONPATH=$SITE:$PWD/overlays/sglang-ddtree/gpu_checks SGLANG_SKIP_SGL_K
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" "$SITE"
-step=${1:?step: install, setup, glue, kit, unkit, bench or matrix}; shift
+step=${1:?step: install, setup, cpuspeed, glue, kit, unkit, bench or matrix}; shift
 # never `pkill -f sglang.launch_server`: the pattern is in this shell's own command line when a caller passes it
 stop_servers() { pkill -f "[s]glang.launch_server" 2>/dev/null; sleep 2; pkill -9 -f "[s]glang.launch_server" 2>/dev/null; true; }
 case "$step" in
@@ -52,6 +54,19 @@ case "$step" in
     python3 -c "import torch, triton, sglang, sgl_kernel, sglang_ddtree, transformers; \
 print('torch', torch.__version__, 'triton', triton.__version__, 'sglang', sglang.__version__, \
 'transformers', transformers.__version__, 'plugin', sglang_ddtree.__file__)";;
+  cpuspeed)
+    # each CPU's speed for one Python loop, REPS times over (a vCPU whose hyperthread sibling is busy in another
+    # guest runs a host-bound process slower without any steal showing): ms per CPU, one line a pass
+    for rep in $(seq "${REPS:-3}"); do
+      line="cpuspeed pass $rep ms:"
+      for c in $(seq 0 $(($(nproc) - 1))); do
+        line="$line $c=$(taskset -c "$c" python3 -c 'import time
+t = time.perf_counter(); s = 0
+for i in range(3000000): s += i
+print(round((time.perf_counter() - t) * 1000, 1))')"
+      done
+      echo "$line" | tee -a "$OUT/cpuspeed.txt"
+    done;;
   glue)
     set -o pipefail
     timeout 300 python3 -m ddtree_checks.glue_check 2>&1 | tee "$OUT/glue_check.txt";;
@@ -76,10 +91,15 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'sglang', sglang
     set -o pipefail
     unset SGLANG_DDTREE_GLUE_GRAPHS SGLANG_DDTREE_OVERLAP
     [ "$glue" = def ] || export SGLANG_DDTREE_GLUE_GRAPHS=$glue
-    [ -z "${OVERLAP:-}" ] || export SGLANG_DDTREE_OVERLAP=$OVERLAP
+    ovarg=()
+    case "${OVERLAP:-}" in
+      "") ;;
+      both|on|off) ovarg=(--overlap "$OVERLAP");;  # per DDTREE server, in the same rounds (bench --overlap)
+      *) export SGLANG_DDTREE_OVERLAP=$OVERLAP;;  # the whole call (1 / 0)
+    esac
     timeout "${BENCH_TIMEOUT:-570}" python3 -m sglang_ddtree.bench --tiny /tmp/tiny \
       --family "$fam" --launcher process --out "$o" --modes "$modes" --budgets "$budgets" --graphs "${GRAPHS:-on}" \
-      --concurrency "$conc" --max-new-tokens 128 --requests "${REQUESTS:-16}" --profile-steps 20 --rounds "${ROUNDS:-1}" \
+      ${ovarg[@]+"${ovarg[@]}"} --concurrency "$conc" --max-new-tokens 128 --requests "${REQUESTS:-16}" --profile-steps 20 --rounds "${ROUNDS:-1}" \
       ${CPUS:+--cpus "$CPUS"} ${SPY:+--spy "$SITE/bin/py-spy"} ${SERVER_ARGS:+--server-args "$SERVER_ARGS"} \
       2>&1 | tee "$OUT/$name.log"
     rc=$?

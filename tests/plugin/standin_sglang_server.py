@@ -11,7 +11,9 @@ whatever the concurrency (1 ms busy and 4 asleep, in functions named after SGLan
 while one runs exits at once with "two servers at once" (the benchmark must start them one at a time).
 ``/start_profile`` writes, a moment later, a small trace in torch.profiler's Chrome-trace form into the
 ``output_dir`` asked for (one kernel launch and its kernel a step, and the plugin's ``ddtree.draft`` range under
-DDTREE): what ``--profile-steps`` reads, without a profiler."""
+DDTREE): what ``--profile-steps`` reads, without a profiler.  ``/server_info`` says the scheduler as the plugin
+would decide it (``disable_overlap_schedule``: DDTREE only where ``SGLANG_DDTREE_OVERLAP=1`` reached it; plain and
+DFLASH never) and each start appends that switch to ``$STANDIN_DIR/overlap_env.jsonl``."""
 import argparse
 import http.server
 import json
@@ -30,6 +32,8 @@ a, _ = ap.parse_known_args()
 d = os.environ["STANDIN_DIR"]
 with open(os.path.join(d, "argv.jsonl"), "a") as fh:
     fh.write(json.dumps(sys.argv[1:]) + "\n")
+with open(os.path.join(d, "overlap_env.jsonl"), "a") as fh:  # what reached this server (bench --overlap)
+    fh.write(json.dumps(os.environ.get("SGLANG_DDTREE_OVERLAP")) + "\n")
 with open(os.path.join(d, "affinity.jsonl"), "a") as fh:  # the CPUs this server may run on (bench --cpus)
     fh.write(json.dumps(sorted(os.sched_getaffinity(0))) + "\n")
 if os.environ.get("SGLANG_DDTREE_MODE") == "tree-verify" and a.cuda_graph_backend_decode != "disabled":
@@ -71,7 +75,9 @@ class H(http.server.BaseHTTPRequestHandler):
         if self.path == "/health":
             return self._json({})
         if self.path == "/server_info":
-            return self._json({"speculative_algorithm": a.speculative_algorithm})
+            overlap = a.speculative_algorithm != "DDTREE" or os.environ.get("SGLANG_DDTREE_OVERLAP") == "1"
+            return self._json({"speculative_algorithm": a.speculative_algorithm,
+                               "disable_overlap_schedule": not overlap})
         self.send_error(404)
 
     def do_POST(self):

@@ -43,6 +43,28 @@ def test_plan_runs_one_server_per_mode_budget_and_graph_setting():
     assert runs[0].label == "plain graphs=off" and tv[0].label == "tree-verify B=15 graphs=off"
     with pytest.raises(ValueError, match="on, off or both"):
         bench.plan_runs(["plain"], [15], "sometimes", 8)
+    # --overlap both: each tree-verify budget on the synchronous scheduler, then on the overlap one; others once
+    both = bench.plan_runs(["dflash", "tree-verify", "shadow-linear"], [63, 127], "on", 16, "both")
+    assert [(r.mode, r.budget, r.overlap) for r in both] == [
+        ("dflash", None, None), ("tree-verify", 63, False), ("tree-verify", 63, True), ("tree-verify", 127, False),
+        ("tree-verify", 127, True), ("shadow-linear", 63, None), ("shadow-linear", 127, None)]
+    # only the overlap scheduler is named: a synchronous DDTREE server keeps the name reports had before --overlap
+    assert [r.label for r in both[1:3]] == ["tree-verify B=63 graphs=on", "tree-verify B=63 overlap graphs=on"]
+    assert [r.overlap for r in bench.plan_runs(["tree-verify"], [7], "on", 8)] == [None]
+    with pytest.raises(ValueError, match="default, off, on, both"):
+        bench.plan_runs(["tree-verify"], [7], "on", 8, "sometimes")
+
+
+def test_run_label_names_the_scheduler_the_server_ran():
+    run = {"mode": "tree-verify", "budget": 127, "block": None, "graphs": True}
+    assert bench.run_label(run) == "tree-verify B=127 graphs=on"
+    assert bench.run_label(dict(run, overlap_schedule=True)) == "tree-verify B=127 overlap graphs=on"
+    # asked for overlap, but the server said it runs the synchronous scheduler (the plugin's validator refused)
+    assert bench.run_label(dict(run, overlap=True, overlap_schedule=False)) == "tree-verify B=127 graphs=on"
+    assert bench.run_label(dict(run, overlap=True)) == "tree-verify B=127 overlap graphs=on"  # the server said nothing
+    # DFLASH and plain run SGLang's overlap scheduler by default: not named
+    assert bench.run_label({"mode": "dflash", "block": 16, "graphs": True, "overlap_schedule": True}) == \
+        "dflash blk=16 graphs=on"
 
 
 def _parse(argv):
@@ -321,7 +343,20 @@ def test_report_schema_accepts_the_report_and_names_what_is_wrong():
     hostile = json.loads(json.dumps(doc))
     hostile["runs"][0]["levels"][0]["host"] = {"busy_pct": "all", "procs": "x"}
     assert [e for e in bench.validate_report(hostile) if "host" in e] == [
-        "runs[0].levels[0].host must be {busy_pct, steal_pct, procs} (sglang_ddtree.hostload)"]
+        "runs[0].levels[0].host must be {busy_pct, steal_pct, procs[, sched_cpu_ms]} (sglang_ddtree.hostload)"]
+    hostile["runs"][0]["levels"][0]["host"] = {"busy_pct": 5.0, "steal_pct": 0.0, "procs": [], "sched_cpu_ms": -1}
+    assert [e for e in bench.validate_report(hostile) if "host" in e] == [
+        "runs[0].levels[0].host must be {busy_pct, steal_pct, procs[, sched_cpu_ms]} (sglang_ddtree.hostload)"]
+    # cpu_ms: absent in older reports (valid); where present {before, after} of {CPU digits: ms}, rounds too
+    speeds = json.loads(json.dumps(doc))
+    speeds["runs"][0]["cpu_ms"] = {"before": {"0": 210.5, "15": 470.0}, "after": None}
+    assert bench.validate_report(speeds) == []
+    speeds["runs"][0]["cpu_ms"] = {"before": {"../0": 1.0}, "after": None}
+    speeds["runs"][1]["cpu_ms"] = {"during": {}}
+    speeds["runs"][1]["rounds"] = [{"cpu_ms": {"before": {"3": -2.0}}}]
+    assert [e for e in bench.validate_report(speeds) if "cpu_ms" in e] == [
+        "runs[0].cpu_ms before must be null or {CPU number: ms}", "runs[1].cpu_ms must be {before, after}",
+        "runs[1].rounds[0].cpu_ms before must be null or {CPU number: ms}"]
     # step_ms: absent in reports from before it (valid), checked like the other latencies where present
     old = json.loads(json.dumps(doc))
     del old["runs"][0]["levels"][0]["step_ms"]
@@ -457,6 +492,13 @@ def test_a_whole_run_on_stand_in_servers_one_at_a_time(tmp_path, monkeypatch, ca
         h = x["host"]
         assert 0 <= h["steal_pct"] <= h["busy_pct"] <= 100 and isinstance(h["procs"], list)
         assert all(p["cpu_s"] > 0 and p["last_cpu"] >= 0 for p in h["procs"])
+        if h["procs"]:  # the speed of the CPU the busiest process ran on, read before the server started
+            assert h["sched_cpu_ms"] == doc["runs"][2]["cpu_ms"]["before"][str(h["procs"][0]["last_cpu"])]
+    # every CPU's speed before each server started and after it stopped (failed servers too)
+    cpus = sorted(str(c) for c in os.sched_getaffinity(0))
+    for r in doc["runs"]:
+        assert sorted(r["cpu_ms"]["before"]) == cpus and sorted(r["cpu_ms"]["after"]) == cpus
+        assert all(v > 0 for v in list(r["cpu_ms"]["before"].values()) + list(r["cpu_ms"]["after"].values()))
     argvs = [json.loads(x) for x in (state / "argv.jsonl").read_text().splitlines()]
     assert len(argvs) == 6 and all(x[x.index("--chunked-prefill-size") + 1] == "256" for x in argvs)
     tv = argvs[2]
@@ -675,6 +717,38 @@ def test_rounds_run_the_whole_list_again_with_fresh_servers(tmp_path, monkeypatc
     assert bench.validate_report(bad) == ["paired[0] is not a paired comparison (sglang_ddtree.paired.report_section)"]
     with pytest.raises(SystemExit):
         bench.parse_args(["--tiny-random", "--rounds", "0"])
+
+
+def test_overlap_both_races_each_scheduler_against_the_same_rounds_dflash(tmp_path, monkeypatch, capsys):
+    """--overlap both --rounds 2: DFLASH, DDTREE on the synchronous scheduler, DDTREE on the overlap one, then the
+    reverse; each DDTREE server gets its own SGLANG_DDTREE_OVERLAP (whatever this process has), the report names
+    each by the scheduler its server said it ran, and both pair with the same round's DFLASH."""
+    fake_py, state = _standin_bench(tmp_path, monkeypatch, "[1, 2, 3]\n[4, 5]\n")
+    monkeypatch.setenv("SGLANG_DDTREE_OVERLAP", "1")  # a switch left set in the caller's shell does not decide
+    out = tmp_path / "out"
+    code = _standin_main(tmp_path, fake_py, out, "--modes", "dflash,tree-verify", "--budgets", "7",
+                         "--concurrency", "1", "--max-new-tokens", "8", "--rounds", "2", "--overlap", "both")
+    cap = capsys.readouterr()
+    table = cap.out
+    assert code == 0
+    doc = json.loads((out / "bench.json").read_text())
+    assert bench.validate_report(doc) == [] and doc["settings"]["overlap"] == "both"
+    assert [(r["mode"], r.get("overlap"), r.get("overlap_schedule")) for r in doc["runs"]] == [
+        ("dflash", None, True), ("tree-verify", False, False), ("tree-verify", True, True)]
+    assert [json.loads(x) for x in (state / "overlap_env.jsonl").read_text().splitlines()] == [
+        "1", "0", "1", "1", "0", "1"]  # DFLASH keeps the caller's (unused by it); DDTREE: sync, overlap, reversed
+    assert sorted(os.listdir(out / "logs")) == [
+        "00-dflash-4-e-r2.log", "00-dflash-4-e.log", "01-tree-verify-7-e-sy-r2.log", "01-tree-verify-7-e-sy.log",
+        "02-tree-verify-7-e-ov-r2.log", "02-tree-verify-7-e-ov.log"]
+    assert [(r["run"], r["peer"], r["n"]) for r in doc["paired"]] == [
+        ("tree-verify B=7 graphs=off", "dflash blk=4 graphs=off", 2),
+        ("tree-verify B=7 overlap graphs=off", "dflash blk=4 graphs=off", 2)]
+    assert "tree-verify B=7 overlap graphs=off" in table and "scheduler: overlap" in cap.err
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--tiny-random", "--overlap", "maybe"])
+    bad = json.loads(json.dumps(doc))
+    bad["runs"][1]["overlap"] = "yes"
+    assert bench.validate_report(bad) == ["runs[1].overlap must be true, false or null"]
 
 
 def test_a_round_interrupted_while_its_server_stops_keeps_what_it_measured(tmp_path, monkeypatch, capsys):

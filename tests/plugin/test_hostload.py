@@ -1,6 +1,7 @@
 """sglang_ddtree.hostload: what the host's CPUs and a server's processes did over a bench level. Parsers on captured
 /proc text (fixtures/proc_stat_*.txt: this CI machine's, one second apart with one CPU kept busy; pid_stat_cat.txt:
-a real /proc/PID/stat), readers on real processes."""
+a real /proc/PID/stat), readers on real processes; the CPU-speed probe pinned for real, its summary on the H200's
+own reading (benchmarks/results/h200_s10/cpuspeed-*.txt)."""
 import os
 import subprocess
 import sys
@@ -114,3 +115,58 @@ def test_a_process_servers_pids_are_its_session(tmp_path):
         srv.stop()
     assert srv.pids() == []  # a zombie left behind (this host's init may not reap) is not the server
     assert Server(["true"], {}, str(tmp_path / "n.log"), launcher="process").pids() == []
+
+
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+
+
+def _cpuspeed_pass(line: str) -> dict:
+    """One line of device.sh's `cpuspeed` ("cpuspeed pass N ms: CPU=ms ...") as {cpu: ms}."""
+    return {int(c): float(v) for c, v in (w.split("=") for w in line.split(":", 1)[1].split())}
+
+
+def test_speed_summary_of_the_h200_hosts_reading():
+    lines = (RESULTS / "h200_s10" / "cpuspeed-s10b.txt").read_text().splitlines()
+    first, last = _cpuspeed_pass(lines[0]), _cpuspeed_pass(lines[-1])
+    assert sorted(first) == list(range(16))
+    s = hostload.speed_summary(first)
+    # one loop, 16 vCPUs, no steal: 202.1 ms on CPU 3 and 436.4 on CPU 10, a 2.2x spread
+    assert s == {"median_ms": 328.0, "fastest_ms": 202.1, "fastest_cpu": 3, "slowest_ms": 436.4, "slowest_cpu": 10}
+    assert first[8] == 220.6 and last[8] == 408.8  # the same vCPU ~1.9x slower some nine minutes later
+    # as a report keeps it (CPU numbers as strings), the same summary
+    assert hostload.speed_summary({str(c): v for c, v in first.items()}) == s
+    assert hostload.speed_summary({}) is None and hostload.speed_summary(None) is None
+    assert "fastest 202.1 on CPU 3, slowest 436.4 on CPU 10" in hostload.speed_line(first, "before start")
+    assert hostload.speed_line(None, "after stop") == "cpus after stop: no reading"
+
+
+def test_sched_cpu_ms_is_the_speed_of_the_busiest_processs_cpu():
+    host = {"busy_pct": 8.0, "steal_pct": 0.0, "procs": [
+        {"comm": "sglang::schedul", "cpu_pct": 101.7, "last_cpu": 15}, {"comm": "python3", "cpu_pct": 13.8, "last_cpu": 2}]}
+    assert hostload.sched_cpu_ms(host, {15: 347.2, 2: 274.1}) == 347.2
+    assert hostload.sched_cpu_ms(host, {"15": 226.2}) == 226.2
+    assert hostload.sched_cpu_ms(host, {2: 1.0}) is None  # that CPU was not read
+    assert hostload.sched_cpu_ms({"procs": []}, {15: 1.0}) is None and hostload.sched_cpu_ms(host, None) is None
+    assert hostload.host_line(dict(host, sched_cpu_ms=347.2)).endswith("; that CPU's loop 347.2 ms before start")
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs sched_setaffinity (Linux)")
+def test_cpu_speeds_pins_to_each_cpu_in_turn_and_restores_the_affinity():
+    before = os.sched_getaffinity(0)
+    seen = []
+
+    def spin(n):  # where the probe runs while it measures
+        seen.append(os.sched_getaffinity(0))
+        return 1.5
+    got = hostload.cpu_speeds(spin=spin)
+    assert got == {c: 1.5 for c in sorted(before)} and seen == [{c} for c in sorted(before)]
+    assert os.sched_getaffinity(0) == before
+    # a CPU this machine does not have is left out, not an error; the real loop takes time
+    real = hostload.cpu_speeds(cpus=[min(before), 4095], n=20000)
+    assert list(real) == [min(before)] and real[min(before)] > 0 and os.sched_getaffinity(0) == before
+
+    def broken(n):
+        raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        hostload.cpu_speeds(spin=broken)
+    assert os.sched_getaffinity(0) == before  # restored even when the probe is interrupted

@@ -124,6 +124,30 @@ def test_the_h200_reports_of_session_9_b63_race():
     assert b63["step_estimated"] and rows["tree-verify B=31 graphs=on"]["n"] == 2
 
 
+def test_the_h200_reports_of_session_10_pool_with_session_9():
+    """Session 10 (step_ms measured): B=127 on the synchronous scheduler (s10a, s10c: 3 pairs) and on the overlap
+    one (s10b, SGLANG_DDTREE_OVERLAP=1: its own row, 3 pairs); s10a's two B=63 pairs pool with session 9's ten
+    (the same conditions): 12 pairs, median 1.20x, interval 0.96-1.39, ahead in 9."""
+    paths = sorted((RESULTS / "h200_s9").glob("bench-dense-gdef-s9*.json")) + \
+        sorted((RESULTS / "h200_s10").glob("bench-dense-*.json"))
+    rows = paired.pairs([json.loads(p.read_text()) for p in paths])
+    # s10b set SGLANG_DDTREE_OVERLAP=1 for the whole call: its DDTREE server is named by the scheduler it ran (its
+    # /server_info), and the switch is not a condition that keeps its DFLASH pairs apart
+    by = {r["run"]: r for r in rows if r["concurrency"] == 1}
+    assert sorted(by) == ["tree-verify B=127 graphs=on", "tree-verify B=127 overlap graphs=on",
+                          "tree-verify B=31 graphs=on", "tree-verify B=63 graphs=on"]
+    b63 = by["tree-verify B=63 graphs=on"]
+    assert b63["n"] == 12 and (round(b63["median_ratio"], 2), b63["ahead"]) == (1.20, 9)
+    assert [round(x, 2) for x in b63["interval"]] == [0.96, 1.39]
+    sync, ov = by["tree-verify B=127 graphs=on"], by["tree-verify B=127 overlap graphs=on"]
+    assert [round(p["ratio"], 2) for p in sync["pairs"]] == [1.56, 1.14, 0.98]
+    assert [round(p["ratio"], 2) for p in ov["pairs"]] == [1.28, 1.14, 1.33]
+    # accept 8.24 against 5.17 in both; the step measured (not estimated) in these reports
+    assert round(sync["median_accept_ratio"], 2) == round(ov["median_accept_ratio"], 2) == 1.60
+    assert not ov["step_estimated"] and round(ov["median_step_ratio"], 2) == 1.15
+    assert [p["step_ms"] for p in ov["pairs"]] == [3.524, 4.02, 4.185]
+
+
 def test_cli_exit_codes(tmp_path, capsys):
     good = tmp_path / "a.json"
     good.write_text(json.dumps(_doc([_run("dflash", [100], block=16), _run("tree-verify", [150], budget=31)])))

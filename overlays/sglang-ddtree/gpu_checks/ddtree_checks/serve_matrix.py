@@ -40,7 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from sglang_ddtree import servers as servers_mod
 from sglang_ddtree import smoke
-from sglang_ddtree.bench import level_prompts
+from sglang_ddtree.bench import level_prompts, server_overlap
 
 from .graph_check import GRAPHS_ON, _log_facts, _pair
 
@@ -166,6 +166,8 @@ def run_family(family: str, out: str, a) -> dict:
                 if name != "plain":
                     info = smoke._get(base + "/server_info")
                     r["algorithm"] = info.get("speculative_algorithm")
+                    # the scheduler it ran (DDTREE: the plugin's decision, SGLANG_DDTREE_OVERLAP passed through)
+                    r["overlap_schedule"] = server_overlap(info)
                     r["unsupported_request"] = smoke.unsupported_request_check(base, prompts[0], specs[name][0].mode)
             except Exception as e:  # noqa: BLE001
                 r["error"] = f"{type(e).__name__}: {e}"[-3000:] + "\n" + servers[name].log_tail(40)
@@ -244,6 +246,8 @@ def summary(doc: dict) -> str:
              f"{'acc_len':>7} {'shadow':>6} {'tok/s':>7}  sampling  unsupported  off-argmax gaps by bucket"]
     for fam, f in doc["families"].items():
         for name, r in f["servers"].items():
+            if "tree-verify" in name and r.get("overlap_schedule") is True:  # the scheduler it ran, where not the default
+                name += " ovl"
             if r.get("error") and not any(k.startswith(("sequential", "concurrent")) for k in r):
                 lines.append(f"{fam:7} {name:24} ERROR: {r['error'].splitlines()[0][:120]}")
                 continue

@@ -19,7 +19,11 @@ Ctrl-C.  It then replays the prompts (token ids through ``/generate`` with ``--s
   splits a race in two: what a step costs and what it buys (tok/s ~ accept / step, less the fixed TTFT);
 * ``host`` (where /proc is): the machine's busy and stolen CPU time over the level and the server's busiest
   processes, their CPU share and the CPU each last ran on (:mod:`sglang_ddtree.hostload`): on a shared or virtual
-  host a whole server instance can run slow, and this says next to its tok/s whether the host was why;
+  host a whole server instance can run slow, and this says next to its tok/s whether the host was why; with
+  ``sched_cpu_ms``, the before-start speed of the CPU the scheduler ran on (below);
+* per server (and per round), ``cpu_ms`` {"before", "after"}: each CPU's time for one pinned Python loop right
+  before the server starts and right after it stops (:func:`sglang_ddtree.hostload.cpu_speeds`; on the H200's
+  host one vCPU ran it 2x slower than another, and the same vCPU 2x slower minutes later, with no steal shown);
 * ``itl_ms`` p50/p99: per-token latency after the first chunk.  A streamed chunk that brings ``n`` tokens
   ``g`` ms after the previous one counts as ``n`` tokens of ``g / n`` ms each (a speculative step emits several
   tokens at once; counting the chunk gap as one token's latency would penalise exactly what speculation buys);
@@ -31,7 +35,10 @@ accepted as its name in the fleet), ``tree-verify`` and ``shadow-linear`` (DDTRE
 off passes ``--cuda-graph-backend-decode disabled``; on leaves SGLang's decode graph backend on (captured up to
 the largest concurrency).  A server that refuses to start (today DDTREE tree-verify refuses CUDA graphs) is
 recorded as a failed run with the reason and its log tail, and the others still run.  ``--server-args`` words
-are appended to every server's command line (last, so they win).
+are appended to every server's command line (last, so they win).  ``--overlap on|off|both`` sets each tree-verify
+server's own ``SGLANG_DDTREE_OVERLAP`` (both: one server on SGLang's synchronous scheduler and one on its overlap
+scheduler per budget, in the same rounds against the same DFLASH server); a DDTREE run is named ``overlap`` where
+its server said it ran that scheduler (:func:`run_label`).
 
 ``--rounds N`` runs the whole list N times over, every other round in reverse (A B C, C B A, ...; a fresh server
 each time; a level's row is its median round, with every round's tok/s in ``tok_s_rounds``), and prints, under
@@ -80,7 +87,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence
 
-from .hostload import LevelWatch, host_line
+from .config import OVERLAP_ENV
+from .hostload import LevelWatch, cpu_speeds, host_line, sched_cpu_ms, speed_line
 from .spy import format_summary, spy_argv, summarize
 from .servers import (Server, ServerSpec, cpu_list, free_port, get, gpu_device_problem, gpu_memory_mib, gpu_name,
                       map_concurrent, parse_cpus, server_argv, server_env, server_mem_fraction, wait_healthy)
@@ -90,6 +98,9 @@ BENCH_MODES = ("plain", "dflash", "tree-verify", "shadow-linear")
 MODE_ALIASES = {"linear": "dflash"}
 BUDGETED = ("tree-verify", "shadow-linear")
 GRAPHS = {"on": (True,), "off": (False,), "both": (False, True)}
+# --overlap: the scheduler each tree-verify server is asked for (SGLANG_DDTREE_OVERLAP in its own environment);
+# "default" leaves the plugin's switch as this process has it (unset: the synchronous scheduler)
+OVERLAP_CHOICES = {"default": (None,), "off": (False,), "on": (True,), "both": (False, True)}
 FAMILIES = ("hybrid", "dense")
 EXIT_OK, EXIT_FAILED, EXIT_CANNOT_RUN, EXIT_INTERRUPTED = 0, 1, 2, 130
 MAX_PROMPT_TOKENS = 32768
@@ -147,6 +158,7 @@ class RunSpec:
     budget: Optional[int]  # B for tree-verify / shadow-linear, else None
     block: Optional[int]  # the DFlash chain width for dflash / shadow-linear, else None
     graphs: bool
+    overlap: Optional[bool] = None  # tree-verify: the overlap scheduler asked for (True), refused (False), or as set
 
     @property
     def draft_tokens(self) -> Optional[int]:
@@ -157,18 +169,37 @@ class RunSpec:
     @property
     def label(self) -> str:
         part = {"plain": "plain", "dflash": f"dflash blk={self.block}"}.get(self.mode, f"{self.mode} B={self.budget}")
-        return f"{part} graphs={'on' if self.graphs else 'off'}"
+        # only the overlap scheduler is named: a DDTREE server without the word ran the synchronous one (the
+        # plugin's default), so reports from before --overlap and after it pool under one name
+        return f"{part}{' overlap' if self.overlap else ''} graphs={'on' if self.graphs else 'off'}"
 
 
-def plan_runs(modes: Sequence[str], budgets: Sequence[int], graphs: str, block: int) -> List[RunSpec]:
-    """Every server to start, in order: for each graph setting (off first), each mode, each budget."""
+def run_label(run: dict) -> str:
+    """A report's run by name, as tables, plots and :mod:`sglang_ddtree.paired` show it: with ``overlap`` where a
+    DDTREE server ran SGLang's overlap scheduler (what the server's /server_info said; where it said nothing, what
+    was asked)."""
+    ran = run.get("overlap_schedule")
+    if not isinstance(ran, bool):
+        ran = run.get("overlap")
+    return RunSpec(run["mode"], run.get("budget"), run.get("block"), bool(run.get("graphs")),
+                   True if (run["mode"] in BUDGETED and ran is True) else None).label
+
+
+def plan_runs(modes: Sequence[str], budgets: Sequence[int], graphs: str, block: int,
+              overlap: str = "default") -> List[RunSpec]:
+    """Every server to start, in order: for each graph setting (off first), each mode, each budget, and for
+    tree-verify each scheduler of ``overlap`` (``both``: synchronous, then overlap)."""
     if graphs not in GRAPHS:
         raise ValueError(f"graphs {graphs!r}: choose on, off or both")
+    if overlap not in OVERLAP_CHOICES:
+        raise ValueError(f"overlap {overlap!r}: choose {', '.join(OVERLAP_CHOICES)}")
     runs = []
     for g in GRAPHS[graphs]:
         for m in modes:
-            if m in BUDGETED:
-                runs += [RunSpec(m, b, block if m == "shadow-linear" else None, g) for b in budgets]
+            if m == "tree-verify":
+                runs += [RunSpec(m, b, None, g, ov) for b in budgets for ov in OVERLAP_CHOICES[overlap]]
+            elif m in BUDGETED:
+                runs += [RunSpec(m, b, block, g) for b in budgets]
             else:
                 runs.append(RunSpec(m, None, block if m == "dflash" else None, g))
     return runs
@@ -434,6 +465,20 @@ def _is_num(v, allow_none=True) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
 
 
+def _bad_cpu_ms(v) -> Optional[str]:
+    """What is wrong with a run's ``cpu_ms`` ({"before", "after"}: each null or {cpu digits: ms}); None: fine or
+    absent (reports from before it)."""
+    if v is None:
+        return None
+    if not isinstance(v, dict) or set(v) - {"before", "after"}:
+        return "must be {before, after}"
+    for when, speeds in v.items():
+        if speeds is not None and not (isinstance(speeds, dict) and all(
+                isinstance(c, str) and c.isdigit() and _is_num(ms, allow_none=False) for c, ms in speeds.items())):
+            return f"{when} must be null or {{CPU number: ms}}"
+    return None
+
+
 def validate_report(doc) -> List[str]:
     """What is wrong with a report (empty when it is a well-formed ``ddtree-bench/1`` document)."""
     if not isinstance(doc, dict):
@@ -460,6 +505,14 @@ def validate_report(doc) -> List[str]:
             errs.append(f"{where}.graphs must be true or false")
         if run.get("status") not in ("ok", "failed"):
             errs.append(f"{where}.status must be ok or failed")
+        for k in ("overlap", "overlap_schedule"):
+            if run.get(k) is not None and not isinstance(run.get(k), bool):
+                errs.append(f"{where}.{k} must be true, false or null")
+        for k, trial in [("", run)] + [(f".rounds[{r}]", t) for r, t in enumerate(run.get("rounds") or [])
+                                        if isinstance(t, dict)]:
+            bad = _bad_cpu_ms(trial.get("cpu_ms"))
+            if bad:
+                errs.append(f"{where}{k}.cpu_ms {bad}")
         levels = run.get("levels")
         if not isinstance(levels, list):
             errs.append(f"{where}.levels is not a list")
@@ -486,8 +539,8 @@ def validate_report(doc) -> List[str]:
             h = lv.get("host")
             if h is not None and not (isinstance(h, dict) and _is_num(h.get("busy_pct"), allow_none=False)
                                       and _is_num(h.get("steal_pct"), allow_none=False)
-                                      and isinstance(h.get("procs"), list)):
-                errs.append(f"{w}.host must be {{busy_pct, steal_pct, procs}} (sglang_ddtree.hostload)")
+                                      and isinstance(h.get("procs"), list) and _is_num(h.get("sched_cpu_ms"))):
+                errs.append(f"{w}.host must be {{busy_pct, steal_pct, procs[, sched_cpu_ms]}} (sglang_ddtree.hostload)")
             tr = lv.get("tok_s_rounds")
             if tr is not None and not (isinstance(tr, list) and tr and all(_is_num(x, allow_none=False) for x in tr)):
                 errs.append(f"{w}.tok_s_rounds must be a non-empty list of non-negative numbers")
@@ -508,7 +561,7 @@ def rows(doc: dict) -> List[dict]:
     """One flat row per (run, level), with the run's label, for tables, plots and choices."""
     out = []
     for run in doc.get("runs") or []:
-        label = RunSpec(run["mode"], run.get("budget"), run.get("block"), run["graphs"]).label
+        label = run_label(run)
         if run.get("status") != "ok" and not run.get("levels"):
             out.append({"label": label, "mode": run["mode"], "budget": run.get("budget"), "graphs": run["graphs"],
                         "failed": run.get("error") or "failed"})
@@ -726,6 +779,8 @@ def run_bench(a, runs: List[RunSpec], prompts: List[List[int]], target: str, dra
     for run in runs:
         entry = {"mode": run.mode, "budget": run.budget, "block": run.block, "draft_tokens": run.draft_tokens,
                  "graphs": run.graphs, "status": "failed", "error": None, "levels": []}
+        if run.overlap is not None:
+            entry["overlap"] = run.overlap
         entries.append(entry)
     for rnd in range(rounds):
         for k in run_order(len(runs), rnd):
@@ -736,13 +791,13 @@ def run_bench(a, runs: List[RunSpec], prompts: List[List[int]], target: str, dra
             trial = entry if rnd == 0 else {"levels": [], "status": "failed", "error": None}
             tag = f" (round {rnd + 1}/{rounds})" if rounds > 1 else ""
             slug = f"{k:02d}-{run.mode}-{run.budget or run.block or 0}-{'g' if run.graphs else 'e'}" + \
-                (f"-r{rnd + 1}" if rnd else "")
+                {None: "", True: "-ov", False: "-sy"}[run.overlap] + (f"-r{rnd + 1}" if rnd else "")
             try:
                 _one_server(a, run, rnd, trial, prompts, target, drafter, sizing, weights, extra, baseline, workdir,
                             logdir, slug, doc, f"[{k + 1}/{len(runs)}] {run.label}{tag}", log)
             finally:  # also when interrupted (a timeout's SIGTERM) while this server stops: what it measured stays
                 if rounds > 1:  # the headline so far: a report saved mid-way holds the medians of the rounds done
-                    kept = {key: trial.get(key) for key in ("status", "error", "start_s", "levels")}
+                    kept = {key: trial.get(key) for key in ("status", "error", "start_s", "levels", "cpu_ms")}
                     if "spy" in trial:
                         kept["spy"] = trial["spy"]
                     entry.setdefault("rounds", []).append(kept)
@@ -779,6 +834,8 @@ def _one_server(a, run: RunSpec, rnd: int, entry: dict, prompts, target, drafter
     if rnd == 0:
         entry.update(server_argv=argv[1:], gpu_used_mib_before=used, mem_fraction=frac)
     env = server_env(spec, a.gpu)
+    if run.overlap is not None:  # this server's scheduler, asked of the plugin (its validator still decides)
+        env[OVERLAP_ENV] = "1" if run.overlap else "0"
     cold_warm = a.cold_warm and rnd == 0
     if cold_warm:  # fresh, empty JIT caches for this run: its first start is cold, its restart warm
         cache_root = os.path.join(workdir, "jit-" + slug)
@@ -803,6 +860,10 @@ def _one_server(a, run: RunSpec, rnd: int, entry: dict, prompts, target, drafter
                  user=a.user, runtime_max_s=a.runtime_max,
                  unit=f"{a.unit_prefix}-{slug}" if a.unit_prefix else None)
     log(f"{title}: starting ({used:.0f} of {total:.0f} MiB in use on GPU {a.gpu})")
+    # each CPU's speed with nothing of this bench running (hostload: a host-bound step is as fast as its CPU)
+    speeds = cpu_speeds()
+    entry["cpu_ms"] = {"before": _keyed(speeds)}
+    log(f"    {speed_line(speeds, 'before start')}")
     try:
         srv.start()
         entry["start_s"] = round(wait_healthy(base, srv, a.start_timeout), 1)
@@ -830,6 +891,8 @@ def _one_server(a, run: RunSpec, rnd: int, entry: dict, prompts, target, drafter
                                    a.request_timeout)
             row = aggregate_level(recs, wall, c)
             host = watch.done(wall)
+            if host and sched_cpu_ms(host, speeds) is not None:
+                host["sched_cpu_ms"] = sched_cpu_ms(host, speeds)
             if host:
                 row["host"] = host
             entry["levels"].append(row)
@@ -859,10 +922,18 @@ def _one_server(a, run: RunSpec, rnd: int, entry: dict, prompts, target, drafter
         if spy_out:
             srv.stop_wrapped()  # the server first: py-spy writes its capture when its target exits
         srv.stop()
+    after = cpu_speeds()
+    entry["cpu_ms"]["after"] = _keyed(after)
+    log(f"    {speed_line(after, 'after stop')}")
     if spy_out:
         _spy_report(entry, spy_out, log)
     if cold_warm and entry["status"] == "ok":
         _warm_restart(a, entry, argv, env, prompts, logdir, slug, log, baseline)
+
+
+def _keyed(speeds: Optional[Dict[int, float]]) -> Optional[Dict[str, float]]:
+    """A CPU-speed reading as JSON keeps it (CPU numbers as strings)."""
+    return None if speeds is None else {str(k): v for k, v in sorted(speeds.items())}
 
 
 def decode_steps(levels: Sequence[dict]) -> Optional[float]:
@@ -982,6 +1053,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--budgets", default="15", help="DDTREE budgets B, comma list (tree-verify: D = B + 1)")
     ap.add_argument("--block", type=int, help="DFLASH chain block (default: the drafter's block_size, else 8)")
     ap.add_argument("--graphs", choices=tuple(GRAPHS), default="off", help="CUDA graphs on, off or both (default off)")
+    ap.add_argument("--overlap", choices=tuple(OVERLAP_CHOICES), default="default",
+                    help="tree-verify servers on SGLang's overlap scheduler (on), the synchronous one (off), one of "
+                         "each in every round (both: paired against the same DFLASH server), or as "
+                         f"{OVERLAP_ENV} is set here (default)")
     ap.add_argument("--concurrency", default="1,4,16", help="comma list of concurrent requests (default 1,4,16)")
     ap.add_argument("--prompts", help="JSON/JSONL file of token-id prompts")
     ap.add_argument("--num-prompts", type=int, default=32, help="random prompts when no file (default 32)")
@@ -1173,13 +1248,14 @@ def main(argv=None) -> int:
         else:
             prompts, psrc = random_prompts(a.num_prompts, a.prompt_len, vocab or 32000, a.seed), "random"
         block = a.block or drafter_block(dcfg)
-        runs = plan_runs(a.modes, a.budgets, a.graphs, block)
+        runs = plan_runs(a.modes, a.budgets, a.graphs, block, a.overlap)
         used, total = gpu_memory_mib(a.gpu)
         doc["gpu"].update(name=gpu_name(a.gpu), memory_total_mib=total, memory_used_mib_at_start=used)
         doc["model"] = {"target": target, "drafter": drafter, "source": source,
                         "family": a.family if source.startswith("tiny") else ("hybrid" if is_hybrid(tcfg) else "dense"),
                         "architectures": tcfg.get("architectures")}
         doc["settings"] = {"modes": a.modes, "budgets": a.budgets, "block": block, "graphs": a.graphs,
+                           "overlap": a.overlap,
                            "concurrency": a.concurrency, "max_new_tokens": a.max_new_tokens, "greedy": True,
                            "requests_per_level": {str(c): max(a.requests or len(prompts), c) for c in a.concurrency},
                            "warmup_tokens": a.warmup_tokens, "server_args": a.server_args,

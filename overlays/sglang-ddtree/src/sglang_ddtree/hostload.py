@@ -12,10 +12,19 @@ these figures say per level, next to its tok/s:
 
 Pure parsers (tested on captured text) and two small readers of /proc; on a host without /proc every reader
 returns None and the level has no ``host`` figures.
+
+And each CPU's speed right before a server starts and right after it stops (:func:`cpu_speeds`: one short Python
+loop pinned to each CPU in turn, nothing of the bench's running). Why: on the H200's host the same pinned loop took
+198-470 ms from one vCPU to another and, on one vCPU, 220 then 411 ms minutes apart (benchmarks/results/h200_s10,
+``cpuspeed``), with no steal in /proc/stat: a vCPU shares its physical core with load this machine cannot see. A
+host-bound decode step is as slow as the CPU its scheduler lands on, so a level's figures are read against that
+CPU's speed (``sched_cpu_ms``: the before-start speed of the CPU the busiest server process last ran on).
 """
 from __future__ import annotations
 
 import os
+import statistics
+import time
 from typing import Dict, Iterable, List, Optional, Tuple
 
 # /proc/stat's cpu columns, in order (proc(5)); guest time is already inside user/nice
@@ -149,6 +158,70 @@ def clock_ticks() -> int:
         return 100
 
 
+SPIN_N = 400_000  # ~10-25 ms a CPU: 16 CPUs in well under a second
+
+
+def spin_ms(n: int = SPIN_N) -> float:
+    """Wall ms of one Python loop of ``n`` additions: the interpreter's speed where it runs (a decode step's host
+    time is this kind of work)."""
+    t = time.perf_counter()
+    s = 0
+    for i in range(n):
+        s += i
+    return (time.perf_counter() - t) * 1000.0
+
+
+def cpu_speeds(cpus: Optional[Iterable[int]] = None, n: int = SPIN_N, spin=spin_ms) -> Optional[Dict[int, float]]:
+    """{cpu: ms of :func:`spin_ms`} with this thread pinned to each CPU in turn (default: every CPU of the machine
+    this thread may be moved to; one it may not is left out), its own affinity restored after. None where the
+    platform cannot pin a thread."""
+    if not (hasattr(os, "sched_setaffinity") and hasattr(os, "sched_getaffinity")):
+        return None
+    allowed = os.sched_getaffinity(0)
+    todo = sorted(range(os.cpu_count() or 0) if cpus is None else {int(c) for c in cpus})
+    out: Dict[int, float] = {}
+    try:
+        for c in todo:
+            try:
+                os.sched_setaffinity(0, {c})
+            except (OSError, ValueError):  # offline, outside this cgroup's cpuset
+                continue
+            out[c] = round(spin(n), 2)
+    finally:
+        os.sched_setaffinity(0, allowed)
+    return out
+
+
+def speed_summary(speeds: Optional[Dict]) -> Optional[dict]:
+    """A CPU-speed reading's median and extremes: {"median_ms", "fastest_ms", "fastest_cpu", "slowest_ms",
+    "slowest_cpu"} (keys may be ints or, from JSON, digit strings); None where it is empty."""
+    if not speeds:
+        return None
+    items = sorted(((float(v), int(k)) for k, v in speeds.items()), key=lambda kv: (kv[0], kv[1]))
+    return {"median_ms": round(statistics.median(v for v, _ in items), 2), "fastest_ms": items[0][0],
+            "fastest_cpu": items[0][1], "slowest_ms": items[-1][0], "slowest_cpu": items[-1][1]}
+
+
+def sched_cpu_ms(host: Optional[dict], speeds: Optional[Dict]) -> Optional[float]:
+    """The speed (:func:`cpu_speeds`) of the CPU the level's busiest server process last ran on (the scheduler:
+    it is ~100% busy while a server decodes); None where either is unknown."""
+    procs = (host or {}).get("procs") or []
+    if not procs or not speeds:
+        return None
+    cpu = procs[0].get("last_cpu")
+    v = speeds.get(cpu, speeds.get(str(cpu)))
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def speed_line(speeds: Optional[Dict], when: str) -> str:
+    """The log's line for one CPU-speed reading."""
+    s = speed_summary(speeds)
+    if not s:
+        return f"cpus {when}: no reading"
+    return (f"cpus {when}: loop median {s['median_ms']} ms (fastest {s['fastest_ms']} on CPU {s['fastest_cpu']}, "
+            f"slowest {s['slowest_ms']} on CPU {s['slowest_cpu']})")
+
+
 class LevelWatch:
     """Reads the host before a level and, with :meth:`done`, after it: the level's ``host`` figures (None where
     the host has no /proc). ``pids``: a callable giving the server's pids (asked at both ends)."""
@@ -183,4 +256,5 @@ def host_line(h: Optional[dict]) -> str:
     steal = f"steal {h['steal_pct']}%"
     if h.get("steal_max_pct"):
         steal += f" (CPU {h['steal_max_cpu']}: {h['steal_max_pct']}%)"
-    return f"host: busy {h['busy_pct']}%, {steal}" + (f"; server: {top}" if top else "")
+    speed = f"; that CPU's loop {h['sched_cpu_ms']} ms before start" if h.get("sched_cpu_ms") is not None else ""
+    return f"host: busy {h['busy_pct']}%, {steal}" + (f"; server: {top}" if top else "") + speed

@@ -26,12 +26,14 @@ import math
 import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from .config import OVERLAP_ENV
+
 LEVEL = 0.95
 
 
 def _label(run: dict) -> str:
-    from .bench import RunSpec  # the one way a run is named, as bench's table names it
-    return RunSpec(run["mode"], run.get("budget"), run.get("block"), bool(run.get("graphs"))).label
+    from .bench import run_label  # the one way a run is named, as bench's table names it (with its scheduler)
+    return run_label(run)
 
 
 def round_levels(run: dict) -> Dict[int, List[Optional[dict]]]:
@@ -101,9 +103,12 @@ def median_interval(xs: Sequence[float], level: float = LEVEL) -> Optional[Tuple
 def conditions(doc: dict) -> Dict[str, object]:
     """What must be the same for two reports' rounds to pool (as the report recorded it)."""
     s = doc.get("settings") or {}
+    # the scheduler a DDTREE server ran is in its name (bench.run_label), whether a switch here or --overlap asked
+    # for it: reports that set it either way pool
+    env = {k: v for k, v in (s.get("ddtree_env") or {}).items() if k != OVERLAP_ENV}
     return {"target": (doc.get("model") or {}).get("target"), "max_new_tokens": s.get("max_new_tokens"),
             "prompts": s.get("prompts"), "requests": s.get("requests_per_level"),
-            "server_args": s.get("server_args") or "", "cpus": s.get("server_cpus"), "env": s.get("ddtree_env") or {}}
+            "server_args": s.get("server_args") or "", "cpus": s.get("server_cpus"), "env": env}
 
 
 def conditions_text(cond: Dict[str, object]) -> str:
