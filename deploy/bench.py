@@ -23,7 +23,9 @@ beside it (``RELEASE.png``).
    the plugin source is what was measured); of those, the newest;
 2. its runs that the deploy can serve as measured: a deployable mode (DFLASH = ``linear``, ``shadow-linear``,
    ``tree-verify``), measured with the CUDA-graph setting the deploy renders for that mode, the chain modes at
-   the service's ``block_size``, and no failed request;
+   the service's ``block_size``, tree-verify on the scheduler the service asks for (its ``env``'s
+   ``SGLANG_DDTREE_OVERLAP``: the overlap scheduler where set to 1, else the synchronous one; a run is on the one
+   its server said it ran), and no failed request;
 3. the level: the measured concurrency nearest the service's ``concurrency`` on a log scale (4 and 16 are equally
    near 8); a tie goes to the higher one (throughput under more load is the safer guess);
 4. the fastest run at that level by output tok/s; runs within 1% of the fastest are a tie, which goes to the
@@ -51,6 +53,11 @@ from .release import hybrid
 REPORT_SCHEMA = "ddtree-bench/1"  # what the plugin's bench module writes
 RESULT_SCHEMA = "ddtree-bench-result/1"  # what is kept here
 BENCH_MODES = ("plain", "dflash", "tree-verify", "shadow-linear")
+# --overlap: the scheduler the bench asks of each tree-verify server (the plugin's bench --overlap); "default":
+# none asked, the plugin's own (the synchronous scheduler)
+OVERLAP_CHOICES = ("default", "off", "on", "both")
+OVERLAP_ENV = "SGLANG_DDTREE_OVERLAP"  # the plugin's switch (sglang_ddtree.config.OVERLAP_ENV)
+OVERLAP_ON = ("1", "on", "true", "yes")  # what the plugin reads as asked (config.overlap_decision)
 DEPLOY_MODE = {"dflash": "linear", "shadow-linear": "shadow-linear", "tree-verify": "tree-verify"}
 SIMPLER = {"linear": 0, "shadow-linear": 1, "tree-verify": 2}  # the tie order
 TIE = 0.01
@@ -178,6 +185,7 @@ class BenchPlan:
     warnings: tuple = ()
     rounds: int = 1  # the whole list this many times over, a fresh server each time (medians reported)
     cpus: str | None = None  # the host's CPUs every bench server is pinned to (the load generator gets the rest)
+    overlap: str = "default"  # tree-verify's scheduler: default, off, on or both (one of each a round)
 
     def agent_args(self) -> dict:
         return {"gpu": self.gpu, "modes": list(self.modes), "budgets": list(self.budgets),
@@ -186,7 +194,7 @@ class BenchPlan:
                 "prompt_len": self.prompt_len, "seed": self.seed, "tiny": self.tiny, "model": self.model,
                 "draft_model": self.draft_model, "venv": self.venv, "user": self.user, "prefix": self.prefix,
                 "server_args": list(self.server_args), "prompts": self.prompts, "rounds": self.rounds,
-                "cpus": self.cpus}
+                "cpus": self.cpus, "overlap": self.overlap}
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -201,13 +209,17 @@ def plan_bench(host: Host, probe: dict, *, gpu: int | None = None, modes_: tuple
                num_prompts: int = DEFAULTS["num_prompts"], prompt_len: int = DEFAULTS["prompt_len"],
                seed: int = DEFAULTS["seed"], prompts: list | None = None, prompts_source: str = "random",
                server_args: tuple = (), deadline: float = 3600.0, rounds: int = 1,
-               cpus: str | None = None) -> BenchPlan:
+               cpus: str | None = None, overlap: str = "default") -> BenchPlan:
     """The benchmark run for `host` from its inventory entry and a `release.probe` result. Raises BenchRefused."""
     gpu, svc = smokemod.gpu_and_service(host, gpu, BenchRefused, "pass --gpu (and --tiny)")
     if graphs not in ("on", "off", "both"):
         raise BenchRefused(f"--graphs {graphs!r}: on, off or both")
     if not (type(rounds) is int and 1 <= rounds <= 20):
         raise BenchRefused(f"--rounds {rounds!r}: 1 to 20")
+    if overlap not in OVERLAP_CHOICES:
+        raise BenchRefused(f"--overlap {str(overlap)[:40]!r}: {', '.join(OVERLAP_CHOICES)}")
+    if overlap != "default" and "tree-verify" not in modes_:
+        raise BenchRefused(f"--overlap {overlap}: it sets tree-verify's scheduler, and --modes has no tree-verify")
     if family is not None and family not in ("hybrid", "dense"):
         raise BenchRefused(f"--family {family!r}: hybrid or dense")
     from .remote.host.bench import CPUS_RE  # the host op's own rule (imported where used, as host_command does)
@@ -267,7 +279,7 @@ def plan_bench(host: Host, probe: dict, *, gpu: int | None = None, modes_: tuple
                      # the service's own extra_args, then --server-args (last, so the operator's word wins)
                      server_args=(tuple(svc.extra_args) if svc is not None and not tiny else ()) + tuple(server_args),
                      deadline=float(deadline), prompts=prompts, prompts_source=prompts_source,
-                     warnings=tuple(warnings), rounds=rounds, cpus=cpus)
+                     warnings=tuple(warnings), rounds=rounds, cpus=cpus, overlap=overlap)
 
 
 # ----------------------------------------------------------------------------- the report, hostile
@@ -309,6 +321,9 @@ def parse_report(doc) -> dict:
             p.append(f"{w}.graphs must be true or false")
         if r.get("status") not in ("ok", "failed"):
             p.append(f"{w}.status must be ok or failed")
+        for k in ("overlap", "overlap_schedule"):  # asked of the plugin / what the server said it ran
+            if r.get(k) is not None and not isinstance(r.get(k), bool):
+                p.append(f"{w}.{k} must be true, false or null")
         levels = r.get("levels")
         if not isinstance(levels, list) or len(levels) > MAX_LEVELS:
             p.append(f"{w}.levels must be a list of at most {MAX_LEVELS}")
@@ -347,7 +362,8 @@ def parse_report(doc) -> dict:
                               | ({"tok_s_rounds": list(tr)} if tr is not None else {}))
         out_runs.append({"mode": mode, "budget": budget if mode in ("tree-verify", "shadow-linear") else None,
                          "block": block, "graphs": graphs, "status": r.get("status"), "error": _text(r.get("error")),
-                         "levels": out_levels})
+                         "levels": out_levels}
+                        | {k: r[k] for k in ("overlap", "overlap_schedule") if isinstance(r.get(k), bool)})
     paired = _parse_paired(doc.get("paired"), {run_label(r) for r in out_runs} if not p else set(), p)
     if p:
         raise BadReport(p)
@@ -485,9 +501,11 @@ class Choice:
     source: str  # which result: HOST/RELEASE.json and when
     plain_tok_s: float | None = None
     runner_up: str | None = None
+    overlap: bool = False  # measured (and deployed) on SGLang's overlap scheduler: the service's env asks it
 
     def note(self) -> str:
         b = f" B={self.budget}" if self.mode != "linear" else ""
+        b += " on the overlap scheduler" if self.overlap and self.mode == "tree-verify" else ""
         at = f"concurrency {self.concurrency}" + ("" if self.concurrency == self.wanted else
                                                   f" (nearest measured to {self.wanted})")
         s = f"{self.mode}{b}: {self.tok_s:.1f} tok/s at {at}, bench {self.source}"
@@ -506,10 +524,26 @@ def nearest_level(levels, wanted: int) -> int:
     return min(set(levels), key=lambda c: (abs(math.log2(c) - math.log2(wanted)), -c))
 
 
+def service_overlap(env) -> bool:
+    """Whether a service asks the plugin for SGLang's overlap scheduler: its ``env`` (Service.env, (name, value)
+    pairs) sets SGLANG_DDTREE_OVERLAP to what the plugin reads as yes."""
+    return any(k == OVERLAP_ENV and str(v).strip().lower() in OVERLAP_ON for k, v in env or ())
+
+
+def ran_overlap(run: dict) -> bool:
+    """Whether a DDTREE run's server ran SGLang's overlap scheduler (what it said; where it said nothing, what the
+    bench asked of it). DFLASH and plain run it by default and are not named by it."""
+    ran = run.get("overlap_schedule")
+    if not isinstance(ran, bool):
+        ran = run.get("overlap")
+    return run.get("mode") in ("tree-verify", "shadow-linear") and ran is True
+
+
 def choose(results: list[dict], *, host: str, plugin_digest: str | None, model: str | None,
-           draft_model: str | None, concurrency: int, block_size: int, graphs_for) -> Choice:
+           draft_model: str | None, concurrency: int, block_size: int, graphs_for, overlap: bool = False) -> Choice:
     """The mode and budget `mode: auto` gives a service (the rule is in the module docstring). `graphs_for(mode)`
-    is whether the deploy runs `mode` with decode CUDA graphs. Raises NoChoice with what to do."""
+    is whether the deploy runs `mode` with decode CUDA graphs; `overlap`: the service asks for SGLang's overlap
+    scheduler (:func:`service_overlap`). Raises NoChoice with what to do."""
     want = f"host {host}, model {model} with drafter {draft_model}, plugin source {str(plugin_digest)[:12]}"
     todo = ("run `fab bench " + host + "` with this plugin deployed (fab deploy --mode ... first), or set a mode")
     if not plugin_digest:
@@ -536,11 +570,13 @@ def choose(results: list[dict], *, host: str, plugin_digest: str | None, model: 
                 continue
             if mode in ("linear", "shadow-linear") and run["block"] != block_size:
                 continue
+            if mode == "tree-verify" and ran_overlap(run) != overlap:  # measured on another scheduler
+                continue
             rows.append((mode, run["budget"], lv["concurrency"], lv["output_tok_s"]))
     if not rows:
         raise NoChoice(f"bench {source} has no run the deploy can serve as measured (a deployable mode with the "
-                       f"deploy's CUDA-graph setting, block {block_size} for the chain modes, no failed request); "
-                       f"{todo}")
+                       f"deploy's CUDA-graph setting, block {block_size} for the chain modes, tree-verify on the "
+                       f"{'overlap' if overlap else 'synchronous'} scheduler, no failed request); {todo}")
     level = nearest_level([r[2] for r in rows], concurrency)
     at = sorted((r for r in rows if r[2] == level), key=lambda r: -r[3])
     best_tps = at[0][3]
@@ -550,7 +586,7 @@ def choose(results: list[dict], *, host: str, plugin_digest: str | None, model: 
     runner = (f"{rest[0][0]}" + (f" B={rest[0][1]}" if rest[0][0] != "linear" else "") + f" {rest[0][3]:.1f} tok/s"
               if rest else None)
     return Choice(mode=pick[0], budget=pick[1], tok_s=pick[3], concurrency=level, wanted=concurrency,
-                  source=source, plain_tok_s=plain.get(level), runner_up=runner)
+                  source=source, plain_tok_s=plain.get(level), runner_up=runner, overlap=overlap)
 
 
 def resolve_auto(inventory_path: str, hosts: list[Host], plugin_digest: str | None, graphs_for,
@@ -576,7 +612,7 @@ def resolve_auto(inventory_path: str, hosts: list[Host], plugin_digest: str | No
             try:
                 c = choose(results, host=h.name, plugin_digest=plugin_digest, model=s.model,
                            draft_model=s.draft_model, concurrency=s.concurrency or 1, block_size=s.block_size,
-                           graphs_for=lambda m, s=s: graphs_for(s, m))
+                           graphs_for=lambda m, s=s: graphs_for(s, m), overlap=service_overlap(s.env))
             except ValueError as exc:  # NoChoice, or a service the deploy could not render (its message)
                 if s.enabled:
                     bad.append(f"{s.instance}: mode auto: {exc}")
@@ -605,7 +641,7 @@ def run_label(run: dict) -> str:
     """A run's name in tables, as the plugin's bench names it (RunSpec.label)."""
     part = {"plain": "plain", "dflash": f"dflash blk={run['block']}"}.get(run["mode"],
                                                                           f"{run['mode']} B={run['budget']}")
-    return f"{part} graphs={'on' if run['graphs'] else 'off'}"
+    return f"{part}{' overlap' if ran_overlap(run) else ''} graphs={'on' if run['graphs'] else 'off'}"
 
 
 def rows(report: dict) -> list[dict]:

@@ -22,10 +22,13 @@ from invoke import Exit, task
                       "(default 1)",
             "cpus": "pin every bench server to these CPUs of the host (0-3,8) and the load generator to the others: "
                     "a host-bound decode step then does not depend on where the kernel put the server",
+            "overlap": "tree-verify on SGLang's overlap scheduler (on), the synchronous one (off), or one of each "
+                       "every round (both); default: the plugin's own (synchronous). mode: auto picks among the runs "
+                       "on the scheduler the service asks for (env SGLANG_DDTREE_OVERLAP)",
             "timeout": "seconds for the whole run on the host (default 3600)", "json": "print the result as JSON",
             "dry_run": "probe and plan only: show the plan and the host's command line, start nothing"})
 def bench(c, host, gpu=None, modes=None, budgets=None, concurrency=None, graphs=None, prompts=None, tiny=False,
-          family=None, tokens=None, requests=None, server_args=None, rounds=None, cpus=None, timeout=3600,
+          family=None, tokens=None, requests=None, server_args=None, rounds=None, cpus=None, overlap=None, timeout=3600,
           json=False, dry_run=False):
     """Benchmark plain, DFLASH and DDTREE on one GPU with the active release; keep the result for `mode: auto`."""
     from pathlib import Path
@@ -46,7 +49,7 @@ def bench(c, host, gpu=None, modes=None, budgets=None, concurrency=None, graphs=
               "max_new_tokens": int(tokens) if tokens else d["max_new_tokens"],
               "requests": int(requests) if requests else None,
               "server_args": tuple((server_args or "").split()), "deadline": float(timeout),
-              "rounds": int(rounds) if rounds else 1, "cpus": cpus or None}
+              "rounds": int(rounds) if rounds else 1, "cpus": cpus or None, "overlap": overlap or "default"}
         if prompts:
             kw.update(prompts=lib.load_prompt_file(prompts), prompts_source=str(prompts))
     except ValueError as exc:  # BenchRefused is one
@@ -64,7 +67,8 @@ def bench(c, host, gpu=None, modes=None, budgets=None, concurrency=None, graphs=
               f"{plan.graphs}, concurrency {','.join(map(str, plan.concurrency))}, {plan.max_new_tokens} tokens, "
               f"prompts {plan.prompts_source}; one server at a time"
               + (f", the whole list {plan.rounds} times over (medians)" if plan.rounds > 1 else "")
-              + (f", servers pinned to CPUs {plan.cpus}" if plan.cpus else ""), flush=True)
+              + (f", servers pinned to CPUs {plan.cpus}" if plan.cpus else "")
+              + (f", tree-verify scheduler: {plan.overlap}" if plan.overlap != "default" else ""), flush=True)
         for w in plan.warnings:
             print(f"[{plan.host}] WARNING {w}", flush=True)
 

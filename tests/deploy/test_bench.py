@@ -83,6 +83,8 @@ def test_plan_takes_the_service_its_models_block_and_extra_args(tmp_path):
     ({"rounds": 0}, {}, "--rounds 0: 1 to 20"), ({"rounds": 21}, {}, "1 to 20"),
     ({"cpus": "0-3 8"}, {}, "a CPU list like 0-3,8"), ({"cpus": "$(reboot)"}, {}, "a CPU list like 0-3,8"),
     ({"tiny": True}, {"configs": {}}, "no readable config.json"),
+    ({"overlap": "maybe"}, {}, "--overlap 'maybe': default, off, on, both"),
+    ({"overlap": "both", "modes_": ("plain", "dflash")}, {}, "--modes has no tree-verify"),
 ])
 def test_plan_refusals(tmp_path, kw, pr, msg):
     h = inventory(tmp_path).hosts["h"]
@@ -375,6 +377,53 @@ def test_the_newest_matching_result_decides():
     assert pick([new, old], 4).mode == "tree-verify" and new["created"] in pick([old, new], 4).source
 
 
+def test_tree_verify_counts_only_on_the_scheduler_the_service_asks_for():
+    """A DDTREE run is on the scheduler its server said it ran (else the one asked); a service gets tree-verify
+    measured on its own scheduler: the overlap one where its env sets SGLANG_DDTREE_OVERLAP=1."""
+    rep = report(runs=[("dflash", None, 16, True, [(1, 150)]), ("tree-verify", 63, None, False, [(1, 200)]),
+                       ("tree-verify", 63, None, False, [(1, 240)]), ("tree-verify", 127, None, False, [(1, 260)])])
+    rep["runs"][2]["overlap_schedule"] = True  # --overlap both: the same budget on the overlap scheduler
+    rep["runs"][3].update(overlap=True, overlap_schedule=False)  # asked, but the plugin kept it synchronous
+    rs = [record(rep)]
+    sync, over = pick(rs, 1), pick(rs, 1, overlap=True)
+    assert (sync.mode, sync.budget, sync.tok_s, sync.overlap) == ("tree-verify", 127, 260, False)
+    assert (over.mode, over.budget, over.tok_s) == ("tree-verify", 63, 240)
+    assert over.note().startswith("tree-verify B=63 on the overlap scheduler: 240.0 tok/s")
+    assert [bench.run_label(r) for r in record(rep)["report"]["runs"][1:]] == [
+        "tree-verify B=63 graphs=off", "tree-verify B=63 overlap graphs=off", "tree-verify B=127 graphs=off"]
+    assert bench.service_overlap((("SGLANG_DDTREE_OVERLAP", "1"),)) and bench.service_overlap((("X", "1"),
+                                                                                          ("SGLANG_DDTREE_OVERLAP", "yes")))
+    assert not bench.service_overlap((("SGLANG_DDTREE_OVERLAP", "0"),)) and not bench.service_overlap(())
+    only_sync = [record(report(runs=[("tree-verify", 15, None, False, [(1, 900)])]))]
+    with pytest.raises(bench.NoChoice, match="tree-verify on the overlap scheduler"):
+        pick(only_sync, 1, overlap=True)
+    bad = json.loads(json.dumps(rep))
+    bad["runs"][2]["overlap_schedule"] = "yes"
+    with pytest.raises(bench.BadReport, match=r"runs\[2\].overlap_schedule must be true, false or null"):
+        bench.parse_report(bad)
+
+
+def test_the_plugins_overlap_both_report_and_its_paired_names_pass_the_control_side():
+    """The plugin's own names for a report with both schedulers (bench.run_label, paired.report_section) are the
+    control side's: the paired section's runs are all among the report's."""
+    pb = pytest.importorskip("sglang_ddtree.bench")
+    pp = pytest.importorskip("sglang_ddtree.paired")
+    level = report()["runs"][0]["levels"][0]
+
+    def run(per_round, **kw):
+        rounds = [{"status": "ok", "levels": [dict(level, output_tok_s=v)]} for v in per_round]
+        return dict({"budget": None, "block": None, "graphs": True, "status": "ok", "error": None,
+                     "rounds": rounds, "levels": [dict(level, output_tok_s=sorted(per_round)[0])]}, **kw)
+    doc = report()
+    doc["runs"] = [run([100.0, 200.0], mode="dflash", block=16, overlap_schedule=True),
+                   run([150.0, 180.0], mode="tree-verify", budget=127, overlap=False, overlap_schedule=False),
+                   run([130.0, 260.0], mode="tree-verify", budget=127, overlap=True, overlap_schedule=True)]
+    doc["paired"] = pp.report_section(doc)
+    got = bench.parse_report(json.loads(json.dumps(doc)))
+    assert [r["run"] for r in got["paired"]] == ["tree-verify B=127 graphs=on", "tree-verify B=127 overlap graphs=on"]
+    assert [bench.run_label(r) for r in got["runs"]] == [pb.run_label(r) for r in doc["runs"]]
+
+
 def test_resolve_auto_gives_the_service_its_mode_or_refuses_the_host(tmp_path):
     inv = inventory(tmp_path)
     h = inv.hosts["h"]
@@ -457,6 +506,7 @@ def inventory_for_args():
     ({"user": "r oot"}, "plain user name"), ({"prompts": [[1, -1]]}, "token ids"), ({"prompts": []}, "1-4096"),
     ({"tiny": "moe"}, "tiny must be"), ({"rounds": 0}, "rounds must be"), ({"rounds": True}, "rounds must be"),
     ({"cpus": "0-3;reboot"}, "cpus must be"), ({"cpus": "0 1"}, "cpus must be"), ({"cpus": 3}, "cpus must be"),
+    ({"overlap": "--spy"}, "overlap must be"), ({"overlap": None}, "overlap must be"),
 ])
 def test_host_op_refuses_bad_arguments(kw, msg):
     with pytest.raises(Failure, match=msg):
@@ -486,6 +536,12 @@ def test_host_op_command_line_is_what_the_plugins_parser_reads():
     hostbench.check_args(r)
     assert pb.parse_args(hostbench.bench_argv("/py", r, "/r", 60, "/w")[3:]).rounds == 3
     assert pb.parse_args(hostbench.bench_argv("/py", t, "/r", 60, "/w")[3:]).cpus is None
+    # --overlap: passed only where asked (a host whose plugin predates it is never given the flag)
+    assert a["overlap"] == "default" and "--overlap" not in hostbench.bench_argv("/py", a, "/r", 60, "/w")
+    for ov in ("both", "on", "off"):
+        o = bench.plan_bench(inventory_for_args(), probe(), overlap=ov).agent_args() | {"prefix": a["prefix"]}
+        hostbench.check_args(o)
+        assert pb.parse_args(hostbench.bench_argv("/py", o, "/r", 60, "/w")[3:]).overlap == ov
     import os
 
     one = str(sorted(os.sched_getaffinity(0))[0])  # the plugin checks the CPUs against the host it runs on
@@ -506,23 +562,26 @@ def test_smoke_of_an_auto_service_runs_the_mode_the_last_deploy_chose(tmp_path):
         plan_smoke(h, probe(manifest=None), gpu=1)
 
 
-@pytest.mark.parametrize("report,expect", [
-    ("bench_h200_hybrid_glue.json", {1: ("linear", None), 4: ("tree-verify", 31), 16: ("tree-verify", 31)}),
-    ("bench_h200_dense_glue.json", {1: ("tree-verify", 31), 4: ("tree-verify", 31), 16: ("tree-verify", 31)}),
-    # session 6: DDTREE on SGLang's overlap scheduler (the report's per-server overlap_schedule, which the control
-    # side does not keep): DFLASH wins at 1 and 4, DDTREE at 16
-    ("h200_s6/bench-dense-gdef.json", {1: ("linear", None), 4: ("linear", None), 16: ("tree-verify", 31)}),
+@pytest.mark.parametrize("report,overlap,expect", [
+    ("bench_h200_hybrid_glue.json", False, {1: ("linear", None), 4: ("tree-verify", 31), 16: ("tree-verify", 31)}),
+    ("bench_h200_dense_glue.json", False, {1: ("tree-verify", 31), 4: ("tree-verify", 31), 16: ("tree-verify", 31)}),
+    # session 6: DDTREE on SGLang's overlap scheduler (the report's per-server overlap_schedule): for a service that
+    # asks for that scheduler DFLASH wins at 1 and 4, DDTREE at 16; a service on the synchronous one gets DFLASH,
+    # the only run measured as it would serve
+    ("h200_s6/bench-dense-gdef.json", True, {1: ("linear", None), 4: ("linear", None), 16: ("tree-verify", 31)}),
+    ("h200_s6/bench-dense-gdef.json", False, {1: ("linear", None), 4: ("linear", None), 16: ("linear", None)}),
 ])
-def test_mode_auto_on_the_h200_figures_picks_each_levels_winner(report, expect):
+def test_mode_auto_on_the_h200_figures_picks_each_levels_winner(report, overlap, expect):
     """The real reports of the H200 runs (benchmarks/results/, all servers with decode CUDA graphs), read as any
-    kept result is: `mode: auto` gets the fastest speculative mode at the service's level."""
+    kept result is: `mode: auto` gets the fastest speculative mode at the service's level, on its scheduler."""
     from pathlib import Path
 
     doc = json.loads((Path(__file__).resolve().parents[2] / "benchmarks" / "results" / report).read_text())
     rs = [record(doc)]
     for conc, (mode, budget) in expect.items():
-        c = pick(rs, conc, graphs_for=lambda m: True)
+        c = pick(rs, conc, graphs_for=lambda m: True, overlap=overlap)
         fastest = max((lv["output_tok_s"], r["mode"], r["budget"]) for r in doc["runs"] if r["mode"] != "plain"
+                      and (r["mode"] != "tree-verify" or (r.get("overlap_schedule") is True) == overlap)
                       for lv in r["levels"] if lv["concurrency"] == conc)
         assert (c.mode, c.budget, c.concurrency) == (mode, budget, conc)
         assert c.tok_s == fastest[0] and bench.DEPLOY_MODE[fastest[1]] == c.mode
@@ -534,3 +593,10 @@ def test_cpus_reach_the_hosts_command_line(tmp_path):
     argv = bench.host_command(plan)
     assert argv[argv.index("--cpus") + 1] == "2-3,8"
     assert "--cpus" not in bench.host_command(bench.plan_bench(inventory(tmp_path).hosts["h"], probe()))
+
+
+def test_overlap_reaches_the_hosts_command_line(tmp_path):
+    plan = bench.plan_bench(inventory(tmp_path).hosts["h"], probe(), overlap="both")
+    argv = bench.host_command(plan)
+    assert argv[argv.index("--overlap") + 1] == "both" and plan.to_json()["overlap"] == "both"
+    assert "--overlap" not in bench.host_command(bench.plan_bench(inventory(tmp_path).hosts["h"], probe()))

@@ -93,6 +93,30 @@ def test_what_a_ratio_is_made_of_accept_and_step_paired_like_the_ratio():
     assert paired.pairs([plain])[0]["median_accept_ratio"] == 0.2
 
 
+def test_each_pair_says_how_fast_each_sides_scheduler_cpu_was():
+    """host.sched_cpu_ms (the loop time, before the server started, of the CPU its scheduler ran on): per pair the
+    run's over the peer's, the median, and in how many pairs the run had the slower CPU; the overlap scheduler's
+    DDTREE server is a row of its own (named by what its server said it ran), paired with the same DFLASH."""
+    def run(mode, per_round, cpu_ms, **kw):
+        r = _run(mode, per_round, **kw)
+        for rnd, ms in zip(r["rounds"], cpu_ms):
+            if ms is not None:
+                rnd["levels"][0]["host"] = {"busy_pct": 8.0, "steal_pct": 0.0, "procs": [], "sched_cpu_ms": ms}
+        return r
+    ov = run("tree-verify", [260, 240, 250], [200.0, 400.0, 300.0], budget=127)
+    ov["overlap_schedule"] = True
+    doc = _doc([run("dflash", [200, 200, 200], [200.0, 200.0, None], block=16),
+                run("tree-verify", [300, 150, 250], [300.0, 400.0, 200.0], budget=127), ov])
+    rows = {r["run"]: r for r in paired.pairs([doc])}
+    sync, over = rows["tree-verify B=127 graphs=on"], rows["tree-verify B=127 overlap graphs=on"]
+    assert [p.get("cpu_ratio") for p in sync["pairs"]] == [1.5, 2.0, None]  # round 3: DFLASH's CPU not read
+    assert sync["median_cpu_ratio"] == 1.75 and [p["ratio"] for p in over["pairs"]] == [1.3, 1.2, 1.25]
+    assert "its scheduler's CPU 1.75x the peer's loop time (slower in 2 of 2)" in paired.format_pairs([sync])
+    assert "its scheduler's CPU 1.50x the peer's loop time (slower in 1 of 2)" in paired.format_pairs([over])
+    bare = _doc([_run("dflash", [100], block=16), _run("tree-verify", [150], budget=31)])
+    assert "median_cpu_ratio" not in paired.pairs([bare])[0] and "CPU" not in paired.format_pairs(paired.pairs([bare]))
+
+
 def test_reports_from_before_step_ms_get_an_estimate_at_one_request_only():
     """Without step_ms, a one-request level's step is estimated from what it kept: (max_new / tok/s - TTFT p50)
     over max_new / accept steps; said so in the line. At higher concurrency there is no such estimate."""

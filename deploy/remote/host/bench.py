@@ -61,6 +61,8 @@ def check_args(a):
     _int(a, "prompt_len", 1, 8192)
     _int(a, "seed", 0, 2 ** 31)
     _int(a, "rounds", 1, 20, optional=True)
+    if a.get("overlap", "default") not in ("default", "off", "on", "both"):
+        raise Failure("bad-args", "overlap must be default, off, on or both")
     if a.get("cpus") is not None and not (isinstance(a["cpus"], str) and CPUS_RE.match(a["cpus"])):
         raise Failure("bad-args", "cpus must be a CPU list like 0-3,8")
     if a.get("user") is not None and not USER_RE.match(a["user"]):
@@ -108,6 +110,8 @@ def bench_argv(python, a, report, runtime_max, work):
         argv += ["--rounds", str(a["rounds"])]
     if a.get("cpus"):
         argv += ["--cpus", a["cpus"]]
+    if a.get("overlap", "default") != "default":  # a plugin from before --overlap is never asked for it
+        argv += ["--overlap", a["overlap"]]
     if a.get("prompts") is not None:
         argv += ["--prompts", work + "/prompts.json"]
     if a.get("server_args"):

@@ -158,7 +158,7 @@ class RunSpec:
     budget: Optional[int]  # B for tree-verify / shadow-linear, else None
     block: Optional[int]  # the DFlash chain width for dflash / shadow-linear, else None
     graphs: bool
-    overlap: Optional[bool] = None  # tree-verify: the overlap scheduler asked for (True), refused (False), or as set
+    overlap: Optional[bool] = None  # tree-verify: overlap scheduler asked on (True), off (False), as the switch is (None)
 
     @property
     def draft_tokens(self) -> Optional[int]:

@@ -6,12 +6,16 @@ is compared with its peer round by round, never median against median: in round 
 ran one right after the other (``bench --rounds``), and their ratio is one paired figure. Pairs from several
 reports (several calls, machines or days) pool; each report's rounds are paired only within that report, and
 reports pool only under the same conditions (target, prompts, tokens, requests, server arguments, server CPUs and
-the plugin's SGLANG_DDTREE_* switches as the report recorded them): other conditions are other rows.
+the plugin's SGLANG_DDTREE_* switches as the report recorded them, but the scheduler's: a DDTREE run is named by the
+scheduler its server ran, ``bench.run_label``): other conditions are other rows.
 
 For each (run, peer, concurrency): every round's ratio, their median, a distribution-free 95% interval of that
 median (order statistics of the sign test: with n pairs, the k-th smallest and k-th largest ratio, k the largest
 with P(Binomial(n, 1/2) < k) <= 2.5%; none below 6 pairs), and in how many rounds the run was ahead. A failed
-round (a server that did not start or measured nothing) pairs with nothing.
+round (a server that did not start or measured nothing) pairs with nothing. Where the reports say, each pair also
+has what its ratio is made of (the accept and step ratios) and how fast each side's host CPU was: the before-start
+loop time of the CPU each scheduler ran on (``host.sched_cpu_ms``; a pair whose run had the slower CPU is a pair
+the host weighed on).
 
     python -m sglang_ddtree.paired REPORT.json [REPORT.json ...] [--peer dflash] [--json]
 
@@ -71,6 +75,11 @@ def _step(lv: dict, max_new) -> Tuple[Optional[float], bool]:
     steps = max_new / acc if _pos(acc) else max_new - 1 if acc is None else 0
     decode_ms = max_new / tok_s * 1000.0 - ttft
     return (round(decode_ms / steps, 4), True) if steps > 0 and decode_ms > 0 else (None, False)
+
+
+def _sched_cpu(lv: dict) -> Optional[float]:
+    v = (lv.get("host") or {}).get("sched_cpu_ms")
+    return float(v) if _pos(v) else None
 
 
 def _accept(lv: dict) -> Optional[float]:
@@ -159,6 +168,9 @@ def pairs(docs: Sequence[dict], peer: str = "dflash") -> List[dict]:
                     if st and pst:
                         pair.update(step_ms=st, peer_step_ms=pst, step_ratio=round(st / pst, 4),
                                     step_estimated=est or pest)
+                    cpu, pcpu = _sched_cpu(lv), _sched_cpu(pv)
+                    if cpu and pcpu:  # how fast the CPU each scheduler ran on was (loop ms: more is slower)
+                        pair.update(cpu_ms=cpu, peer_cpu_ms=pcpu, cpu_ratio=round(cpu / pcpu, 4))
                     row["pairs"].append(pair)
     out = []
     for key in sorted(pooled, key=lambda k: (k[3], k[1], k[0])):
@@ -172,7 +184,7 @@ def pairs(docs: Sequence[dict], peer: str = "dflash") -> List[dict]:
                    ahead=sum(r > 1 for r in ratios),
                    median_tok_s=round(median([p["tok_s"] for p in row["pairs"]]), 1),
                    peer_median_tok_s=round(median([p["peer_tok_s"] for p in row["pairs"]]), 1))
-        for k in ("accept_ratio", "step_ratio", "step_ms", "peer_step_ms"):  # over the pairs that have it
+        for k in ("accept_ratio", "step_ratio", "step_ms", "peer_step_ms", "cpu_ratio"):  # over the pairs with it
             xs = [p[k] for p in row["pairs"] if k in p]
             if xs:
                 row["median_" + k] = round(median(xs), 4)
@@ -217,6 +229,11 @@ def why_text(r: dict) -> str:
         parts.append(f"step {r['median_step_ratio']:.2f}x the peer's ({r['median_step_ms']:.2f} vs "
                      f"{r['median_peer_step_ms']:.2f} ms" + (", estimated from tok/s and TTFT" if
                                                              r.get("step_estimated") else "") + ")")
+    if "median_cpu_ratio" in r:
+        n = sum(1 for p in r["pairs"] if "cpu_ratio" in p)
+        slower = sum(1 for p in r["pairs"] if p.get("cpu_ratio", 1.0) > 1.0)
+        parts.append(f"its scheduler's CPU {r['median_cpu_ratio']:.2f}x the peer's loop time (slower in {slower} "
+                     f"of {n})")
     return "; " + ", ".join(parts) if parts else ""
 
 
