@@ -891,9 +891,10 @@ def _one_server(a, run: RunSpec, rnd: int, entry: dict, prompts, target, drafter
                                    a.request_timeout)
             row = aggregate_level(recs, wall, c)
             host = watch.done(wall)
-            if host and sched_cpu_ms(host, speeds) is not None:
-                host["sched_cpu_ms"] = sched_cpu_ms(host, speeds)
             if host:
+                cpu_ms = sched_cpu_ms(host, speeds)
+                if cpu_ms is not None:
+                    host["sched_cpu_ms"] = cpu_ms
                 row["host"] = host
             entry["levels"].append(row)
             log(f"    c={c}: {row['output_tok_s']} tok/s, accept {row['accept_length']}, "
