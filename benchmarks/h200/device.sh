@@ -20,7 +20,8 @@
 #                                                         -> $OUT/bench-FAMILY-gGLUE[-GRAPHS][-ovOVERLAP][-TAG].{json,txt,png}
 #                             and the logs (with SPY=1 the py-spy captures; with RAW_TRACES=1 the DDTREE servers'
 #                             profiler traces) -> $OUT/bench-...-raw.tgz (only the logs where that passes 16 MB)
-#   matrix FAMILY BUDGETS     python -m ddtree_checks.serve_matrix (item 6, 64 x 128, conc 1 and 8)
+#   matrix FAMILY BUDGETS     python -m ddtree_checks.serve_matrix (item 6, 64 x 128, conc 1 and 8;
+#                             MATRIX_OVERLAP=both serves each tree-verify budget on both schedulers)
 #                             -> $OUT/matrix-FAMILY.{json,txt}
 # The call sequence and what each takes: benchmarks/h200/README.md.
 set -u
@@ -122,6 +123,7 @@ print(round((time.perf_counter() - t) * 1000, 1))')"
       timeout "${MATRIX_TIMEOUT:-570}" python3 -m ddtree_checks.serve_matrix --out "/tmp/m-$fam" \
         --work "/tmp/sm-$fam" --pairs /tmp/tiny --block 16 --graphs --budgets $budgets --prompts 64 --tokens 128 \
         --concurrency 8 --families "$fam" --start-timeout "${MATRIX_START_TIMEOUT:-420}" \
+        --overlap "${MATRIX_OVERLAP:-default}" \
         --mem-fraction "${MATRIX_MEM_FRACTION:-0.85}" > "$OUT/matrix-$fam.log" 2>&1 &
       pids+=($!)
     done

@@ -61,8 +61,16 @@ def _specs(family: str, paths: dict, quick: bool, a=None):
         "shadow-linear B=15": (smoke.ServerSpec("shadow-linear", t, d, budget=15, block=blk, extra_args=g, **caps),
                                {}),
     }
+    # --overlap: the scheduler each tree-verify server runs (the plugin reads SGLANG_DDTREE_OVERLAP at start-up);
+    # "both" serves every budget twice, synchronous and overlap, so one matrix proves both schedulers lossless.
+    sched = getattr(a, "overlap", "default")
+    runs = {"default": (("", {}),), "on": (("", {"SGLANG_DDTREE_OVERLAP": "1"}),),
+            "off": (("", {"SGLANG_DDTREE_OVERLAP": "0"}),),
+            "both": (("", {"SGLANG_DDTREE_OVERLAP": "0"}), (" overlap", {"SGLANG_DDTREE_OVERLAP": "1"}))}[sched]
     for b in ((15,) if quick else tuple(a.budgets)):
-        specs[f"tree-verify B={b}"] = (smoke.ServerSpec("tree-verify", t, d, budget=b, extra_args=g, **caps), {})
+        for suffix, env in runs:
+            specs[f"tree-verify B={b}{suffix}"] = (
+                smoke.ServerSpec("tree-verify", t, d, budget=b, extra_args=g, **caps), dict(env))
     if family == "hybrid":
         specs["LEAKY tree-verify B=15"] = (smoke.ServerSpec("tree-verify", t, d, budget=15, **caps),
                                            {"SGLANG_DDTREE_UNSAFE_CHAIN_STATE": "1"})
@@ -210,6 +218,9 @@ def main(argv=None) -> int:
     ap.add_argument("--block", type=int, default=8, help="DFLASH and shadow-linear chain block (the drafter's)")
     ap.add_argument("--budgets", nargs="+", type=int, default=[7, 15, 31, 63])
     ap.add_argument("--graphs", action="store_true", help="decode CUDA graphs on (all but the leaky server)")
+    ap.add_argument("--overlap", choices=("default", "on", "off", "both"), default="default",
+                    help="the tree-verify servers' scheduler (SGLANG_DDTREE_OVERLAP): the plugin's default, overlap, "
+                         "synchronous, or both (every budget served on each: 'tree-verify B=N overlap' beside it)")
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     os.makedirs(a.work, exist_ok=True)
@@ -221,7 +232,7 @@ def main(argv=None) -> int:
            "sglang": md.version("sglang"), "sglang_ddtree": md.version("sglang-ddtree"),
            "gpu": torch.cuda.get_device_name(a.gpu) if torch.cuda.is_available() else None,
            "margin": a.margin, "prompts": a.prompts, "tokens": a.tokens, "graphs": a.graphs, "block": a.block,
-           "pairs": a.pairs, "families": {}}
+           "pairs": a.pairs, "overlap": a.overlap, "families": {}}
     t0 = time.time()
     for fam in a.families:
         doc["families"][fam] = run_family(fam, a.out, a)
@@ -246,8 +257,8 @@ def summary(doc: dict) -> str:
              f"{'acc_len':>7} {'shadow':>6} {'tok/s':>7}  sampling  unsupported  off-argmax gaps by bucket"]
     for fam, f in doc["families"].items():
         for name, r in f["servers"].items():
-            if "tree-verify" in name and r.get("overlap_schedule") is True:  # the scheduler it ran, where not the default
-                name += " ovl"
+            if "tree-verify" in name and r.get("overlap_schedule") is True and not name.endswith(" overlap"):
+                name += " ovl"  # the scheduler it ran, where not the default
             if r.get("error") and not any(k.startswith(("sequential", "concurrent")) for k in r):
                 lines.append(f"{fam:7} {name:24} ERROR: {r['error'].splitlines()[0][:120]}")
                 continue

@@ -1,0 +1,62 @@
+"""ddtree_checks.serve_matrix's server set (the lossless matrix of issue 12 item 6 runs on the H200; here only what
+it would start): each tree-verify budget on the scheduler --overlap asks, and with ``both`` on each of the two."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")  # graph_check's siblings import the plugin's smoke helpers
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "overlays" / "sglang-ddtree" / "gpu_checks"))
+from ddtree_checks import serve_matrix as sm  # noqa: E402
+
+
+def _specs(family, overlap, budgets=(63, 127)):
+    import argparse
+
+    a = argparse.Namespace(block=16, graphs=True, mem_fraction=0.85, max_total_tokens=32768, concurrency=8,
+                           budgets=list(budgets), overlap=overlap)
+    return sm._specs(family, {"target": "/t", "drafter": "/d"}, False, a)
+
+
+@pytest.mark.parametrize("overlap,env", [("default", {}), ("on", {"SGLANG_DDTREE_OVERLAP": "1"}),
+                                         ("off", {"SGLANG_DDTREE_OVERLAP": "0"})])
+def test_one_scheduler(overlap, env):
+    specs = _specs("dense", overlap)
+    tv = {n: s for n, s in specs.items() if n.startswith("tree-verify")}
+    assert sorted(tv) == ["tree-verify B=127", "tree-verify B=63"]
+    for name, (spec, e) in tv.items():
+        assert e == env and spec.mode == "tree-verify" and spec.budget == int(name.split("=")[1])
+    # the reference servers never get the switch
+    assert specs["dflash"][1] == {} and specs["plain"][1] == {}
+
+
+def test_both_schedulers_each_budget_and_the_env_the_plugin_reads():
+    from sglang_ddtree import config
+
+    specs = _specs("hybrid", "both", budgets=(127,))
+    assert specs["tree-verify B=127"][1] == {"SGLANG_DDTREE_OVERLAP": "0"}
+    assert specs["tree-verify B=127 overlap"][1] == {"SGLANG_DDTREE_OVERLAP": "1"}
+    assert specs["tree-verify B=127 overlap"][0].budget == 127
+    # the leaky variant keeps its own env only (eager, default scheduler)
+    assert specs["LEAKY tree-verify B=15"][1] == {"SGLANG_DDTREE_UNSAFE_CHAIN_STATE": "1"}
+    # the env is what the plugin's decision reads: one server synchronous, the other overlap
+    cfg = config.DDTreeConfig(mode=config.TREE_VERIFY, budget=127, num_draft_tokens=128, topk=1,
+                              drafter_block_size=16)
+    on = [config.overlap_decision(cfg, 16, True, environ=specs[n][1])[0]
+          for n in ("tree-verify B=127", "tree-verify B=127 overlap")]
+    assert on == [False, True]
+
+
+def test_summary_names_the_scheduler_once():
+    doc = {"gpu": "H200", "torch": "2.11.0", "sglang": "0.5.17", "sglang_ddtree": "x", "prompts": 1, "tokens": 1,
+           "margin": 0.05, "families": {"dense": {"servers": {
+               "tree-verify B=127": {"overlap_schedule": False, "error": "boom"},
+               "tree-verify B=127 overlap": {"overlap_schedule": True, "error": "boom"},
+               "tree-verify B=63": {"overlap_schedule": True, "error": "boom"}}}}}
+    lines = sm.summary(doc).splitlines()
+    assert any("tree-verify B=127 overlap " in ln and "ovl" not in ln for ln in lines)
+    assert any("tree-verify B=63 ovl" in ln for ln in lines)
+    assert not any("B=127 ovl" in ln for ln in lines)
