@@ -172,6 +172,36 @@ def test_the_h200_reports_of_session_10_pool_with_session_9():
     assert [p["step_ms"] for p in ov["pairs"]] == [3.524, 4.02, 4.185]
 
 
+def test_the_h200_reports_of_session_11_pool_with_session_10():
+    """Session 11: both schedulers in the same rounds against the same DFLASH server (bench --overlap both, s11a and
+    s11b) and one round with plain (s11c). Pooled with session 10: B=127 synchronous 8 pairs, median 1.44x,
+    interval 0.98-1.84, ahead in 7; overlap 7 pairs, median 1.32x, interval 1.14-1.77, ahead in 7; plain 0.51x
+    DFLASH in its round (DDTREE 2.65x plain there)."""
+    paths = sorted((RESULTS / "h200_s10").glob("bench-dense-*.json")) + \
+        sorted((RESULTS / "h200_s11").glob("bench-dense-*.json"))
+    docs = [json.loads(p.read_text()) for p in paths]
+    by = {r["run"]: r for r in paired.pairs(docs) if r["concurrency"] == 1}
+    sync, ov = by["tree-verify B=127 graphs=on"], by["tree-verify B=127 overlap graphs=on"]
+    assert [round(p["ratio"], 2) for p in sync["pairs"]] == [1.56, 1.14, 0.98, 1.51, 1.84, 1.53, 1.31, 1.36]
+    assert (sync["n"], round(sync["median_ratio"], 2), sync["ahead"]) == (8, 1.44, 7)
+    assert [round(x, 2) for x in sync["interval"]] == [0.98, 1.84]
+    assert [round(p["ratio"], 2) for p in ov["pairs"]] == [1.28, 1.14, 1.33, 1.35, 1.77, 1.32, 1.22]
+    assert (ov["n"], round(ov["median_ratio"], 2), ov["ahead"]) == (7, 1.32, 7)
+    assert [round(x, 2) for x in ov["interval"]] == [1.14, 1.77]
+    # session 11's own rounds: DDTREE ahead in every one, on either scheduler
+    s11 = [p for r in (sync, ov) for p in r["pairs"] if p["ratio"] > 0 and p["report"] >= 3]
+    assert len(s11) == 9 and min(p["ratio"] for p in s11) > 1.2
+    # the same rounds, the two schedulers: the synchronous DDTREE server served more in each of the 4
+    both = [doc for p, doc in zip(paths, docs) if "-ovboth-" in p.name]
+    assert len(both) == 2
+    for doc in both:
+        tv = {run["overlap_schedule"]: [r["levels"][0]["output_tok_s"] for r in run["rounds"]]
+              for run in doc["runs"] if run["mode"] == "tree-verify"}
+        assert all(s > o for s, o in zip(tv[False], tv[True])) and len(tv[False]) == 2
+    plain = by["plain graphs=on"]
+    assert plain["n"] == 1 and round(plain["median_ratio"], 2) == 0.51
+
+
 def test_cli_exit_codes(tmp_path, capsys):
     good = tmp_path / "a.json"
     good.write_text(json.dumps(_doc([_run("dflash", [100], block=16), _run("tree-verify", [150], budget=31)])))
