@@ -40,7 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from sglang_ddtree import servers as servers_mod
 from sglang_ddtree import smoke
-from sglang_ddtree.bench import level_prompts, server_overlap
+from sglang_ddtree.bench import OVERLAP_CHOICES, level_prompts, overlap_env, server_overlap
 
 from .graph_check import GRAPHS_ON, _log_facts, _pair
 
@@ -63,14 +63,12 @@ def _specs(family: str, paths: dict, quick: bool, a=None):
     }
     # --overlap: the scheduler each tree-verify server runs (the plugin reads SGLANG_DDTREE_OVERLAP at start-up);
     # "both" serves every budget twice, synchronous and overlap, so one matrix proves both schedulers lossless.
-    sched = getattr(a, "overlap", "default")
-    runs = {"default": (("", {}),), "on": (("", {"SGLANG_DDTREE_OVERLAP": "1"}),),
-            "off": (("", {"SGLANG_DDTREE_OVERLAP": "0"}),),
-            "both": (("", {"SGLANG_DDTREE_OVERLAP": "0"}), (" overlap", {"SGLANG_DDTREE_OVERLAP": "1"}))}[sched]
+    scheds = OVERLAP_CHOICES[getattr(a, "overlap", "default")]
     for b in ((15,) if quick else tuple(a.budgets)):
-        for suffix, env in runs:
+        for ov in scheds:
+            suffix = " overlap" if ov and len(scheds) > 1 else ""
             specs[f"tree-verify B={b}{suffix}"] = (
-                smoke.ServerSpec("tree-verify", t, d, budget=b, extra_args=g, **caps), dict(env))
+                smoke.ServerSpec("tree-verify", t, d, budget=b, extra_args=g, **caps), overlap_env(ov))
     if family == "hybrid":
         specs["LEAKY tree-verify B=15"] = (smoke.ServerSpec("tree-verify", t, d, budget=15, **caps),
                                            {"SGLANG_DDTREE_UNSAFE_CHAIN_STATE": "1"})
@@ -218,7 +216,7 @@ def main(argv=None) -> int:
     ap.add_argument("--block", type=int, default=8, help="DFLASH and shadow-linear chain block (the drafter's)")
     ap.add_argument("--budgets", nargs="+", type=int, default=[7, 15, 31, 63])
     ap.add_argument("--graphs", action="store_true", help="decode CUDA graphs on (all but the leaky server)")
-    ap.add_argument("--overlap", choices=("default", "on", "off", "both"), default="default",
+    ap.add_argument("--overlap", choices=tuple(OVERLAP_CHOICES), default="default",
                     help="the tree-verify servers' scheduler (SGLANG_DDTREE_OVERLAP): the plugin's default, overlap, "
                          "synchronous, or both (every budget served on each: 'tree-verify B=N overlap' beside it)")
     a = ap.parse_args(argv)

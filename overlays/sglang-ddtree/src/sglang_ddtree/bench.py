@@ -101,6 +101,12 @@ GRAPHS = {"on": (True,), "off": (False,), "both": (False, True)}
 # --overlap: the scheduler each tree-verify server is asked for (SGLANG_DDTREE_OVERLAP in its own environment);
 # "default" leaves the plugin's switch as this process has it (unset: the synchronous scheduler)
 OVERLAP_CHOICES = {"default": (None,), "off": (False,), "on": (True,), "both": (False, True)}
+
+
+def overlap_env(overlap: Optional[bool]) -> Dict[str, str]:
+    """A tree-verify server's own environment for one of OVERLAP_CHOICES' values (None: the switch as it is here)."""
+    return {} if overlap is None else {OVERLAP_ENV: "1" if overlap else "0"}
+
 FAMILIES = ("hybrid", "dense")
 EXIT_OK, EXIT_FAILED, EXIT_CANNOT_RUN, EXIT_INTERRUPTED = 0, 1, 2, 130
 MAX_PROMPT_TOKENS = 32768
@@ -834,8 +840,7 @@ def _one_server(a, run: RunSpec, rnd: int, entry: dict, prompts, target, drafter
     if rnd == 0:
         entry.update(server_argv=argv[1:], gpu_used_mib_before=used, mem_fraction=frac)
     env = server_env(spec, a.gpu)
-    if run.overlap is not None:  # this server's scheduler, asked of the plugin (its validator still decides)
-        env[OVERLAP_ENV] = "1" if run.overlap else "0"
+    env.update(overlap_env(run.overlap))  # this server's scheduler, asked of the plugin (its validator still decides)
     cold_warm = a.cold_warm and rnd == 0
     if cold_warm:  # fresh, empty JIT caches for this run: its first start is cold, its restart warm
         cache_root = os.path.join(workdir, "jit-" + slug)
