@@ -26,7 +26,7 @@ from pathlib import Path
 
 from packaging.utils import canonicalize_name
 
-from . import persona
+from . import gpuhost, persona
 from .wheels import build_lab_wheels, dist_info_dirname, find_meta, load_closure, write_dist_info
 
 # DDTREE_LAB_ID (0-9) runs several labs side by side on one machine (one per work tree): each id has its
@@ -62,6 +62,7 @@ class LabHost:
     octet: int
     persona: str
     torch_tag: str
+    root: str = "base"  # "base": the lab's Debian base; "machine": this machine's own root, with its GPUs (gpuhost)
 
     @property
     def address(self) -> str:
@@ -77,6 +78,8 @@ class LabHost:
 
     @property
     def gpus(self) -> int:
+        if self.root == "machine":
+            return gpuhost.gpu_count()
         return 1 if self.persona == "h200-1gpu" else 8
 
 
@@ -84,6 +87,15 @@ BUILTIN = (LabHost("ct129", 129, "rtxpro6000-8gpu", "cu130"),
            LabHost("ct200", 200, "rtxpro6000-8gpu", "cu128"),
            LabHost("h200", 90, "h200-1gpu", "cu130"))
 MAX_EXTRA = 40
+# The GPU lab (`fab lab.up --gpu`, on a machine with an NVIDIA GPU): a reference host and a drifted one, both over
+# this machine's own root with its GPUs bound in (deploy/lab/gpuhost.py says how and why). Their own inventory:
+# inventory/gpulab.yaml.
+GPU_HOSTS = (LabHost("gpu-ref", 10, "machine", "machine", "machine"),
+             LabHost("gpu-drift", 11, "machine", "machine", "machine"))
+# The machine's root as this process sees it ("/", or where a control chroot has it bound) and the folder a host
+# gets read-only as /models (the served models; none by default).
+MACHINE_ROOT = Path(os.environ.get("DDTREE_GPULAB_MACHINE", "/"))
+GPU_MODELS = os.environ.get("DDTREE_GPULAB_MODELS", "")
 
 
 def lab_hosts(extra: int = 0) -> list[LabHost]:
@@ -103,7 +115,10 @@ def _run(argv: list[str], check: bool = True, **kw) -> subprocess.CompletedProce
 def preflight() -> None:
     if os.geteuid() != 0:
         raise LabError("the lab needs root (systemd-nspawn, network namespaces, overlayfs)")
-    missing = [b for b in ("debootstrap", "systemd-nspawn", "ip", "ssh-keygen") if not shutil.which(b)]
+    needs = ("systemd-nspawn", "ip", "ssh-keygen")
+    if not (base_path() / ".ddtree-lab-base").exists():
+        needs = ("debootstrap",) + needs  # only to build the base once
+    missing = [b for b in needs if not shutil.which(b)]
     if missing:
         raise LabError(f"missing tools: {', '.join(missing)} (apt-get install debootstrap systemd-container "
                        f"iproute2 openssh-client)")
@@ -229,12 +244,29 @@ def _ensure_netns(h: LabHost) -> None:
 def _mount(h: LabHost, base: Path) -> Path:
     d = host_dir(h)
     root = d / "root"
+    lower = str(base)
+    if h.root == "machine":  # the layer over the machine's root; both below a tmpfs (gpuhost's docstring)
+        lower = f"{_gpu_layer(base)}:{MACHINE_ROOT}"
     for sub in ("upper", "work", "root"):
         (d / sub).mkdir(parents=True, exist_ok=True)
     if not _mounted(root):
         _run(["mount", "-t", "overlay", "overlay", "-o",
-              f"lowerdir={base},upperdir={d / 'upper'},workdir={d / 'work'}", str(root)])
+              f"lowerdir={lower},upperdir={d / 'upper'},workdir={d / 'work'}", str(root)])
     return root
+
+
+def _gpu_layer(base: Path) -> Path:
+    """The systemd/sshd layer of the GPU lab's hosts, built once per lab on the lab's tmpfs."""
+    hosts = LAB_DIR / "hosts"
+    hosts.mkdir(parents=True, exist_ok=True)
+    if not _mounted(hosts):  # an overlay's layers cannot live inside its lowest layer's filesystem
+        _run(["mount", "-t", "tmpfs", "-o", "mode=0700", "ddtree-gpulab", str(hosts)])
+    layer = hosts / ".layer"
+    if not (layer / ".done").exists():
+        shutil.rmtree(layer, ignore_errors=True)
+        gpuhost.build_layer(base, MACHINE_ROOT, layer)
+        (layer / ".done").write_text("")
+    return layer
 
 
 # Model folders on lab hosts hold only config.json (no weights: the lab's SGLang stand-in serves no model).
@@ -259,9 +291,8 @@ def _lab_models(root: Path) -> None:
     (root / "models" / "README").write_text("Lab model folders: config.json only, no weights (ddtree-deploy lab).\n")
 
 
-def _prepare(h: LabHost, root: Path, wheels: dict[str, Path]) -> None:
-    """First boot only: identity, keys, GPU persona and the managed venv, written into the overlay."""
-    d = host_dir(h)
+def _identity(h: LabHost, root: Path) -> None:
+    """Host name, addresses, host key and the control key's authorized_keys, written into the overlay."""
     (root / "etc/hostname").write_text(h.name + "\n")
     (root / "etc/hosts").write_text(f"127.0.0.1 localhost\n{h.address} {h.name}\n")
     hk = root / "etc/ssh/ssh_host_ed25519_key"
@@ -271,6 +302,34 @@ def _prepare(h: LabHost, root: Path, wheels: dict[str, Path]) -> None:
     ssh_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     (ssh_dir / "authorized_keys").write_text(Path(str(control_key()) + ".pub").read_text())
     os.chmod(ssh_dir / "authorized_keys", 0o600)
+
+
+def _machine_id(h: LabHost) -> str:
+    return hashlib.sha256(f"ddtree-lab {LAB_ID} {h.name}".encode()).hexdigest()[:32]
+
+
+def _sudo_user_script() -> str:
+    """A non-root operator with passwordless sudo, as on fleets where root cannot log in."""
+    return (f"useradd -m -s /bin/bash {SUDO_USER}; install -d -m 700 -o {SUDO_USER} -g {SUDO_USER} "
+            f"/home/{SUDO_USER}/.ssh; install -m 600 -o {SUDO_USER} -g {SUDO_USER} /root/.ssh/authorized_keys "
+            f"/home/{SUDO_USER}/.ssh/authorized_keys; echo '{SUDO_USER} ALL=(ALL) NOPASSWD: ALL' "
+            f"> /etc/sudoers.d/{SUDO_USER}; chmod 440 /etc/sudoers.d/{SUDO_USER}")
+
+
+def _prepare_machine(h: LabHost, root: Path) -> None:
+    """First boot only of a GPU host: identity, users, the driver's libraries known to ld.so (gpuhost)."""
+    _identity(h, root)
+    (root / "etc/machine-id").write_text(_machine_id(h) + "\n")
+    script = "set -e; " + "; ".join(gpuhost.prepare_root(root) + [_sudo_user_script()])
+    _run(["systemd-nspawn", "--quiet", "--register=no", "--keep-unit", "--private-network",
+          f"--uuid={_machine_id(h)}", "-D", str(root), "/bin/sh", "-c", script])
+    (host_dir(h) / "host.json").write_text(json.dumps(asdict(h)))
+
+
+def _prepare(h: LabHost, root: Path, wheels: dict[str, Path]) -> None:
+    """First boot only: identity, keys, GPU persona and the managed venv, written into the overlay."""
+    d = host_dir(h)
+    _identity(h, root)
     pdir = root / "usr/local/share/lab-gpu-persona"
     pdir.mkdir(parents=True, exist_ok=True)
     for name, text in persona.persona_files(h.persona, h.name).items():
@@ -287,11 +346,7 @@ def _prepare(h: LabHost, root: Path, wheels: dict[str, Path]) -> None:
         shutil.copyfile(w, stage / w.name)
     script = (f"set -e; python3 -m venv {VENV}; {VENV}/bin/pip install -q --no-index --no-deps "
               + " ".join(f"/var/tmp/lab-wheels/{w.name}" for w in picked) + "; rm -rf /var/tmp/lab-wheels; "
-              # a non-root operator with passwordless sudo, as on fleets where root cannot log in
-              f"useradd -m -s /bin/bash {SUDO_USER}; install -d -m 700 -o {SUDO_USER} -g {SUDO_USER} "
-              f"/home/{SUDO_USER}/.ssh; install -m 600 -o {SUDO_USER} -g {SUDO_USER} /root/.ssh/authorized_keys "
-              f"/home/{SUDO_USER}/.ssh/authorized_keys; echo '{SUDO_USER} ALL=(ALL) NOPASSWD: ALL' "
-              f"> /etc/sudoers.d/{SUDO_USER}; chmod 440 /etc/sudoers.d/{SUDO_USER}")
+              + _sudo_user_script())
     _run(["systemd-nspawn", "--quiet", "--register=no", "--keep-unit", "--private-network",
           "-D", str(root), "/bin/sh", "-c", script])
     # Everything else of the real SGLang 0.5.17 closure, metadata-only (real pins, no code), but what the
@@ -383,8 +438,11 @@ def set_drift(name: str, kind: str, log=print) -> str:
 def _boot(h: LabHost, root: Path) -> int:
     d = host_dir(h)
     log = open(d / "console.log", "ab")
+    extra = []
+    if h.root == "machine":
+        extra = gpuhost.nspawn_args(_machine_id(h)) + ([f"--bind-ro={GPU_MODELS}:/models"] if GPU_MODELS else [])
     p = subprocess.Popen(["systemd-nspawn", "--boot", "--register=no", "--keep-unit", f"--machine={h.name}",
-                          f"--network-namespace-path=/run/netns/{h.netns}", "--console=passive",
+                          f"--network-namespace-path=/run/netns/{h.netns}", "--console=passive", *extra,
                           "-D", str(root)],
                          stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
     (d / "pid").write_text(str(p.pid))
@@ -421,24 +479,30 @@ def _write_known_hosts() -> None:
     tmp.replace(known_hosts())
 
 
-def up(extra: int = 0, log=print) -> dict:
-    """Bring up every lab host that is not running (idempotent). Returns timings for the report."""
+def up(extra: int = 0, log=print, gpu: bool = False) -> dict:
+    """Bring up every lab host that is not running (idempotent). Returns timings for the report.
+
+    gpu: the GPU lab's hosts (GPU_HOSTS) instead of the CPU lab's, on a machine with an NVIDIA GPU."""
     preflight()
+    if gpu and not gpuhost.device_nodes():
+        raise LabError("the GPU lab needs an NVIDIA GPU on this machine (no /dev/nvidia* device)")
     t0 = time.time()
     LAB_DIR.mkdir(parents=True, exist_ok=True)
     base, base_seconds = ensure_base(log)
-    wheels = build_lab_wheels(CACHE_DIR / f"wheels{_SUFFIX}")
+    wheels = None if gpu else build_lab_wheels(CACHE_DIR / f"wheels{_SUFFIX}")
     control_key()
     _ensure_bridge()
-    hosts = lab_hosts(extra)
+    hosts = list(GPU_HOSTS) if gpu else lab_hosts(extra)
     todo = [h for h in hosts if _pid(h) is None]
+    if gpu:
+        _gpu_layer(base)  # once, before the hosts that share it
 
     def bring(h: LabHost) -> str:
         _ensure_netns(h)
         root = _mount(h, base)
         fresh = not (host_dir(h) / "host.json").exists()
         if fresh:
-            _prepare(h, root, wheels)
+            _prepare_machine(h, root) if h.root == "machine" else _prepare(h, root, wheels)
         _boot(h, root)
         return "created" if fresh else "booted"
 

@@ -8,12 +8,14 @@ from invoke import Exit, task
 from ..lab.drifts import DRIFTS
 
 
-@task(help={"extra": "also boot N more hosts of the ct200 kind (ct201, ct202, ...) for scale tests"})
-def up(c, extra=0):
+@task(help={"extra": "also boot N more hosts of the ct200 kind (ct201, ct202, ...) for scale tests",
+            "gpu": "the GPU lab instead: gpu-ref and gpu-drift over this machine's own root, with its GPUs "
+                   "(inventory/gpulab.yaml; deploy/lab/gpuhost.py)"})
+def up(c, extra=0, gpu=False):
     """Boot the lab hosts that are not running (builds the Debian base once); idempotent."""
     from ..lab import fleet
     try:
-        report = fleet.up(int(extra))
+        report = fleet.up(int(extra), gpu=bool(gpu))
     except fleet.LabError as exc:
         raise Exit(f"lab.up failed: {exc}", code=1)
     base = report["base_build_seconds"]
