@@ -59,7 +59,9 @@ case "$step" in
     rm -rf "$w/root/tmp/whl" "$w/root/usr/share/doc" "$w/root/usr/share/man" "$w/root/usr/share/locale" \
       "$w/root/var/cache/apt" "$w/root/var/lib/apt/lists"
     mkdir -p .gpulab
-    (cd "$w/root" && tar c . | xz -T2 -6 > "$OLDPWD/.gpulab/control.tar.xz")
+    (cd "$w/root" && tar c --exclude=./usr/share/zoneinfo --exclude=./usr/share/i18n --exclude='./usr/share/perl*' \
+       --exclude='./usr/lib/x86_64-linux-gnu/perl*' --exclude='*/__pycache__' --exclude=./usr/share/info . \
+       | xz -T2 -6 > "$OLDPWD/.gpulab/control.tar.xz")
     ls -la .gpulab;;
   up)
     t0=$(date +%s)
@@ -74,6 +76,9 @@ case "$step" in
     mnt --bind "$PWD" "$B/src"
     mnt --bind "${KIT:-/tmp/tiny}" "$B/kit"
     mnt --bind "$B" "$B/var/cache/ddtree-lab/base-bookworm-$id"   # the base is the chroot itself
+    # the driver's folder, a mount of its own on the machine (a bind of / does not carry it)
+    if [ -d /usr/local/nvidia ]; then mkdir -p "$B/usr/local/nvidia"; mnt --bind /usr/local/nvidia "$B/usr/local/nvidia"; fi
+    echo "machine mounts under /opt /usr /home:"; awk '$2 ~ "^/(opt|usr|home)" {print "  " $2, $3}' /proc/self/mounts
     mnt -t proc proc "$B/proc"
     grep -q " $B/sys " /proc/self/mounts || mount --rbind /sys "$B/sys"
     grep -q " $B/dev " /proc/self/mounts || mount --rbind /dev "$B/dev"
@@ -129,6 +134,12 @@ SH
     for i in $(seq "${1:-300}"); do grep -qE "KIT-DONE|KIT-FAILED" /tmp/kit.log 2>/dev/null && break; sleep 1; done
     tail -5 /tmp/kit.log; cp /tmp/kit.log "$OUT/trainkit.log" 2>/dev/null; ls "${KIT:-/tmp/tiny}"
     grep -q KIT-DONE /tmp/kit.log;;
+  diag)
+    # what the hosts said while booting, and their journals' warnings, read from outside
+    for d in "$B"/var/lib/ddtree-lab/hosts/*/; do
+      echo "== $(basename "$d"): console"; tail -n "${1:-25}" "$d/console.log" 2>/dev/null
+    done
+    in_chroot "fab lab.journal --lines ${1:-25}";;
   down)
     in_chroot "fab lab.down"
     for m in $(grep -o " $B[^ ]*" /proc/self/mounts | sort -r); do umount -l "$m"; done

@@ -322,7 +322,7 @@ def _prepare_machine(h: LabHost, root: Path) -> None:
     (root / "etc/machine-id").write_text(_machine_id(h) + "\n")
     script = "set -e; " + "; ".join(gpuhost.prepare_root(root) + [_sudo_user_script()])
     _run(["systemd-nspawn", "--quiet", "--register=no", "--keep-unit", "--private-network",
-          f"--uuid={_machine_id(h)}", "-D", str(root), "/bin/sh", "-c", script])
+          f"--uuid={_machine_id(h)}", *gpuhost.bind_args(), "-D", str(root), "/bin/sh", "-c", script])
     (host_dir(h) / "host.json").write_text(json.dumps(asdict(h)))
 
 

@@ -190,13 +190,17 @@ def gpu_count(dev: Path = Path("/dev")) -> int:
     return sum(1 for p in dev.glob("nvidia[0-9]*") if p.name[6:].isdigit())
 
 
-def nspawn_args(machine_id: str) -> list[str]:
-    """systemd-nspawn arguments that give a host the machine's GPUs (see the module docstring)."""
-    args = ["--system-call-filter=bpf", "--link-journal=no", f"--uuid={machine_id}"]
-    args += [f"--bind={n}" for n in device_nodes()]
+def bind_args() -> list[str]:
+    """systemd-nspawn binds of the machine's GPU: its device nodes, and the driver's folder read-only."""
+    args = [f"--bind={n}" for n in device_nodes()]
     if DRIVER_DIR.is_dir():
         args.append(f"--bind-ro={DRIVER_DIR}")
     return args
+
+
+def nspawn_args(machine_id: str) -> list[str]:
+    """systemd-nspawn arguments that boot a host with the machine's GPUs (see the module docstring)."""
+    return ["--system-call-filter=bpf", "--link-journal=no", f"--uuid={machine_id}"] + bind_args()
 
 
 def prepare_root(root: Path) -> list[str]:
