@@ -12,6 +12,9 @@ torch), evaluated with `packaging`. Three verdicts, each a value with human-read
 """
 from __future__ import annotations
 
+import fnmatch
+import re
+
 import functools
 import json
 import zipfile
@@ -411,6 +414,23 @@ def facts_coherence(venv: dict | None, machine: str | None, glibc: str | None) -
     reasons = [f"pip check: {r}" for r in pip.reasons] + [f"native: {r}" for r in (native.reasons if native else ())]
     return {"ok": pip.ok and (native is None or native.ok), "pip_check": pip.as_dict(),
             "native": native.as_dict() if native else None, "reasons": reasons}
+
+
+def accepted_unmet(c: dict | None, patterns) -> tuple[list[str], list[str]]:
+    """A host's coherence reasons split by the inventory's `accept_unmet` patterns (fnmatch, canonical names):
+    (reasons that still stand, pip check lines the operator accepts). An unmet requirement is accepted when its
+    dependency's name matches: a requirement of SGLang's closure whose feature the fleet does not use (a model
+    family's extra, an attention backend it does not run) and that the reference therefore lacks on purpose."""
+    if not c:
+        return [], []
+    pats = [re.sub(r"[-_.]+", "-", p).lower() for p in patterns or ()]
+    ok_lines = set()
+    for u in ((c.get("pip_check") or {}).get("details") or {}).get("unmet") or ():
+        dep = canonicalize_name(u.get("dependency") or "")
+        if any(fnmatch.fnmatchcase(dep, p) for p in pats):
+            ok_lines.add("pip check: " + Unmet(**u).pip_line())
+    reasons = list(c.get("reasons") or ())
+    return [r for r in reasons if r not in ok_lines], [r for r in reasons if r in ok_lines]
 
 
 def tree_graph_refusal(venv: dict | None, caps: dict, graph_services: list) -> list[str]:

@@ -126,6 +126,9 @@ VARS: dict[str, tuple] = {
     "managed": (_each(values.dist_pattern, "a list of distribution name patterns"),
                 "a list of distribution name patterns"),
     "wheelhouse": (_each(values.abs_path, "a list of absolute paths"), "a list of absolute paths"),
+    # the reference's unmet requirements (by the dependency's name) that provision accepts, as warnings
+    "accept_unmet": (_each(values.dist_pattern, "a list of distribution name patterns"),
+                     "a list of distribution name patterns"),
     # what ExecStart runs: SGLang from the venv, or the lab's named stand-in (deploy/labserver) on CPU lab hosts
     "server": (lambda v: v in ("sglang", "labserver"), "'sglang' or 'labserver'"),
     # where each server listens (--host); anything but loopback needs an API key (checked per host below)
@@ -155,6 +158,7 @@ DEFAULT_VARS = {
     "gate_timeout": 120,
     "managed": ["torch", "triton", "sglang", "sglang-kernel", "flashinfer*", "nvidia-*", "cuda-*", "sglang-ddtree"],
     "wheelhouse": [],
+    "accept_unmet": [],
     "server": "sglang",
     "listen_address": "127.0.0.1",
     "api_key_file": None,

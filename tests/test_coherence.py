@@ -259,3 +259,24 @@ def test_host_verdicts_from_collector_documents():
     assert not pip.ok and pip.reasons[0] == "sglang 0.5.17 has requirement sglang-kernel==0.4.5, but you have sglang-kernel 0.4.10."
     assert not deploy.ok and not native.ok
     assert [v.ok for v in C.host_verdicts(dict(collected, distributions=CLOSURE["distributions"]), None, CAPS_BOTH)] == [True, True]
+
+
+def test_accept_unmet_turns_only_the_named_dependencies_into_warnings():
+    """provision blocks on every pip-check reason of the reference but those whose dependency the inventory's
+    accept_unmet names (fnmatch on canonical names): a version conflict and a missing one alike."""
+    from dataclasses import asdict
+
+    from deploy.coherence import Unmet
+    from deploy.provision.plan import reference_findings
+    unmet = [Unmet("sglang", "0.5.17", "datasets", "datasets", None),
+             Unmet("sglang", "0.5.17", "numba==0.65.1", "numba", "0.68.0"),
+             Unmet("flashinfer-python", "0.6.15", "nvidia-cutlass-dsl", "nvidia-cutlass-dsl", None)]
+    c = {"ok": False, "pip_check": {"details": {"unmet": [asdict(u) for u in unmet]}},
+         "reasons": [f"pip check: {u.pip_line()}" for u in unmet] + ["native: x.so: undefined symbol y"]}
+    blockers, warnings = reference_findings(dict(host="ref", coherence=c), ["Datasets", "nvidia_cutlass*"])
+    assert [b.message for b in blockers] == [f"ref: pip check: {unmet[1].pip_line()}",
+                                             "ref: native: x.so: undefined symbol y"]
+    assert [w.code for w in warnings] == ["accepted-unmet", "accepted-unmet"]
+    assert "datasets" in warnings[0].message and "nvidia-cutlass-dsl" in warnings[1].message
+    none_accepted, _ = reference_findings(dict(host="ref", coherence=c))
+    assert len(none_accepted) == 4

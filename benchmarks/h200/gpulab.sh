@@ -69,9 +69,16 @@ case "$step" in
     if [ ! -x "$B/opt/ddtree-control/bin/fab" ]; then
       mkdir -p "$B" && tar xJf .gpulab/control.tar.xz -C "$B" || exit 1
     fi
+    # systemd-nspawn reads the machine ID of the system it runs on: the chroot's
+    [ -s "$B/etc/machine-id" ] || python3 -c "import uuid; print(uuid.uuid4().hex)" > "$B/etc/machine-id"
     id=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['id'])" "$B/.ddtree-lab-base")
     mkdir -p "$B/machine" "$B/src" "$B/kit" "$B/var/cache/ddtree-lab/base-bookworm-$id" "${KIT:-/tmp/tiny}"
-    mnt() { grep -q " $2 " /proc/self/mounts || mount "$@"; }
+    mnt() { grep -q " ${@: -1} " /proc/self/mounts || mount "$@"; }
+    # the chroot's / must be a mount point of its own (ip netns and systemd-nspawn change its propagation)
+    if ! grep -q " $B " /proc/self/mounts; then
+      for m in $(grep -o " $B/[^ ]*" /proc/self/mounts | sort -r); do umount -l "$m"; done
+      mount --bind "$B" "$B"
+    fi
     mnt --bind / "$B/machine"
     mnt --bind "$PWD" "$B/src"
     mnt --bind "${KIT:-/tmp/tiny}" "$B/kit"
@@ -98,7 +105,7 @@ S=$($V/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'
 $V/bin/python -m pip install -q --no-index --no-deps --no-compile --upgrade /var/tmp/batches/*.whl 2>&1 \
   | grep -v WARNING | tail -3 || true
 # the trimmed sglang-kernel (no FA3: batches.sh) unpacks into site-packages; its RECORD then lists what it holds
-for t in /var/tmp/batches/*.tgz; do tar xzf "$t" -C "$S"; done
+for t in /var/tmp/batches/*.tgz; do [ -e "$t" ] && tar xzf "$t" -C "$S"; done; true
 $V/bin/python - "$S" <<'PY'
 import csv, glob, os, sys
 site = sys.argv[1]

@@ -41,6 +41,9 @@ LIB_DIRS = ("usr/lib/x86_64-linux-gnu", "lib/x86_64-linux-gnu", "usr/lib64", "li
 _MERGED = {"bin": "usr/bin", "sbin": "usr/sbin", "lib": "usr/lib", "lib64": "usr/lib64"}
 DRIVER_DIR = Path(os.environ.get("DDTREE_GPULAB_DRIVER_DIR", "/usr/local/nvidia"))
 LDCONF = "etc/ld.so.conf.d/ddtree-lab-nvidia.conf"
+# The machine's venv that the GPU lab manages (inventory/gpulab.yaml's venv): root runs its python only when no
+# file in it is writable by group or others (the toolkit's venv trust rule), so the lab takes those bits off.
+MACHINE_VENV = os.environ.get("DDTREE_GPULAB_VENV", "/opt/torch/.venv")
 
 
 def normal(path: str) -> str:
@@ -216,4 +219,5 @@ def prepare_root(root: Path) -> list[str]:
             # OpenSSH's privilege separation user and dbus's, as their packages' maintainer scripts would make them
             "getent passwd sshd >/dev/null || useradd -r -d /run/sshd -s /usr/sbin/nologin sshd",
             "getent passwd messagebus >/dev/null || useradd -r -d /nonexistent -s /usr/sbin/nologin messagebus",
-            "mkdir -p /run/sshd /var/log/journal"]
+            "mkdir -p /run/sshd /var/log/journal",
+            f"[ ! -d {MACHINE_VENV} ] || find {MACHINE_VENV} -perm /022 ! -type l -exec chmod go-w {{}} +"]

@@ -175,6 +175,11 @@ def _new_id(host: str) -> str:
     return time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + f"-{host}-{os.getpid()}"
 
 
+def ref_accept(inv: Inventory) -> list[str]:
+    """The reference's `accept_unmet` patterns: its unmet requirements provision does not block on."""
+    return list(inv.reference.vars.get("accept_unmet") or ())
+
+
 def provision(inv: Inventory, names: str | list[str] | None, opts: Options | None = None) -> Report:
     opts = opts or Options()
     console = opts.console or Console()
@@ -214,7 +219,8 @@ def provision(inv: Inventory, names: str | list[str] | None, opts: Options | Non
                                          error=f"{r.kind}: {r.error}", seconds=r.seconds)
 
     # 2. classify; scan the reference for what any target needs (one read-only call)
-    pre = {n: make_plan(ref_facts, g, inv.hosts[n].vars["managed"]) for n, g in gathered.items()}
+    pre = {n: make_plan(ref_facts, g, inv.hosts[n].vars["managed"], accept_unmet=ref_accept(inv))
+           for n, g in gathered.items()}
     # a host already blocked (an incoherent reference blocks them all) needs nothing from the reference: no scan
     needed = sorted({(i.name, i.reference) for p in pre.values() if not p.blocked for i in p.installs})
     scan: dict = {}
@@ -227,7 +233,8 @@ def provision(inv: Inventory, names: str | list[str] | None, opts: Options | Non
                 "provision.scan", {"venv": ref.venv, "dists": [{"name": n, "version": v} for n, v in needed],
                                    "wheelhouse": ref.vars.get("wheelhouse") or []}, deadline=1800, silence=45)["dists"]
             phases["scan"] = time.time() - t
-        plans = {n: make_plan(ref_facts, g, inv.hosts[n].vars["managed"], scan, g.get("stage"))
+        plans = {n: make_plan(ref_facts, g, inv.hosts[n].vars["managed"], scan, g.get("stage"),
+                              accept_unmet=ref_accept(inv))
                  for n, g in gathered.items()}
         for name in [h.name for h in targets if h.name in plans]:
             if not opts.quiet:
@@ -464,7 +471,7 @@ def _apply_locked(remote, host, plan, ref_facts, cache, prog, opts, inv, rep, he
                             previous=factsmod.previous_facts(inv.path, host))
     factsmod.save_facts(inv.path, after)
     rep.details["verify_seconds"] = round(time.time() - t, 2)
-    again = make_plan(ref_facts, after, host.vars["managed"])
+    again = make_plan(ref_facts, after, host.vars["managed"], accept_unmet=ref_accept(inv))
     if not again.empty:
         rep.error = "did not converge: " + ", ".join(f"{i.name} {i.status}" for i in again.changes)
         return rep

@@ -299,10 +299,11 @@ def find_blockers(ref_facts: dict, tgt_facts: dict, items: list[Item], scan: dic
     return blockers, warnings, disk
 
 
-def reference_findings(ref_facts: dict) -> tuple[list[Finding], list[Finding]]:
+def reference_findings(ref_facts: dict, accept_unmet=()) -> tuple[list[Finding], list[Finding]]:
     """(blockers, warnings) about the reference itself: provision copies its exact wheels, so an incoherent
     reference (installed pins unmet as `pip check` says, or native extensions that do not resolve against its
-    torch: its facts' coherence verdicts) would copy its breakage; one blocker per reason. Unknown (its
+    torch: its facts' coherence verdicts) would copy its breakage; one blocker per reason, but for the unmet
+    requirements the inventory accepts (`accept_unmet`: each is a warning that names it). Unknown (its
     distributions were not read): a warning."""
     c = ref_facts.get("coherence")
     name = ref_facts.get("host", "?")
@@ -310,7 +311,10 @@ def reference_findings(ref_facts: dict) -> tuple[list[Finding], list[Finding]]:
         return [], [Finding("reference-coherence", f"the reference {name}'s coherence is unknown (its venv's "
                                                    f"distributions were not read): not checked")]
     if c.get("ok") is False:
-        return [Finding("incoherent-reference", f"{name}: {r}") for r in c["reasons"]], []
+        from ..coherence import accepted_unmet
+        standing, accepted = accepted_unmet(c, accept_unmet)
+        return ([Finding("incoherent-reference", f"{name}: {r}") for r in standing],
+                [Finding("accepted-unmet", f"{name}: {r} (accept_unmet)") for r in accepted])
     return [], []
 
 
@@ -326,13 +330,13 @@ def drift_findings(scan: dict, names: list[str]) -> list[Finding]:
 
 
 def make_plan(ref_facts: dict, tgt_facts: dict, patterns: list[str], scan: dict | None = None,
-              stage: dict | None = None) -> Plan:
+              stage: dict | None = None, accept_unmet=()) -> Plan:
     ref_d = (ref_facts.get("venv") or {}).get("distributions") or {}
     tgt_d = (tgt_facts.get("venv") or {}).get("distributions") or {}
     items = classify(ref_d, tgt_d, patterns, build_versions(ref_facts), build_versions(tgt_facts))
     plan = Plan(tgt_facts.get("host", "?"), ref_facts.get("host", "?"), items)
     plan.blockers, plan.warnings, plan.disk = find_blockers(ref_facts, tgt_facts, items, scan, stage)
-    ref_blockers, ref_warnings = reference_findings(ref_facts)
+    ref_blockers, ref_warnings = reference_findings(ref_facts, accept_unmet)
     plan.blockers[:0], plan.warnings[:0] = ref_blockers, ref_warnings
     plan.stage = dict(stage or {})
     if scan:
