@@ -15,7 +15,8 @@
 #   fab ARGS...        there: `fab ARGS` inside the control chroot against inventory/gpulab.yaml; its output is
 #                      kept under $OUT/fab-<n>.txt.
 #   kit / kitwait [S]  there: trains the kit's hybrid pair on the GPU in the background (FAMILY, SEED), gives its
-#                      models a tokenizer (kit_tokenizer.py) and puts them in $KIT; kitwait waits up to S seconds.
+#                      models a tokenizer (kit_tokenizer.py) and puts them, readable by the service user, in $KIT;
+#                      kitwait waits up to S seconds.
 #   down               there: `fab lab.down`, then the chroot's mounts.
 # Every step prints what it did; the call sequence and what each took: benchmarks/h200/README.md ("GPU lab").
 set -u
@@ -115,6 +116,9 @@ for rec in glob.glob(os.path.join(site, "sglang_kernel-*.dist-info/RECORD")):
         csv.writer(fh).writerows(rows)
 PY
 rm -rf /var/tmp/batches
+# root runs the venv's python only when nothing in it is writable by group or others (tar kept the trimmed
+# kernel's archive modes)
+find $V -perm /022 ! -type l -exec chmod go-w {} +
 $V/bin/python -c 'import sglang, transformers; print("gpu-ref: sglang", sglang.__version__, "transformers", transformers.__version__)'
 SH
     t0=$(date +%s)
@@ -135,7 +139,8 @@ SH
     setsid nohup sh -c "PYTHONPATH=$PWD/overlays/sglang-ddtree/src python3 -m sglang_ddtree.trainkit /tmp/tiny-build \
         --family ${FAMILY:-hybrid} --seed ${SEED:-0} --device cuda --drafter-chain-target 4.0 \
       && python3 benchmarks/h200/kit_tokenizer.py /tmp/tiny-build/*-target /tmp/tiny-build/*-drafter \
-      && cp -a /tmp/tiny-build/. ${KIT:-/tmp/tiny}/ && echo KIT-DONE || echo KIT-FAILED" > /tmp/kit.log 2>&1 < /dev/null &
+      && cp -rL /tmp/tiny-build/. ${KIT:-/tmp/tiny}/ && chmod -R a+rX ${KIT:-/tmp/tiny} && echo KIT-DONE \
+      || echo KIT-FAILED" > /tmp/kit.log 2>&1 < /dev/null &
     echo "kit training in the background (log /tmp/kit.log)";;
   kitwait)
     for i in $(seq "${1:-300}"); do grep -qE "KIT-DONE|KIT-FAILED" /tmp/kit.log 2>/dev/null && break; sleep 1; done

@@ -178,8 +178,11 @@ def load_overlay_spec(path: Path | None = DEFAULT_OVERLAY_SPEC) -> list[dict]:
 
 @functools.lru_cache(maxsize=1)  # one checkout per run: asked once, not once per host's manifest
 def _git_commit() -> tuple[str, bool]:
-    def git(*a):
-        r = subprocess.run(["git", "-C", str(REPO), *a], capture_output=True, text=True, timeout=60)
+    def git(*a):  # a checkout without git (a copied tree, a control machine without it): commit "none"
+        try:
+            r = subprocess.run(["git", "-C", str(REPO), *a], capture_output=True, text=True, timeout=60)
+        except OSError:
+            return ""
         return r.stdout.strip() if r.returncode == 0 else ""
     return git("rev-parse", "HEAD") or "none", bool(git("status", "--porcelain"))
 
