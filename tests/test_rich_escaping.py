@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from rich.console import Console
 
-from deploy.report import inventory_table
+from deploy.report import inventory_table, problem_lines
 from deploy.release import status
 
 HOSTILE = "ConnectionError: [/red] boom [bold]x[/] [link=file:///etc/passwd]y"
@@ -68,10 +68,15 @@ def test_inventory_table_shows_host_errors_and_values_as_text():
     facts = {"ct129": {"gathered_at": "2026-11-29T08:30:00+00:00", "address": "x",
                        "nvidia": {"driver": "[green]580[/]", "cuda": "13.0", "gpus": []},
                        "os": {"id": "debian", "version_id": "[/]12"}}}
-    segs = render(inventory_table(_Inv(), facts, {"ct200": ("error", HOSTILE)}))
+    segs = render(inventory_table(_Inv(), facts, {"ct200": ("error", HOSTILE)}, wide=True))
     shown = text_of(segs)
     assert "lab[/red]" in shown and "[green]580[/]" in shown and "[/]12" in shown
     assert "[/red] boom" in shown
+    # the narrow table and the lines under it: the same strings, as text
+    shown = text_of(render(inventory_table(_Inv(), facts, {"ct200": ("error", HOSTILE)})))
+    assert "lab[/red]" in shown and "[green]580[/]" in shown
+    under = "\n".join(text_of(render(t)) for t in problem_lines(_Inv(), facts, {"ct200": ("error", HOSTILE)}))
+    assert f"ct200: error: {HOSTILE}" in under.replace("\n", "")
 
 
 def test_provision_plan_shows_names_and_messages_from_hosts_as_text():
