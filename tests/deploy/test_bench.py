@@ -287,14 +287,27 @@ def test_plot_and_table(tmp_path):
 
     rec["report"]["runs"][0]["levels"] = []
     rec["report"]["runs"][0]["error"] = "[red]boom[/red]"
-    con = Console(width=200, record=True)
-    con.print(bench.table(rec))
-    text = con.export_text()
-    assert "[red]boom[/red]" in text and "FAILED" in text  # shown as is, never as markup
-    assert "tree-verify B=15 graphs=off" in text and "NVIDIA H200" in text
-    assert "step p50 ms" in text  # "-" where a report has no step_ms
+    for wide in (True, False):
+        con = Console(width=200 if wide else 100, record=True)
+        con.print(bench.table(rec, wide=wide))
+        for line in ([] if wide else bench.failure_notes(rec)):
+            con.print(line, markup=False, highlight=False)
+        text = con.export_text()
+        assert "[red]boom[/red]" in text and "FAILED" in text  # shown as is, never as markup
+        assert "tree-verify B=15 graphs=off" in text and "NVIDIA H200" in text
+        assert "step p50 ms" in text.replace("\np50 ms", " p50 ms") or "p50 ms" in text  # "-" without step_ms
+        assert ("ITL p99 ms" in text) == wide   # the narrow view leaves ITL p99 to --wide and --json
+    # narrow: one line per run and level, none over 100 characters
+    lines = text.splitlines()
+    assert max(map(len, lines)) <= 100
+    for r in bench.rows(rec["report"]):
+        assert sum(1 for ln in lines if ln.startswith(r["label"][:20]) and (
+            "failed" in r or f" {r['concurrency']} " in ln)) >= 1, (r["label"], text)
+    assert len([ln for ln in lines if ln.startswith(("plain", "dflash", "tree-verify")) and ": FAILED: " not in ln]
+               ) == len(bench.rows(rec["report"]))
+    assert "plain graphs=on: FAILED: [red]boom[/red]" in lines  # the reason in full under the table
     rec["report"]["runs"][1]["levels"][0]["step_ms"] = {"p50": 2.714, "p99": 3.3}
-    con = Console(width=220, record=True)
+    con = Console(width=100, record=True)
     con.print(bench.table(rec))
     assert "2.71" in con.export_text()
 
