@@ -1,7 +1,7 @@
 """sglang_ddtree.hostload: what the host's CPUs and a server's processes did over a bench level. Parsers on captured
 /proc text (fixtures/proc_stat_*.txt: this CI machine's, one second apart with one CPU kept busy; pid_stat_cat.txt:
 a real /proc/PID/stat), readers on real processes; the CPU-speed probe pinned for real, its summary on the H200's
-own reading (benchmarks/results/h200_s10/cpuspeed-*.txt)."""
+own reading (benchmarks/results/h200_b127_overlap_cpu_speed/cpuspeed-*.txt)."""
 import os
 import subprocess
 import sys
@@ -126,7 +126,7 @@ def _cpuspeed_pass(line: str) -> dict:
 
 
 def test_speed_summary_of_the_h200_hosts_reading():
-    lines = (RESULTS / "h200_s10" / "cpuspeed-s10b.txt").read_text().splitlines()
+    lines = (RESULTS / "h200_b127_overlap_cpu_speed" / "cpuspeed-s10b.txt").read_text().splitlines()
     first, last = _cpuspeed_pass(lines[0]), _cpuspeed_pass(lines[-1])
     assert sorted(first) == list(range(16))
     s = hostload.speed_summary(first)

@@ -62,7 +62,7 @@ def test_the_h200_reports_of_session_7_read_as_the_closing_note_says():
     """Session 7's unpinned reports (2 + 2 rounds, DFLASH then DDTREE each round): paired ratios 1.12, 0.87
     (nopin), 0.86, 1.97 (r4): a median of 1.00x, no 95% interval from 4 pairs. The pinned report is its own row;
     glue level 3's report has no pair (its DDTREE server crashed in both rounds)."""
-    s7 = RESULTS / "h200_s7"
+    s7 = RESULTS / "h200_dense_race_cpu_pinning"
     docs = [json.loads((s7 / f"bench-dense-{n}.json").read_text()) for n in ("gdef-nopin", "gdef-r4", "gdef-pin", "g3")]
     rows = paired.pairs(docs)
     assert len(rows) == 2
@@ -137,7 +137,7 @@ def test_the_h200_reports_of_session_9_b63_race():
     """Session 9's three calls (REQUESTS=32, unpinned, DFLASH block 16 against DDTREE B=31 and B=63 at one
     request): 10 B=63 pairs, median 1.21x, the sign test's interval 0.96-1.51, ahead in 8; accept 1.47x and a
     step ~1.21x DFLASH's (estimated: these reports predate step_ms)."""
-    docs = [json.loads(p.read_text()) for p in sorted((RESULTS / "h200_s9").glob("bench-dense-gdef-s9*.json"))]
+    docs = [json.loads(p.read_text()) for p in sorted((RESULTS / "h200_dense_race_b63_rounds").glob("bench-dense-gdef-s9*.json"))]
     rows = {r["run"]: r for r in paired.pairs(docs)}
     b63 = rows["tree-verify B=63 graphs=on"]
     assert [round(p["ratio"], 2) for p in b63["pairs"]] == [1.39, 1.60, 1.16, 0.96, 0.84, 1.22, 1.28, 1.19, 1.20,
@@ -152,8 +152,8 @@ def test_the_h200_reports_of_session_10_pool_with_session_9():
     """Session 10 (step_ms measured): B=127 on the synchronous scheduler (s10a, s10c: 3 pairs) and on the overlap
     one (s10b, SGLANG_DDTREE_OVERLAP=1: its own row, 3 pairs); s10a's two B=63 pairs pool with session 9's ten
     (the same conditions): 12 pairs, median 1.20x, interval 0.96-1.39, ahead in 9."""
-    paths = sorted((RESULTS / "h200_s9").glob("bench-dense-gdef-s9*.json")) + \
-        sorted((RESULTS / "h200_s10").glob("bench-dense-*.json"))
+    paths = sorted((RESULTS / "h200_dense_race_b63_rounds").glob("bench-dense-gdef-s9*.json")) + \
+        sorted((RESULTS / "h200_b127_overlap_cpu_speed").glob("bench-dense-*.json"))
     rows = paired.pairs([json.loads(p.read_text()) for p in paths])
     # s10b set SGLANG_DDTREE_OVERLAP=1 for the whole call: its DDTREE server is named by the scheduler it ran (its
     # /server_info), and the switch is not a condition that keeps its DFLASH pairs apart
@@ -177,8 +177,8 @@ def test_the_h200_reports_of_session_11_pool_with_session_10():
     s11b) and one round with plain (s11c). Pooled with session 10: B=127 synchronous 8 pairs, median 1.44x,
     interval 0.98-1.84, ahead in 7; overlap 7 pairs, median 1.32x, interval 1.14-1.77, ahead in 7; plain 0.51x
     DFLASH in its round (DDTREE 2.65x plain there)."""
-    paths = sorted((RESULTS / "h200_s10").glob("bench-dense-*.json")) + \
-        sorted((RESULTS / "h200_s11").glob("bench-dense-*.json"))
+    paths = sorted((RESULTS / "h200_b127_overlap_cpu_speed").glob("bench-dense-*.json")) + \
+        sorted((RESULTS / "h200_b127_lossless_both_schedulers").glob("bench-dense-*.json"))
     docs = [json.loads(p.read_text()) for p in paths]
     by = {r["run"]: r for r in paired.pairs(docs) if r["concurrency"] == 1}
     sync, ov = by["tree-verify B=127 graphs=on"], by["tree-verify B=127 overlap graphs=on"]

@@ -62,7 +62,7 @@ def test_summary_names_the_scheduler_once():
     assert not any("B=127 ovl" in ln for ln in lines)
 
 
-RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "h200_s11"
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "h200_b127_lossless_both_schedulers"
 
 
 @pytest.mark.parametrize("family", ["dense", "hybrid"])
