@@ -578,7 +578,7 @@ def test_smoke_of_an_auto_service_runs_the_mode_the_last_deploy_chose(tmp_path):
 @pytest.mark.parametrize("report,overlap,expect", [
     ("bench_h200_hybrid_glue.json", False, {1: ("linear", None), 4: ("tree-verify", 31), 16: ("tree-verify", 31)}),
     ("bench_h200_dense_glue.json", False, {1: ("tree-verify", 31), 4: ("tree-verify", 31), 16: ("tree-verify", 31)}),
-    # session 6: DDTREE on SGLang's overlap scheduler (the report's per-server overlap_schedule): for a service that
+    # a report with DDTREE on SGLang's overlap scheduler (the report's per-server overlap_schedule): for a service that
     # asks for that scheduler DFLASH wins at 1 and 4, DDTREE at 16; a service on the synchronous one gets DFLASH,
     # the only run measured as it would serve
     ("h200_scheduler_ab_lossless_b15_b63/bench-dense-gdef.json", True, {1: ("linear", None), 4: ("linear", None), 16: ("tree-verify", 31)}),
