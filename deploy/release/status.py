@@ -163,7 +163,7 @@ def status_table(rs: list[dict], wide: bool = False):
             continue
         state, color = _state(r)
         t.add_row(cell(r["host"]), cell(r["gpu"]), cell(r["state"], color), cell(r["health"], color), _router(r),
-                  *_figures(r), cell((r["mode"] or "-") + ("!" if r["unsafe"] else ""), "bold red" if r["unsafe"] else ""))
+                  *_figures(r), cell(r["mode"] or "-", "bold red" if r["unsafe"] else ""))  # why: in the notes
     return t
 
 

@@ -46,7 +46,8 @@ def printed(facts: dict) -> dict:
     return dict(facts, venv={k: v for k, v in venv.items() if k not in ("collected", "native")})
 
 
-@task(help={"json": "print JSON instead of a table (every fact)", "hosts": "comma-separated hosts or groups (default: all)",
+@task(help={"json": "print JSON instead of a table (every fact)",
+            "hosts": "comma-separated hosts or groups (default: all)",
             "refresh": "gather again even if cached facts are younger than settings.facts_ttl",
             "wide": "every fact a column (OS, glibc, torch ABI and archs, triton, flashinfer, endpoint...), as wide "
                     "as it needs"})

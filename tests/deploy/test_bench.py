@@ -581,8 +581,10 @@ def test_smoke_of_an_auto_service_runs_the_mode_the_last_deploy_chose(tmp_path):
     # a report with DDTREE on SGLang's overlap scheduler (the report's per-server overlap_schedule): for a service that
     # asks for that scheduler DFLASH wins at 1 and 4, DDTREE at 16; a service on the synchronous one gets DFLASH,
     # the only run measured as it would serve
-    ("h200_scheduler_ab_lossless_b15_b63/bench-dense-gdef.json", True, {1: ("linear", None), 4: ("linear", None), 16: ("tree-verify", 31)}),
-    ("h200_scheduler_ab_lossless_b15_b63/bench-dense-gdef.json", False, {1: ("linear", None), 4: ("linear", None), 16: ("linear", None)}),
+    ("h200_scheduler_ab_lossless_b15_b63/bench-dense-gdef.json", True,
+     {1: ("linear", None), 4: ("linear", None), 16: ("tree-verify", 31)}),
+    ("h200_scheduler_ab_lossless_b15_b63/bench-dense-gdef.json", False,
+     {1: ("linear", None), 4: ("linear", None), 16: ("linear", None)}),
 ])
 def test_mode_auto_on_the_h200_figures_picks_each_levels_winner(report, overlap, expect):
     """The real reports of the H200 runs (benchmarks/results/, all servers with decode CUDA graphs), read as any

@@ -74,7 +74,8 @@ def test_summary_of_a_real_matrix_says_what_each_server_measured():
 
     doc = json.loads(FIXTURE.read_text())
     lines = sm.summary(doc).splitlines()
-    assert lines[0] == f"# {doc['gpu']}; torch {doc['torch']}; SGLang {doc['sglang']}; sglang-ddtree {doc['sglang_ddtree']}"
+    assert lines[0] == (f"# {doc['gpu']}; torch {doc['torch']}; SGLang {doc['sglang']}; "
+                        f"sglang-ddtree {doc['sglang_ddtree']}")
     assert f"more than {doc['margin']} nats" in lines[1]
     rows = lines[3:]
     for name, r in doc["families"]["hybrid"]["servers"].items():
