@@ -1,6 +1,6 @@
 """Eager ops left around the tree-verify step's glue graphs, per glue level (a CPU proxy for GPU launches).
 
-A decode step of a small model is launch-bound (benchmarks/results/ddtree_issue12_h200.md: the GPU idle for
+A decode step of a small model is launch-bound (benchmarks/results/MEASUREMENTS.md: the GPU idle for
 more than 90% of every step), so what the step runs eagerly outside its CUDA graphs is what costs. This counts,
 with torch's dispatcher (every ATen op that reaches a kernel; views, which launch nothing, left out), the ops
 of the two pieces ``SGLANG_DDTREE_GLUE_GRAPHS=2`` moves into the glue graphs, eagerly at level 1 and level 2:

@@ -656,32 +656,53 @@ def rows(report: dict) -> list[dict]:
     return out
 
 
-def table(record: dict):
-    """The result as a rich Table; every cell is a Text (host strings are never read as rich markup)."""
+def table(record: dict, wide: bool = False):
+    """The result as a rich Table, one line per run and level, fit for a 100-column terminal: run, concurrency,
+    requests, tok/s, accept length, TTFT p50/p99, ITL p50 and step p50 (ms); `wide` adds ITL p99 and lets the
+    cells wrap instead of shortening the run's name. Every cell is a Text (host strings are never read as rich
+    markup)."""
     from rich.table import Table
     from rich.text import Text
 
     rep = record["report"]
     what = record.get("model") or f"tiny {record.get('tiny')} pair (trained on the host)"
-    t = Table(title=Text(f"{record['host']} GPU {record['gpu']} ({rep['gpu'].get('name')}), release "
-                         f"{record['release']}: {what}, {rep.get('max_new_tokens')} new tokens a request"))
-    for col in ("run", "conc", "req", "tok/s", "accept", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
-                "step p50 ms"):
-        t.add_column(col, justify="left" if col == "run" else "right")
+    title = Text(f"{record['host']} GPU {record['gpu']} ({rep['gpu'].get('name')}), release "
+                 f"{record['release']}: {what}, {rep.get('max_new_tokens')} new tokens a request")
+    cols = [("run", "run"), ("conc", "conc"), ("req", "req"), ("tok/s", "tok/s"), ("accept", "accept"),
+            ("ttft50", "TTFT p50 ms"), ("ttft99", "TTFT p99 ms"), ("itl50", "ITL p50 ms"), ("itl99", "ITL p99 ms"),
+            ("step50", "step p50 ms")]
+    if wide:
+        t = Table(title=title)
+        for _, header in cols:
+            t.add_column(header, justify="left" if header == "run" else "right")
+    else:
+        cols = [c for c in cols if c[0] != "itl99"]
+        t = Table(title=title, box=None, pad_edge=False, title_justify="left", header_style="bold")
+        for _, header in cols:  # "TTFT p50 ms" over two lines: a column as wide as its figures
+            t.add_column(header.replace(" p", "\np", 1) if " p" in header else header, no_wrap=True,
+                         overflow="ellipsis", justify="left" if header == "run" else "right",
+                         max_width=8 if header == "accept" else None)  # a failure's reason: in full below
 
     def f(v, nd=1):
         return "-" if v is None else f"{v:.{nd}f}"
 
     for r in rows(rep):
         if "failed" in r:
-            cells = (r["label"], "-", "-", "FAILED", r["failed"], "", "", "", "", "")
+            cells = {"run": r["label"], "conc": "-", "req": "-", "tok/s": "FAILED", "accept": r["failed"]}
         else:
-            cells = (r["label"], str(r["concurrency"]),
-                     f"{r['requests']}" + (f" ({r['errors']} err)" if r["errors"] else ""), f(r["output_tok_s"]),
-                     f(r["accept_length"], 2), f(r["ttft_ms"]["p50"]), f(r["ttft_ms"]["p99"]), f(r["itl_ms"]["p50"], 2),
-                     f(r["itl_ms"]["p99"], 2), f((r.get("step_ms") or {}).get("p50"), 2))
-        t.add_row(*[Text(x) for x in cells])
+            cells = {"run": r["label"], "conc": str(r["concurrency"]),
+                     "req": f"{r['requests']}" + (f" ({r['errors']} err)" if r["errors"] else ""),
+                     "tok/s": f(r["output_tok_s"]), "accept": f(r["accept_length"], 2),
+                     "ttft50": f(r["ttft_ms"]["p50"]), "ttft99": f(r["ttft_ms"]["p99"]),
+                     "itl50": f(r["itl_ms"]["p50"], 2), "itl99": f(r["itl_ms"]["p99"], 2),
+                     "step50": f((r.get("step_ms") or {}).get("p50"), 2)}
+        t.add_row(*[Text(cells.get(k, "")) for k, _ in cols])
     return t
+
+
+def failure_notes(record: dict) -> list[str]:
+    """Each failed run's whole reason, for under the narrow table (where the cell is shortened)."""
+    return [f"{r['label']}: FAILED: {r['failed']}" for r in rows(record["report"]) if "failed" in r]
 
 
 def plot(record: dict, path: Path) -> Path:

@@ -11,6 +11,20 @@ from rich.text import Text
 from .facts import incoherent, split_local
 
 
+def terminal_console():
+    """A console as wide as the terminal, or COLUMNS when the output is not one (rich's own rule); never wider."""
+    from rich.console import Console
+    return Console()
+
+
+def wide_console(renderable):
+    """A console wide enough that `renderable` (a --wide table) prints without wrapping a cell."""
+    from rich.console import Console
+    from rich.measure import Measurement
+    probe = Console(width=1000)
+    return Console(width=max(Console().width, Measurement.get(probe, probe.options, renderable).maximum))
+
+
 def _age(facts: dict) -> str:
     s = time.time() - datetime.fromisoformat(facts["gathered_at"]).timestamp()
     return f"{s:.0f}s" if s < 120 else f"{s / 60:.0f}m" if s < 7200 else f"{s / 3600:.0f}h"
@@ -105,8 +119,14 @@ def endpoint(host) -> str:
     return f"GPUs {listen}:{min(ports)}-{max(ports)}" if ports else f"GPUs {listen}"
 
 
-def inventory_table(inv, facts_by_host: dict[str, dict], errors: dict[str, tuple[str, str]]) -> Table:
-    """Every value from a host or the inventory is a rich Text (plain text): `[...]` in a host's output or error
+def _host_label(inv, name: str) -> Text:
+    return Text(name + (" ★" if name == inv.reference_name else ""))
+
+
+def wide_table(inv, facts_by_host: dict[str, dict], errors: dict[str, tuple[str, str]]) -> Table:
+    """Every fact of every host, one column each (`fab inventory --wide`): cells wrap where the terminal is narrow.
+
+    Every value from a host or the inventory is a rich Text (plain text): `[...]` in a host's output or error
     is shown as is, never read as markup (a stray `[/x]` would crash the table, `[green]` would fake a style)."""
     ref = facts_by_host.get(inv.reference_name)
     table = Table(title=Text(f"fleet {inv.fleet} — reference {inv.reference_name}"
@@ -117,7 +137,6 @@ def inventory_table(inv, facts_by_host: dict[str, dict], errors: dict[str, tuple
     table.add_column("age")
     table.add_column("endpoint")
     for name, facts in facts_by_host.items():
-        label = Text(name + (" ★" if name == inv.reference_name else ""))
         vals = row_values(facts)
         marks = drift(ref, facts)
         cells = []
@@ -127,11 +146,92 @@ def inventory_table(inv, facts_by_host: dict[str, dict], errors: dict[str, tuple
             if col == "coherent" and vals[col] not in (None, "ok"):
                 style = "bold red"
             cells.append(Text(v + (" (ABI≠ref)" if marks.get(col) == "abi" else ""), style=style))
-        table.add_row(label, *cells, Text(_age(facts)), Text(endpoint(getattr(inv, "hosts", {}).get(name))))
+        table.add_row(_host_label(inv, name), *cells, Text(_age(facts)),
+                      Text(endpoint(getattr(inv, "hosts", {}).get(name))))
     for name, (kind, err) in errors.items():
         table.add_row(Text(name, style="bold red"), Text(f"{kind}: {err}", style="red"),
                       *[Text("")] * (len(COLUMNS) - 1), Text(""), Text(endpoint(getattr(inv, "hosts", {}).get(name))))
     return table
+
+
+def gpu_short(facts: dict) -> str:
+    """The GPUs of a host in a few characters: count, arch and memory of each kind (`8x sm_120 96G`)."""
+    gpus = (facts.get("nvidia") or {}).get("gpus") or []
+    if not gpus:
+        return gpu_summary(facts)
+    kinds = Counter((g["sm"], g["memory_mib"]) for g in gpus)
+    return ", ".join(f"{n}x {sm} {round(mem / 1024)}G" for (sm, mem), n in kinds.items())
+
+
+# (column, header) of the narrow table: what tells two hosts apart at a glance; the rest is in --wide and --json
+NARROW = [("gpus", "gpus"), ("driver", "driver"), ("cuda", "cuda"), ("python", "py"), ("torch", "torch"),
+          ("sglang", "sglang"), ("sglang-kernel", "kernel"), ("coherent", "coherent")]
+
+
+def inventory_table(inv, facts_by_host: dict[str, dict], errors: dict[str, tuple[str, str]],
+                    wide: bool = False) -> Table:
+    """One line per host, fit for a 100-column terminal: GPUs, driver, CUDA, Python ABI, torch, SGLang, its
+    kernel, coherence and the facts' age. A cell that differs from the reference host is coloured; drift and
+    problems are said in words under the table (`problem_lines`); `wide` gives every fact (`wide_table`).
+
+    Every value from a host or the inventory is a rich Text (plain text), never read as markup."""
+    if wide:
+        return wide_table(inv, facts_by_host, errors)
+    ref = facts_by_host.get(inv.reference_name)
+    table = Table(title=Text(f"fleet {inv.fleet} — reference {inv.reference_name}"
+                             + ("" if ref else " (no facts: drift not shown)")), header_style="bold",
+                  box=None, pad_edge=False, title_justify="left")
+    names = [_host_label(inv, n).plain for n in [*facts_by_host, *errors]]
+    table.add_column("host", no_wrap=True, min_width=max(map(len, names), default=4))
+    for _, header in NARROW:
+        table.add_column(header, no_wrap=True, overflow="ellipsis")
+    table.add_column("age", no_wrap=True)
+    for name, facts in facts_by_host.items():
+        vals = dict(row_values(facts), gpus=gpu_short(facts))
+        if vals["python"] and (facts.get("venv") or {}).get("abi"):
+            vals["python"] = facts["venv"]["abi"]
+        marks = drift(ref, facts)
+        cells = []
+        for col, _ in NARROW:
+            style = {"abi": "bold red", "differs": "yellow"}.get(marks.get(col, ""), "")
+            if col == "coherent" and vals[col] not in (None, "ok"):
+                style = "bold red"
+            cells.append(Text(vals[col] or "-", style=style))
+        table.add_row(_host_label(inv, name), *cells, Text(_age(facts)))
+    for name, (kind, err) in errors.items():
+        table.add_row(Text(name, style="bold red"), Text(f"{kind}: {err}", style="red"),
+                      *[Text("")] * len(NARROW))
+    return table
+
+
+def drift_lines(inv, facts_by_host: dict[str, dict]) -> list[Text]:
+    """Each host's drift from the reference host, in words: `ct200: torch 2.11.0+cu128, reference 2.11.0+cu130
+    (same release, another build: ABI≠ref)`. Plain text, never markup."""
+    ref = facts_by_host.get(inv.reference_name)
+    if not ref:
+        return [Text(f"no facts from the reference host {inv.reference_name}: drift not shown", style="yellow")] \
+            if facts_by_host else []
+    a = row_values(ref)
+    out = []
+    for name, facts in facts_by_host.items():
+        marks = drift(ref, facts)
+        if not marks:
+            continue
+        b = row_values(facts)
+        parts = [f"{col} {b[col] or '-'}, reference {a[col] or '-'}"
+                 + (" (same release, another build: ABI≠ref)" if kind == "abi" else "")
+                 for col, kind in marks.items()]
+        out.append(Text.assemble((f"{name}: ", "bold"),
+                                 (f"differs from {inv.reference_name}: ", "yellow"), "; ".join(parts)))
+    return out
+
+
+def problem_lines(inv, facts_by_host: dict[str, dict], errors: dict[str, tuple[str, str]]) -> list[Text]:
+    """What to print under the narrow table: drift in words, hosts that did not answer (the whole error), and
+    the reasons behind each flagged `coherent` cell."""
+    out = drift_lines(inv, facts_by_host)
+    out += [Text.assemble((f"{name}: ", "bold red"), (f"{kind}: {err}", "red")) for name, (kind, err) in errors.items()]
+    return out + incoherent_lines(facts_by_host)
 
 
 def incoherent_lines(facts_by_host: dict[str, dict]) -> list[Text]:

@@ -75,7 +75,7 @@ class QuickAckSocket(socket.socket):
     Why: sshd keeps Nagle on for sessions without a tty, and after authentication it writes small messages
     (hostkeys-00, debug lines) then the first channel's open confirmation. That confirmation waits for our ACK
     of the earlier ones, and our kernel delays that ACK by ~40 ms, since we have nothing to send. Measured on
-    the lab: opening the first session 52 -> 6 ms. Our own writes need TCP_NODELAY (nodelay above)."""
+    the lab: the first channel opens in 6 ms instead of 52. Our own writes need TCP_NODELAY (nodelay above)."""
 
     def recv(self, bufsize, flags=0):
         data = super().recv(bufsize, flags)

@@ -34,11 +34,37 @@ def test_inventory_shows_ct200_cu128_drift_against_ct129(lab, fab):
 
 
 def test_table_highlights_build_tag_mismatch(lab, fab):
+    """The ct200 row shows its torch build; the drift under the table says in words that it is the reference's
+    release with another build tag (ABI); h200, on the reference's build, has no drift line."""
     r = fab("inventory", "--refresh")
     assert r.returncode == 0, r.stderr
-    line = next(ln for ln in r.stdout.splitlines() if "ct200" in ln)
+    lines = r.stdout.splitlines()
+    assert "2.11.0+cu128" in next(ln for ln in lines if ln.startswith("ct200 "))
+    said = next(ln for ln in lines if ln.startswith("ct200: differs from ct129"))
+    assert "torch 2.11.0+cu128, reference 2.11.0+cu130" in said and "ABI≠ref" in r.stdout
+    assert not any(ln.startswith("h200:") for ln in lines)
+    wide = fab("inventory", "--wide").stdout.splitlines()     # the wide view: the mark in the row itself
+    line = next(ln for ln in wide if "ct200" in ln)
     assert "2.11.0+cu128" in line and "ABI≠ref" in line
-    assert "ABI≠ref" not in next(ln for ln in r.stdout.splitlines() if "h200" in ln)
+    assert "ABI≠ref" not in next(ln for ln in wide if "h200" in ln)
+
+
+def test_table_fits_a_100_column_terminal_one_line_a_host(lab, fab):
+    """COLUMNS=100 (a terminal that wide, or the width asked of a pipe): no line over 100 characters and one line
+    per host, the key facts of each host on it; the wide view keeps every column (OS, glibc, endpoint)."""
+    r = fab("inventory", env={"COLUMNS": "100"})
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert max(map(len, lines)) <= 100, "\n".join(ln for ln in lines if len(ln) > 100)
+    for host in ("ct129", "ct200", "h200"):
+        rows = [ln for ln in lines if ln.split(" ", 1)[0] == host]
+        assert len(rows) == 1, (host, r.stdout)
+        assert "580.159.04" in rows[0] and "0.5.17" in rows[0] and " ok " in rows[0] + " ", rows[0]
+    assert "1x sm_90" in next(ln for ln in lines if ln.startswith("h200 "))
+    wide = fab("inventory", "--wide", env={"COLUMNS": "100"}).stdout
+    assert "glibc" in wide and "endpoint" in wide and "router 127.0.0.1" in wide
+    doc = json.loads(fab("inventory", "--json", env={"COLUMNS": "100"}).stdout)
+    assert doc["hosts"]["h200"]["os"]["glibc"] and doc["endpoints"]["h200"]["router"]
 
 
 def _inventory_copy(tmp_path, lab, extra_hosts: str = "", known_hosts: str | None = None) -> Path:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from rich.console import Console
 
-from deploy.report import inventory_table
+from deploy.report import inventory_table, problem_lines
 from deploy.release import status
 
 HOSTILE = "ConnectionError: [/red] boom [bold]x[/] [link=file:///etc/passwd]y"
@@ -27,6 +27,14 @@ def text_of(segs) -> str:
     return "".join(t for t, _ in segs)
 
 
+def status_segs(rows: list[dict], wide: bool = False) -> list[tuple[str, str | None]]:
+    """The status table and, in the narrow view, the notes under it (release, lock, last deploy, problems)."""
+    segs = render(status.status_table(rows, wide=wide))
+    for line in ([] if wide else status.notes(rows)):
+        segs += render(line)
+    return segs
+
+
 def row(**kw):
     base = {"host": "h200", "gpu": 0, "instance": "gpu0", "state": "active/running", "restarts": 0, "port": 30000,
             "health": "ok", "mode": "tree-verify", "release": "r1", "running_release": "r1", "unsafe": False,
@@ -34,22 +42,24 @@ def row(**kw):
     return base | kw
 
 
-def test_status_error_with_markup_does_not_crash_and_is_shown_as_is():
-    segs = render(status.status_table([{"host": "ct200", "gpu": None, "error": HOSTILE}]))
+@pytest.mark.parametrize("wide", [False, True])
+def test_status_error_with_markup_does_not_crash_and_is_shown_as_is(wide):
+    segs = status_segs([{"host": "ct200", "gpu": None, "error": HOSTILE}], wide)
     assert HOSTILE in text_of(segs).replace("\n", "") or all(p in text_of(segs) for p in HOSTILE.split())
 
 
-def test_a_host_cannot_fake_a_green_state():
+@pytest.mark.parametrize("wide", [False, True])
+def test_a_host_cannot_fake_a_green_state(wide):
     """A failing unit whose host reports ActiveState '[green]active' stays red, and the text shows the tag."""
-    segs = render(status.status_table([row(state="[green]active/running", health="down",
-                                           release="[green]r2", lock="[blink]alice[/blink]",
-                                           last_deploy="deploy [/] [green]ok")]))
+    segs = status_segs([row(state="[green]active/running", health="down", release="[green]r2",
+                            lock="[blink]alice[/blink]", last_deploy="deploy [/] [green]ok")], wide)
     shown = text_of(segs)
     assert "[green]active/running" in shown and "[green]r2" in shown and "[blink]alice[/blink]" in shown
+    assert "deploy [/] [green]ok" in shown
     state_colours = {c for t, c in segs if "active/running" in t}
     assert state_colours == {"red"}, state_colours
     # the real thing is still green
-    segs = render(status.status_table([row()]))
+    segs = status_segs([row()], wide)
     assert {c for t, c in segs if "active/running" in t} == {"green"}
 
 
@@ -68,10 +78,15 @@ def test_inventory_table_shows_host_errors_and_values_as_text():
     facts = {"ct129": {"gathered_at": "2026-11-29T08:30:00+00:00", "address": "x",
                        "nvidia": {"driver": "[green]580[/]", "cuda": "13.0", "gpus": []},
                        "os": {"id": "debian", "version_id": "[/]12"}}}
-    segs = render(inventory_table(_Inv(), facts, {"ct200": ("error", HOSTILE)}))
+    segs = render(inventory_table(_Inv(), facts, {"ct200": ("error", HOSTILE)}, wide=True))
     shown = text_of(segs)
     assert "lab[/red]" in shown and "[green]580[/]" in shown and "[/]12" in shown
     assert "[/red] boom" in shown
+    # the narrow table and the lines under it: the same strings, as text
+    shown = text_of(render(inventory_table(_Inv(), facts, {"ct200": ("error", HOSTILE)})))
+    assert "lab[/red]" in shown and "[green]580[/]" in shown
+    under = "\n".join(text_of(render(t)) for t in problem_lines(_Inv(), facts, {"ct200": ("error", HOSTILE)}))
+    assert f"ct200: error: {HOSTILE}" in under.replace("\n", "")
 
 
 def test_provision_plan_shows_names_and_messages_from_hosts_as_text():
@@ -87,9 +102,10 @@ def test_provision_plan_shows_names_and_messages_from_hosts_as_text():
         assert s in out, (s, out)
 
 
+@pytest.mark.parametrize("wide", [False, True])
 @pytest.mark.parametrize("value", ["[/]", "[/red]", "[bold", "\\[x]", "[link=x]y"])
-def test_any_bracket_text_is_printed_verbatim(value):
-    segs = render(status.status_table([row(lock=value, release=value)]))
+def test_any_bracket_text_is_printed_verbatim(value, wide):
+    segs = status_segs([row(lock=value, release=value)], wide)
     assert text_of(segs).count(value) == 2
 
 

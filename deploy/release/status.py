@@ -107,32 +107,96 @@ def cell(value, style: str = ""):
     return Text("" if value is None else str(value), style=style)
 
 
-def status_table(rs: list[dict]):
-    """The `fab status` table; every value from a host (state, error, release, lock, journal) is plain text."""
+def _state(r: dict) -> tuple[str, str]:
+    """A GPU row's state text (with its restarts) and colour: green only when running and healthy."""
+    state = r["state"] + (f" ({r['restarts']} restarts)" if r["restarts"] else "")
+    return state, "green" if r["state"].startswith("active/running") and r["health"] == "ok" else "red"
+
+
+def _release(r: dict) -> str:
+    rel = r["release"] or "-"
+    if r["running_release"] and r["running_release"] != r["release"]:
+        rel += f" (running {r['running_release']})"
+    return rel
+
+
+def _figures(r: dict) -> list:
+    return [cell("-" if r.get("tokens_per_s") is None else f"{r['tokens_per_s']:.1f}"),
+            cell("-" if r.get("running") is None else r["running"]),
+            cell("-" if r.get("queued") is None else r["queued"]),
+            cell("-" if r.get("accept_length") is None else r["accept_length"])]
+
+
+def _router(r: dict):
+    rc = r.get("router") or "-"
+    return cell(rc, "green" if rc == "in/healthy" else ("" if rc == "-" else "red"))
+
+
+def status_table(rs: list[dict], wide: bool = False):
+    """The `fab status` table, one line per GPU, fit for a 100-column terminal: state, health, the router's view,
+    tokens/s, running and queued requests, accept length, mode. The host's release, its lock, its last deploy and
+    every problem are said under the table (`notes`); `wide` puts them all in columns instead. Every value from a
+    host (state, error, release, lock, journal) is plain text."""
     from rich.table import Table
-    t = Table(title="sglang-ddtree services")
-    for col in ("host", "gpu", "state", "port", "health", "router", "tok/s", "run", "queue", "accept", "mode",
-                "release", "unsafe", "lock", "last deploy"):
-        t.add_column(col)
+    if wide:
+        t = Table(title="sglang-ddtree services")
+        for col in ("host", "gpu", "state", "port", "health", "router", "tok/s", "run", "queue", "accept", "mode",
+                    "release", "unsafe", "lock", "last deploy"):
+            t.add_column(col)
+        for r in rs:
+            if r.get("error"):
+                t.add_row(cell(r["host"]), cell("-"), cell(r["error"], "red"), *[cell("")] * 12)
+                continue
+            state, color = _state(r)
+            t.add_row(cell(r["host"]), cell(r["gpu"]), cell(state, color), cell(r["port"]), cell(r["health"], color),
+                      _router(r), *_figures(r), cell(r["mode"] or "-"), cell(_release(r)),
+                      cell("HYBRID-UNSAFE" if r["unsafe"] else "", "bold red"), cell(r["lock"] or ""),
+                      cell(r["last_deploy"] or ""))
+        return t
+    t = Table(title="sglang-ddtree services", box=None, pad_edge=False, title_justify="left", header_style="bold")
+    for col in ("host", "gpu", "state", "health", "router", "tok/s", "run", "queue", "accept", "mode"):
+        t.add_column(col, no_wrap=True, overflow="ellipsis",
+                     justify="right" if col in ("gpu", "tok/s", "run", "queue", "accept") else "left")
     for r in rs:
         if r.get("error"):
-            t.add_row(cell(r["host"]), cell("-"), cell(r["error"], "red"), *[cell("")] * 12)
+            t.add_row(cell(r["host"]), cell("-"), cell(r["error"], "red"), *[cell("")] * 7)
             continue
-        state = r["state"] + (f" ({r['restarts']} restarts)" if r["restarts"] else "")
-        color = "green" if r["state"].startswith("active/running") and r["health"] == "ok" else "red"
-        rel = r["release"] or "-"
-        if r["running_release"] and r["running_release"] != r["release"]:
-            rel += f" (running {r['running_release']})"
-        rc = r.get("router") or "-"
-        t.add_row(cell(r["host"]), cell(r["gpu"]), cell(state, color), cell(r["port"]), cell(r["health"], color),
-                  cell(rc, "green" if rc == "in/healthy" else ("" if rc == "-" else "red")),
-                  cell("-" if r.get("tokens_per_s") is None else f"{r['tokens_per_s']:.1f}"),
-                  cell("-" if r.get("running") is None else r["running"]),
-                  cell("-" if r.get("queued") is None else r["queued"]),
-                  cell("-" if r.get("accept_length") is None else r["accept_length"]),
-                  cell(r["mode"] or "-"), cell(rel), cell("HYBRID-UNSAFE" if r["unsafe"] else "", "bold red"),
-                  cell(r["lock"] or ""), cell(r["last_deploy"] or ""))
+        state, color = _state(r)
+        t.add_row(cell(r["host"]), cell(r["gpu"]), cell(r["state"], color), cell(r["health"], color), _router(r),
+                  *_figures(r), cell(r["mode"] or "-", "bold red" if r["unsafe"] else ""))  # why: in the notes
     return t
+
+
+def notes(rs: list[dict]) -> list:
+    """What the narrow table leaves out, in words under it: each host's release, lock and last deploy; each
+    problem of a GPU (an unreachable host's whole error, restarts, a server still on another release, a
+    HYBRID-UNSAFE override, unreadable metrics). Plain text, never markup."""
+    from rich.text import Text
+    out, seen = [], set()
+    for r in rs:
+        h = r["host"]
+        if r.get("error"):
+            out.append(Text.assemble((f"{h}: ", "bold red"), (r["error"], "red")))
+            continue
+        if h not in seen:
+            seen.add(h)
+            parts = [f"release {r['release'] or '-'}"]
+            if r.get("last_deploy"):
+                parts.append(f"last {r['last_deploy']}")
+            line = Text.assemble((f"{h}: ", "bold"), "; ".join(parts))
+            if r.get("lock"):
+                line.append(f"; LOCKED by {r['lock']}", "yellow")
+            out.append(line)
+        where = f"{h} gpu{r['gpu']}" if r.get("gpu") is not None else f"{h} {r.get('instance')}"
+        if r["restarts"]:
+            out.append(Text(f"  {where}: restarted {r['restarts']} times by systemd", "red"))
+        if r["running_release"] and r["running_release"] != r["release"]:
+            out.append(Text(f"  {where}: still running release {r['running_release']}", "yellow"))
+        if r["unsafe"]:
+            out.append(Text(f"  {where}: HYBRID-UNSAFE ({r.get('unsafe_reason') or 'override'})", "bold red"))
+        if r.get("metrics_error"):
+            out.append(Text(f"  {where}: metrics unreadable: {r['metrics_error']}", "yellow"))
+    return out
 
 
 def routers(gathered: list[dict]) -> list[dict]:
@@ -164,10 +228,16 @@ def router_table(rs: list[dict]):
     return t
 
 
-def print_table(rs: list[dict], console=None, router_rows: list[dict] | None = None) -> None:
-    from rich.console import Console
-    console = console or Console(width=250)
-    console.print(status_table(rs))
+def print_table(rs: list[dict], console=None, router_rows: list[dict] | None = None, wide: bool = False) -> None:
+    """The GPU table, the notes under it (narrow view) and the router table. The narrow view fits the terminal
+    (COLUMNS where the output is not one); --wide prints every column at the width it needs."""
+    from ..report import terminal_console, wide_console
+    table = status_table(rs, wide=wide)
+    console = console or (wide_console(table) if wide else terminal_console())
+    console.print(table)
+    if not wide:
+        for line in notes(rs):
+            console.print(line)
     if router_rows:
         console.print(router_table(router_rows))
 

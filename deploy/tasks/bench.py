@@ -26,10 +26,11 @@ from invoke import Exit, task
                        "every round (both); default: the plugin's own (synchronous). mode: auto picks among the runs "
                        "on the scheduler the service asks for (env SGLANG_DDTREE_OVERLAP)",
             "timeout": "seconds for the whole run on the host (default 3600)", "json": "print the result as JSON",
+            "wide": "every figure a column (ITL p99 too) and run names never shortened, as wide as it needs",
             "dry_run": "probe and plan only: show the plan and the host's command line, start nothing"})
 def bench(c, host, gpu=None, modes=None, budgets=None, concurrency=None, graphs=None, prompts=None, tiny=False,
           family=None, tokens=None, requests=None, server_args=None, rounds=None, cpus=None, overlap=None, timeout=3600,
-          json=False, dry_run=False):
+          json=False, dry_run=False, wide=False):
     """Benchmark plain, DFLASH and DDTREE on one GPU with the active release; keep the result for `mode: auto`."""
     from pathlib import Path
 
@@ -89,9 +90,13 @@ def bench(c, host, gpu=None, modes=None, budgets=None, concurrency=None, graphs=
         print(jsonlib.dumps(out, indent=1))
     else:
         if rec is not None:
-            from rich.console import Console
-
-            Console(width=200).print(lib.table(rec))
+            from ..report import terminal_console, wide_console
+            table = lib.table(rec, wide=bool(wide))
+            console = wide_console(table) if wide else terminal_console()
+            console.print(table)
+            if not wide:
+                for line in lib.failure_notes(rec):
+                    console.print(line, markup=False, highlight=False)
             for line in lib.paired_lines(rec["report"]):
                 print(f"[{host}] paired by round: {line}")
             print(f"[{host}] kept {out['saved']}" + (f", plot {out['plot']}" if out.get("plot") else ""))

@@ -46,10 +46,17 @@ def printed(facts: dict) -> dict:
     return dict(facts, venv={k: v for k, v in venv.items() if k not in ("collected", "native")})
 
 
-@task(help={"json": "print JSON instead of a table", "hosts": "comma-separated hosts or groups (default: all)",
-            "refresh": "gather again even if cached facts are younger than settings.facts_ttl"})
-def inventory(c, json=False, hosts=None, refresh=False):
+@task(help={"json": "print JSON instead of a table (every fact)",
+            "hosts": "comma-separated hosts or groups (default: all)",
+            "refresh": "gather again even if cached facts are younger than settings.facts_ttl",
+            "wide": "every fact a column (OS, glibc, torch ABI and archs, triton, flashinfer, endpoint...), as wide "
+                    "as it needs"})
+def inventory(c, json=False, hosts=None, refresh=False, wide=False):
     """Gather each host's driver, CUDA, GPUs, OS, Python, venv and torch/SGLang facts in parallel; flag incoherent hosts.
+
+    The table has one line per host and fits the terminal (COLUMNS): GPUs, driver, CUDA, Python ABI, torch,
+    SGLang, its kernel, coherence, age; drift from the reference host and every problem follow it in words.
+    --wide shows every fact as a column, --json every fact as data.
 
     A host is incoherent when its venv's installed pins are unmet (what `pip check` prints) or when the native
     extensions SGLang loads (sgl_kernel's common_ops for the host's GPU arch) do not resolve against its torch:
@@ -82,12 +89,11 @@ def inventory(c, json=False, hosts=None, refresh=False):
                                                "listen_address": inv.hosts[h].vars.get("listen_address")}
                                            for h in facts}}, indent=1))
     else:
-        from rich.console import Console
-
-        from ..report import incoherent_lines, inventory_table
-        console = Console(width=max(Console().width, 200))
-        console.print(inventory_table(inv, facts, errors))
-        for line in incoherent_lines(facts):
+        from ..report import incoherent_lines, inventory_table, problem_lines, terminal_console, wide_console
+        table = inventory_table(inv, facts, errors, wide=bool(wide))
+        console = wide_console(table) if wide else terminal_console()
+        console.print(table)
+        for line in (incoherent_lines(facts) if wide else problem_lines(inv, facts, errors)):
             console.print(line)
     if errors:
         print(f"{len(errors)} host(s) failed: " + "; ".join(f"{h} ({k}: {e})" for h, (k, e) in errors.items()),

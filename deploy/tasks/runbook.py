@@ -21,9 +21,13 @@ def _gpus(gpus):
             "watch": "refresh every --interval seconds until Ctrl-C (tokens/s from the generated-token counter); "
                      "with --json one JSON document per line",
             "interval": "seconds between refreshes with --watch (default 2)",
-            "count": "with --watch, stop after this many refreshes (default: until Ctrl-C)"})
-def status(c, hosts=None, json=False, history=0, watch=False, interval=2.0, count=0):
-    """Per host and GPU: unit state, health, the router's view, tokens/s, running/queued, accept length, release."""
+            "count": "with --watch, stop after this many refreshes (default: until Ctrl-C)",
+            "wide": "every field a column (port, release, HYBRID-UNSAFE, lock, last deploy), as wide as it needs"})
+def status(c, hosts=None, json=False, history=0, watch=False, interval=2.0, count=0, wide=False):
+    """Per host and GPU: unit state, health, the router's view, tokens/s, running/queued, accept length, mode.
+
+    One line per GPU, fit for the terminal (COLUMNS); each host's release, lock and last deploy and every problem
+    follow in words; --wide shows every field as a column, --json every field as data."""
     import time
     from ..release import status as st
     inv, selected = _inv(hosts)
@@ -40,7 +44,7 @@ def status(c, hosts=None, json=False, history=0, watch=False, interval=2.0, coun
         else:
             if watch:
                 print("\033[2J\033[H" + time.strftime("%H:%M:%S") + f"  (every {float(interval):g}s; Ctrl-C stops)")
-            st.print_table(rows, router_rows=routers)
+            st.print_table(rows, router_rows=routers, wide=bool(wide))
             if history:
                 for g in gathered:
                     for j in (g["state"] or {}).get("journal", [])[-int(history):]:

@@ -287,14 +287,27 @@ def test_plot_and_table(tmp_path):
 
     rec["report"]["runs"][0]["levels"] = []
     rec["report"]["runs"][0]["error"] = "[red]boom[/red]"
-    con = Console(width=200, record=True)
-    con.print(bench.table(rec))
-    text = con.export_text()
-    assert "[red]boom[/red]" in text and "FAILED" in text  # shown as is, never as markup
-    assert "tree-verify B=15 graphs=off" in text and "NVIDIA H200" in text
-    assert "step p50 ms" in text  # "-" where a report has no step_ms
+    for wide in (True, False):
+        con = Console(width=200 if wide else 100, record=True)
+        con.print(bench.table(rec, wide=wide))
+        for line in ([] if wide else bench.failure_notes(rec)):
+            con.print(line, markup=False, highlight=False)
+        text = con.export_text()
+        assert "[red]boom[/red]" in text and "FAILED" in text  # shown as is, never as markup
+        assert "tree-verify B=15 graphs=off" in text and "NVIDIA H200" in text
+        assert "step p50 ms" in text.replace("\np50 ms", " p50 ms") or "p50 ms" in text  # "-" without step_ms
+        assert ("ITL p99 ms" in text) == wide   # the narrow view leaves ITL p99 to --wide and --json
+    # narrow: one line per run and level, none over 100 characters
+    lines = text.splitlines()
+    assert max(map(len, lines)) <= 100
+    for r in bench.rows(rec["report"]):
+        assert sum(1 for ln in lines if ln.startswith(r["label"][:20]) and (
+            "failed" in r or f" {r['concurrency']} " in ln)) >= 1, (r["label"], text)
+    assert len([ln for ln in lines if ln.startswith(("plain", "dflash", "tree-verify")) and ": FAILED: " not in ln]
+               ) == len(bench.rows(rec["report"]))
+    assert "plain graphs=on: FAILED: [red]boom[/red]" in lines  # the reason in full under the table
     rec["report"]["runs"][1]["levels"][0]["step_ms"] = {"p50": 2.714, "p99": 3.3}
-    con = Console(width=220, record=True)
+    con = Console(width=100, record=True)
     con.print(bench.table(rec))
     assert "2.71" in con.export_text()
 
@@ -565,11 +578,13 @@ def test_smoke_of_an_auto_service_runs_the_mode_the_last_deploy_chose(tmp_path):
 @pytest.mark.parametrize("report,overlap,expect", [
     ("bench_h200_hybrid_glue.json", False, {1: ("linear", None), 4: ("tree-verify", 31), 16: ("tree-verify", 31)}),
     ("bench_h200_dense_glue.json", False, {1: ("tree-verify", 31), 4: ("tree-verify", 31), 16: ("tree-verify", 31)}),
-    # session 6: DDTREE on SGLang's overlap scheduler (the report's per-server overlap_schedule): for a service that
+    # a report with DDTREE on SGLang's overlap scheduler (the report's per-server overlap_schedule): for a service that
     # asks for that scheduler DFLASH wins at 1 and 4, DDTREE at 16; a service on the synchronous one gets DFLASH,
     # the only run measured as it would serve
-    ("h200_s6/bench-dense-gdef.json", True, {1: ("linear", None), 4: ("linear", None), 16: ("tree-verify", 31)}),
-    ("h200_s6/bench-dense-gdef.json", False, {1: ("linear", None), 4: ("linear", None), 16: ("linear", None)}),
+    ("h200_scheduler_ab_lossless_b15_b63/bench-dense-gdef.json", True,
+     {1: ("linear", None), 4: ("linear", None), 16: ("tree-verify", 31)}),
+    ("h200_scheduler_ab_lossless_b15_b63/bench-dense-gdef.json", False,
+     {1: ("linear", None), 4: ("linear", None), 16: ("linear", None)}),
 ])
 def test_mode_auto_on_the_h200_figures_picks_each_levels_winner(report, overlap, expect):
     """The real reports of the H200 runs (benchmarks/results/, all servers with decode CUDA graphs), read as any

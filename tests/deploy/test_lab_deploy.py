@@ -78,6 +78,20 @@ def test_deploy_tree_verify_brings_the_lab_up_and_redeploy_restarts_nothing(env,
     # the table too
     table = strip_ansi(fab("status", "--hosts", "h200", inventory=env["inv"]).stdout)
     assert "h200" in table and "tree-verify" in table and "active/running" in table
+    # on a 100-column terminal: one line per GPU, none over 100 characters; the release and the last deploy of
+    # each host in words under the table; every field in the wide view
+    r = fab("status", inventory=env["inv"], env={"COLUMNS": "100"})
+    lines = strip_ansi(r.stdout).splitlines()
+    assert r.returncode == 0 and max(map(len, lines)) <= 100, "\n".join(ln for ln in lines if len(ln) > 100)
+    gpu_lines = [ln.split() for ln in lines if ln.split()[:1] and ln.split()[0] in HOSTS]
+    assert sorted((w[0], int(w[1])) for w in gpu_lines) == sorted((x["host"], x["gpu"]) for x in rows)
+    assert all("active/running" in w and "tree-verify" in w for w in gpu_lines), gpu_lines
+    for h in HOSTS:
+        said = next(ln for ln in lines if ln.startswith(f"{h}: "))
+        assert f"release {rows[-1]['release']}" in said and "last deploy " in said, said
+    wide = strip_ansi(fab("status", "--wide", "--hosts", "h200", inventory=env["inv"], env={"COLUMNS": "100"}).stdout)
+    h200 = next(x for x in rows if x["host"] == "h200")
+    assert "last deploy" in wide and str(h200["port"]) in wide and h200["release"] in wide
     # the installed unit verifies on a real host, where every path exists
     v = ssh(env["lab"], "h200", "systemd-analyze verify --man=no sglang-ddtree@gpu0.service", check=False)
     assert v.returncode == 0 and not v.stderr.strip(), v.stderr

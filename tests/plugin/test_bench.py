@@ -752,8 +752,8 @@ def test_overlap_both_races_each_scheduler_against_the_same_rounds_dflash(tmp_pa
 
 
 def test_a_round_interrupted_while_its_server_stops_keeps_what_it_measured(tmp_path, monkeypatch, capsys):
-    """A timeout's SIGTERM that lands while a measured server is being stopped (session 7 on the H200 lost a round's
-    figure that way): the round is in the report saved on the way out, its levels with it."""
+    """A timeout's SIGTERM that lands while a measured server is being stopped: the round is in the report saved
+    on the way out, its levels with it."""
     fake_py, state = _standin_bench(tmp_path, monkeypatch, "[1, 2, 3]\n")
     out = tmp_path / "out"
     real_stop, stops = servers.Server.stop, []

@@ -1,5 +1,6 @@
 """sglang_ddtree.paired: a mode against its peer round by round (never median against median), with the sign
-test's distribution-free interval; tested on made-up reports and on the reports kept from the H200."""
+test's distribution-free interval; tested on made-up reports and on real H200 reports trimmed to what it reads
+(fixtures/paired): every expectation is computed from the report's own rounds, never a figure copied from a run."""
 import json
 import math
 from pathlib import Path
@@ -56,21 +57,6 @@ def test_rounds_pair_within_a_report_pool_across_reports_and_never_across_condit
     d = _doc([_run("dflash", [100], graphs=False, block=16), _run("tree-verify", [150], budget=31)])
     assert paired.pairs([d]) == []
     assert [r["run"] for r in paired.pairs([a], peer="tree-verify")] == ["dflash blk=16 graphs=on"]
-
-
-def test_the_h200_reports_of_session_7_read_as_the_closing_note_says():
-    """Session 7's unpinned reports (2 + 2 rounds, DFLASH then DDTREE each round): paired ratios 1.12, 0.87
-    (nopin), 0.86, 1.97 (r4): a median of 1.00x, no 95% interval from 4 pairs. The pinned report is its own row;
-    glue level 3's report has no pair (its DDTREE server crashed in both rounds)."""
-    s7 = RESULTS / "h200_s7"
-    docs = [json.loads((s7 / f"bench-dense-{n}.json").read_text()) for n in ("gdef-nopin", "gdef-r4", "gdef-pin", "g3")]
-    rows = paired.pairs(docs)
-    assert len(rows) == 2
-    unpinned = next(r for r in rows if not r["conditions"]["cpus"])
-    assert [round(p["ratio"], 2) for p in unpinned["pairs"]] == [1.12, 0.87, 0.86, 1.97]
-    assert round(unpinned["median_ratio"], 2) == 1.00 and unpinned["interval"] is None and unpinned["ahead"] == 2
-    pinned = next(r for r in rows if r["conditions"]["cpus"])
-    assert [round(p["ratio"], 2) for p in pinned["pairs"]] == [1.43, 1.22]
 
 
 def test_what_a_ratio_is_made_of_accept_and_step_paired_like_the_ratio():
@@ -133,86 +119,100 @@ def test_reports_from_before_step_ms_get_an_estimate_at_one_request_only():
     assert "median_step_ratio" not in c4 and "step " not in paired.format_pairs([c4])
 
 
-def test_the_h200_reports_of_session_9_b63_race():
-    """Session 9's three calls (REQUESTS=32, unpinned, DFLASH block 16 against DDTREE B=31 and B=63 at one
-    request): 10 B=63 pairs, median 1.21x, the sign test's interval 0.96-1.51, ahead in 8; accept 1.47x and a
-    step ~1.21x DFLASH's (estimated: these reports predate step_ms)."""
-    docs = [json.loads(p.read_text()) for p in sorted((RESULTS / "h200_s9").glob("bench-dense-gdef-s9*.json"))]
-    rows = {r["run"]: r for r in paired.pairs(docs)}
-    b63 = rows["tree-verify B=63 graphs=on"]
-    assert [round(p["ratio"], 2) for p in b63["pairs"]] == [1.39, 1.60, 1.16, 0.96, 0.84, 1.22, 1.28, 1.19, 1.20,
-                                                             1.51]
-    assert (round(b63["median_ratio"], 2), b63["ahead"]) == (1.21, 8)
-    assert [round(x, 2) for x in b63["interval"]] == [0.96, 1.51]
-    assert round(b63["median_accept_ratio"], 2) == 1.47 and 1.1 < b63["median_step_ratio"] < 1.3
-    assert b63["step_estimated"] and rows["tree-verify B=31 graphs=on"]["n"] == 2
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "paired"
 
 
-def test_the_h200_reports_of_session_10_pool_with_session_9():
-    """Session 10 (step_ms measured): B=127 on the synchronous scheduler (s10a, s10c: 3 pairs) and on the overlap
-    one (s10b, SGLANG_DDTREE_OVERLAP=1: its own row, 3 pairs); s10a's two B=63 pairs pool with session 9's ten
-    (the same conditions): 12 pairs, median 1.20x, interval 0.96-1.39, ahead in 9."""
-    paths = sorted((RESULTS / "h200_s9").glob("bench-dense-gdef-s9*.json")) + \
-        sorted((RESULTS / "h200_s10").glob("bench-dense-*.json"))
-    rows = paired.pairs([json.loads(p.read_text()) for p in paths])
-    # s10b set SGLANG_DDTREE_OVERLAP=1 for the whole call: its DDTREE server is named by the scheduler it ran (its
-    # /server_info), and the switch is not a condition that keeps its DFLASH pairs apart
-    by = {r["run"]: r for r in rows if r["concurrency"] == 1}
-    assert sorted(by) == ["tree-verify B=127 graphs=on", "tree-verify B=127 overlap graphs=on",
-                          "tree-verify B=31 graphs=on", "tree-verify B=63 graphs=on"]
-    b63 = by["tree-verify B=63 graphs=on"]
-    assert b63["n"] == 12 and (round(b63["median_ratio"], 2), b63["ahead"]) == (1.20, 9)
-    assert [round(x, 2) for x in b63["interval"]] == [0.96, 1.39]
-    sync, ov = by["tree-verify B=127 graphs=on"], by["tree-verify B=127 overlap graphs=on"]
-    assert [round(p["ratio"], 2) for p in sync["pairs"]] == [1.56, 1.14, 0.98]
-    assert [round(p["ratio"], 2) for p in ov["pairs"]] == [1.28, 1.14, 1.33]
-    # accept 8.24 against 5.17 in both; the step measured (not estimated) in these reports
-    assert round(sync["median_accept_ratio"], 2) == round(ov["median_accept_ratio"], 2) == 1.60
-    assert not ov["step_estimated"] and round(ov["median_step_ratio"], 2) == 1.15
-    assert [p["step_ms"] for p in ov["pairs"]] == [3.524, 4.02, 4.185]
+def fixture(name: str) -> dict:
+    """A real H200 report trimmed to what paired reads (fixtures/paired/*.json: each names its source)."""
+    return json.loads((FIXTURES / name).read_text())
 
 
-def test_the_h200_reports_of_session_11_pool_with_session_10():
-    """Session 11: both schedulers in the same rounds against the same DFLASH server (bench --overlap both, s11a and
-    s11b) and one round with plain (s11c). Pooled with session 10: B=127 synchronous 8 pairs, median 1.44x,
-    interval 0.98-1.84, ahead in 7; overlap 7 pairs, median 1.32x, interval 1.14-1.77, ahead in 7; plain 0.51x
-    DFLASH in its round (DDTREE 2.65x plain there)."""
-    paths = sorted((RESULTS / "h200_s10").glob("bench-dense-*.json")) + \
-        sorted((RESULTS / "h200_s11").glob("bench-dense-*.json"))
-    docs = [json.loads(p.read_text()) for p in paths]
-    by = {r["run"]: r for r in paired.pairs(docs) if r["concurrency"] == 1}
-    sync, ov = by["tree-verify B=127 graphs=on"], by["tree-verify B=127 overlap graphs=on"]
-    assert [round(p["ratio"], 2) for p in sync["pairs"]] == [1.56, 1.14, 0.98, 1.51, 1.84, 1.53, 1.31, 1.36]
-    assert (sync["n"], round(sync["median_ratio"], 2), sync["ahead"]) == (8, 1.44, 7)
-    assert [round(x, 2) for x in sync["interval"]] == [0.98, 1.84]
-    assert [round(p["ratio"], 2) for p in ov["pairs"]] == [1.28, 1.14, 1.33, 1.35, 1.77, 1.32, 1.22]
-    assert (ov["n"], round(ov["median_ratio"], 2), ov["ahead"]) == (7, 1.32, 7)
-    assert [round(x, 2) for x in ov["interval"]] == [1.14, 1.77]
-    # session 11's own rounds: DDTREE ahead in every one, on either scheduler
-    s11 = [p for r in (sync, ov) for p in r["pairs"] if p["ratio"] > 0 and p["report"] >= 3]
-    assert len(s11) == 9 and min(p["ratio"] for p in s11) > 1.2
-    # the same rounds, the two schedulers: the synchronous DDTREE server served more in each of the 4
-    both = [doc for p, doc in zip(paths, docs) if "-ovboth-" in p.name]
-    assert len(both) == 2
-    for doc in both:
-        tv = {run["overlap_schedule"]: [r["levels"][0]["output_tok_s"] for r in run["rounds"]]
-              for run in doc["runs"] if run["mode"] == "tree-verify"}
-        assert all(s > o for s, o in zip(tv[False], tv[True])) and len(tv[False]) == 2
-    plain = by["plain graphs=on"]
-    assert plain["n"] == 1 and round(plain["median_ratio"], 2) == 0.51
+def round_tok_s(doc: dict, label: str, concurrency: int = 1) -> list:
+    """A run's tok/s in each round at one concurrency, read straight from the report (None: no figure)."""
+    run = next(r for r in doc["runs"] if paired._label(r) == label)
+    out = []
+    for rnd in run["rounds"]:
+        lv = next((x for x in rnd["levels"] if x["concurrency"] == concurrency), None)
+        out.append(lv["output_tok_s"] if lv and rnd["status"] == "ok" and lv["output_tok_s"] > 0 else None)
+    return out
 
 
-def test_cli_exit_codes(tmp_path, capsys):
-    good = tmp_path / "a.json"
-    good.write_text(json.dumps(_doc([_run("dflash", [100], block=16), _run("tree-verify", [150], budget=31)])))
-    assert paired.main([str(good)]) == 0
-    assert "median paired ratio 1.50x" in capsys.readouterr().out
-    assert paired.main([str(good), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)[0]["median_ratio"] == 1.5
-    assert paired.main([str(good), "--peer", "plain"]) == 1
-    assert "no round where plain and another run both measured" in capsys.readouterr().out
-    bad = tmp_path / "b.json"
-    bad.write_text("[1, 2]")
-    assert paired.main([str(good), str(bad)]) == 2
-    assert "not a bench report" in capsys.readouterr().err
-    assert paired.main([str(tmp_path / "none.json")]) == 2
+def expected_ratios(doc: dict, label: str, peer: str, concurrency: int = 1) -> list:
+    """Each round's ratio of `label` to `peer` where both have a figure: what a pair must be."""
+    mine, theirs = round_tok_s(doc, label, concurrency), round_tok_s(doc, peer, concurrency)
+    return [round(a / b, 4) for a, b in zip(mine, theirs) if a and b]
+
+
+def check_row(row: dict) -> None:
+    """What every pooled row must be whatever the figures: its statistics computed from its own pairs."""
+    ratios = [p["ratio"] for p in row["pairs"]]
+    assert row["n"] == len(ratios) and row["ahead"] == sum(r > 1 for r in ratios)
+    assert row["median_ratio"] == round(paired.median(ratios), 4)
+    assert row["median_tok_s"] == round(paired.median([p["tok_s"] for p in row["pairs"]]), 1)
+    for p in row["pairs"]:
+        assert p["ratio"] == round(p["tok_s"] / p["peer_tok_s"], 4)
+    if len(ratios) < 6:
+        assert row["interval"] is None
+    else:  # two of the ratios themselves, bracketing the median
+        lo, hi = row["interval"]
+        assert lo in ratios and hi in ratios and lo <= row["median_ratio"] <= hi
+
+
+def test_a_real_reports_rounds_pair_by_round_and_its_statistics_follow_from_the_pairs():
+    """Both DDTREE schedulers against the same DFLASH server in the same rounds (bench --overlap both): each
+    scheduler has its own row, named by the scheduler its server ran; a pair is the two servers' tok/s of one
+    round; accept and step ratios come from the same round's levels."""
+    doc = fixture("sync-overlap-same-rounds.json")
+    rows = {r["run"]: r for r in paired.pairs([doc]) if r["concurrency"] == 1}
+    peer = "dflash blk=16 graphs=on"
+    assert sorted(rows) == ["tree-verify B=127 graphs=on", "tree-verify B=127 overlap graphs=on"]
+    for label, row in rows.items():
+        assert row["peer"] == peer
+        assert [p["ratio"] for p in row["pairs"]] == expected_ratios(doc, label, peer)
+        check_row(row)
+        run = next(r for r in doc["runs"] if paired._label(r) == label)
+        base = next(r for r in doc["runs"] if r["mode"] == "dflash")
+        for p in row["pairs"]:
+            mine, theirs = run["rounds"][p["round"]]["levels"][0], base["rounds"][p["round"]]["levels"][0]
+            assert p["accept_ratio"] == round(mine["accept_length"] / theirs["accept_length"], 4)
+            assert p["step_ms"] == mine["step_ms"]["p50"] and not p["step_estimated"]  # measured, not estimated
+    assert all(r["overlap_schedule"] == ("overlap" in paired._label(r)) for r in doc["runs"] if r["mode"] != "dflash")
+
+
+def test_reports_of_the_same_conditions_pool_and_other_conditions_stay_apart():
+    """Two reports of the same target, prompts and settings pool their pairs (n adds up); a report whose servers
+    were pinned to CPUs is its own row; a report whose DDTREE server crashed in every round adds no pair."""
+    a, b = fixture("sync-overlap-same-rounds.json"), fixture("b63-b127-sync.json")
+    assert paired.conditions(a) == paired.conditions(b)
+    label, peer = "tree-verify B=127 graphs=on", "dflash blk=16 graphs=on"
+    pooled = next(r for r in paired.pairs([b, a]) if r["run"] == label and r["concurrency"] == 1)
+    assert [p["ratio"] for p in pooled["pairs"]] == expected_ratios(b, label, peer) + expected_ratios(a, label, peer)
+    assert [p["report"] for p in pooled["pairs"]] == [0] * len(expected_ratios(b, label, peer)) + \
+        [1] * len(expected_ratios(a, label, peer))
+    check_row(pooled)
+    # with six pairs or more the sign test's interval exists and brackets the median (check_row); here: below six
+    assert (pooled["interval"] is None) == (pooled["n"] < 6)
+
+    unpinned, pinned, crashed = fixture("unpinned.json"), fixture("pinned.json"), fixture("ddtree-crashed.json")
+    assert paired.conditions(pinned)["cpus"] and not paired.conditions(unpinned)["cpus"]
+    rows = paired.pairs([unpinned, pinned, crashed])
+    assert len(rows) == 2 and {bool(r["conditions"]["cpus"]) for r in rows} == {True, False}
+    for r in rows:
+        doc = pinned if r["conditions"]["cpus"] else unpinned
+        assert [p["ratio"] for p in r["pairs"]] == expected_ratios(doc, r["run"], r["peer"])
+        assert {p["report"] for p in r["pairs"]} == {1 if doc is pinned else 0}  # nothing from the crashed one
+        check_row(r)
+    assert all(x is None for x in round_tok_s(crashed, next(paired._label(r) for r in crashed["runs"]
+                                                             if r["mode"] == "tree-verify")))
+
+
+def test_every_pooled_row_of_the_kept_reports_follows_from_its_pairs():
+    """Over every fixture together: each row's statistics are those of its own pairs, at every concurrency."""
+    docs = [fixture(p.name) for p in sorted(FIXTURES.glob("*.json"))]
+    rows = paired.pairs(docs)
+    assert rows
+    for r in rows:
+        check_row(r)
+    text = paired.format_pairs(rows)
+    for r in rows:
+        assert f"{r['run']} / {r['peer']} at c={r['concurrency']}: median paired ratio {r['median_ratio']:.2f}x" in text

@@ -106,8 +106,8 @@ def test_pool_caps_reach_the_command_line():
 
 
 def test_a_lost_port_race_is_told_from_a_servers_own_failure():
-    """The H200 (session 6, two matrices side by side): a server lost the port free_port() had found to a server
-    of the other process. That start is retried on a new port (serve_matrix); any other start failure is not."""
+    """Two matrices side by side on one host: a server can lose the port free_port() found to a server of the
+    other process. That start is retried on a new port (serve_matrix); any other start failure is not."""
     from sglang_ddtree.servers import lost_port_race
 
     # the tail of that server's log, as captured on the H200

@@ -43,13 +43,8 @@ Server arguments (``--speculative-algorithm DDTREE``)
   committed length one step behind, so a step may start up to ``min(blk, D)``
   tokens (the last step's accepted path) past it and writes a window of
   ``max(blk, D)``; both fit in ``2*D`` only when ``blk <= D``.  It is not the
-  default because it measured slower: on the H200 (session 6, dense pair,
-  B = 31, the same server back to back) DDTREE served 1389 tok/s at one request
-  and 3968 at four under overlap against 1610 and 4589 on the synchronous
-  scheduler, and at B = 127 (session 11, both schedulers in the same rounds)
-  2055-2241 tok/s at one request against 2249-2401, behind in 4 of 4 rounds,
-  while emitting the same tokens (lossless-tested on both families)
-  (``benchmarks/results/ddtree_issue12_h200.md``).  Off by default, in
+  default because it serves DDTREE slower at one and four requests while
+  emitting the same tokens (``benchmarks/results/MEASUREMENTS.md``).  Off by default, in
   shadow-linear (its tree walk reads the chain's result on the host every
   step), where the block does not fit, or with ``--disable-overlap-schedule``;
   the validator logs which.

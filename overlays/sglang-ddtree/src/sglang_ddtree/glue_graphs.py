@@ -3,7 +3,7 @@
 A decode step of a small model is launch-bound: on the H200 the tree-verify step's index arithmetic around
 SGLang's forwards (drafter top-K, tree build, verify-input compile; greedy accept, accept counters, commit
 indices) was ~250 small kernels and ~60% of the step's host time, while the GPU was busy for ~7% of it
-(benchmarks/results/ddtree_issue12_h200.md). Those pieces are pure functions of a few tensors with shapes
+(benchmarks/results/MEASUREMENTS.md). Those pieces are pure functions of a few tensors with shapes
 fixed by the batch size, so each is captured once per batch size and replayed: one launch instead of ~100.
 
 :class:`GlueGraph` wraps one such function ``fn(*tensors) -> outputs`` (outputs: tensors, or tuples, lists,
@@ -53,8 +53,8 @@ MAX_KEYS = 64  # batch sizes a server sees are bounded by --max-running-requests
 # What each level of SGLANG_DDTREE_GLUE_GRAPHS captures (the worker reads glue_graph_level):
 # 0 nothing (every glue op eager), 1 the two glue graphs, 2 also the FULL mask's scatter index (into graph 1)
 # and the recurrent commit's indices (into graph 2), and graph 2 reads graph 1's outputs in place (share).
-# Unset, the level is what has served on the H200 for that kind of target (session 5: level 2 on the dense pair,
-# 86 -> 65 launches a step, 0 glue failures; level 2's recurrent indices only in ddtree_checks.glue_check, not
+# Unset, the level is what has served on the H200 for that kind of target (level 2 on a dense
+# target, with fewer launches a step and no glue failure: benchmarks/results/MEASUREMENTS.md; level 2's recurrent indices only in ddtree_checks.glue_check, not
 # yet served), so a hybrid target stays at 1 unless asked for 2.
 GLUE_LEVELS = {"0": 0, "off": 0, "false": 0, "1": 1, "on": 1, "true": 1, "2": 2}
 DEFAULT_LEVEL = {False: 2, True: 1}  # keyed by "the target has recurrent (Mamba/GDN) layers"

@@ -15,7 +15,7 @@ returns None and the level has no ``host`` figures.
 
 And each CPU's speed right before a server starts and right after it stops (:func:`cpu_speeds`: one short Python
 loop pinned to each CPU in turn, nothing of the bench's running). Why: on the H200's host the same pinned loop took
-198-470 ms from one vCPU to another and, on one vCPU, 220 then 411 ms minutes apart (benchmarks/results/h200_s10,
+198-470 ms from one vCPU to another and, on one vCPU, 220 then 411 ms minutes apart (benchmarks/results/h200_b127_overlap_cpu_speed,
 ``cpuspeed``), with no steal in /proc/stat: a vCPU shares its physical core with load this machine cannot see. A
 host-bound decode step is as slow as the CPU its scheduler lands on, so a level's figures are read against that
 CPU's speed (``sched_cpu_ms``: the before-start speed of the CPU the busiest server process last ran on).

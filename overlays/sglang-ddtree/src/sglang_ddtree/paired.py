@@ -20,7 +20,7 @@ the host weighed on).
     python -m sglang_ddtree.paired REPORT.json [REPORT.json ...] [--peer dflash] [--json]
 
 Exit status: 0 a comparison was made, 1 none could be (no round where both ran), 2 a report could not be read.
-Pure functions, tested on CPU and on the reports kept from the H200 (benchmarks/results/h200_s6, h200_s7).
+Pure functions, tested on CPU and on the reports kept from the H200 (benchmarks/results/h200_scheduler_ab_lossless_b15_b63, h200_dense_race_cpu_pinning).
 """
 from __future__ import annotations
 
