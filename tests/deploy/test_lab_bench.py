@@ -78,7 +78,7 @@ def test_json_and_tiny_say_the_same(deployed, fab):
     assert r.returncode == 2 and f"{pf}:2: a prompt is" in r.stderr
     r = fab("bench", HOST, "--dry-run", "--budgets", "15,31", inventory=deployed["inv"])
     assert r.returncode == 0, r.stdout + r.stderr
-    assert (f"[{HOST}] would run: /opt/sglang/venv/bin/python -m sglang_ddtree.bench --gpu 0 --modes "
+    assert (f"[{HOST}] would run: /opt/sglang/venv/bin/python -m sglang_ddtree_tools.bench --gpu 0 --modes "
             "plain,dflash,tree-verify --budgets 15,31 --concurrency 1,4,16 --graphs both --block 16") in r.stdout
     assert "--launcher systemd-run --unit-prefix ddtree-bench-" in r.stdout and "--user sglang" in r.stdout
     assert "--model /models/Qwen3-8B --draft-model /models/Qwen3-8B-DFlash-b16" in r.stdout

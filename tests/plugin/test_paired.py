@@ -1,4 +1,4 @@
-"""sglang_ddtree.paired: a mode against its peer round by round (never median against median), with the sign
+"""sglang_ddtree_tools.paired: a mode against its peer round by round (never median against median), with the sign
 test's distribution-free interval; tested on made-up reports and on the reports kept from the H200."""
 import json
 import math
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_ddtree import paired
+from sglang_ddtree_tools import paired
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 

@@ -17,7 +17,7 @@ import sglang  # hard import: the suite must fail loudly without SGLang
 from sglang.srt.server_args import ServerArgs
 
 import sglang_ddtree.plugin as plugin
-from sglang_ddtree import tiny
+from sglang_ddtree_tools import tiny
 from sglang_ddtree.adapters import ADAPTER_MODULES, common, load_adapter
 from sglang_ddtree.capabilities import load_capabilities
 
