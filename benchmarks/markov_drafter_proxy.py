@@ -1,6 +1,6 @@
 """How learnable is the synthetic language's greedy map for a one-layer DFlash drafter? (CPU, minutes)
 
-``PYTHONPATH=overlays/sglang-ddtree/src python benchmarks/markov_drafter_proxy.py [--noise 0,0.25,1] [--steps N]``
+``PYTHONPATH=overlays/sglang-ddtree/src:overlays/sglang-ddtree-tools/src python benchmarks/markov_drafter_proxy.py [--noise 0,0.25,1] [--steps N]``
 
 A design check before GPU time: it trains :class:`sglang_ddtree_tools.trainkit.DFlashDrafter`
 (the kit's drafter, SGLang 0.5.17's DFlash computation) on the *source's* greedy text
