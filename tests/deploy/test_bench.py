@@ -131,13 +131,21 @@ def report(runs=None, **kw):
     ]
     doc = {"schema": "ddtree-bench/1", "created": "2026-12-02T01:00:00Z", "ok": True, "host": "box",
            "gpu": {"index": 0, "name": "NVIDIA H200", "memory_total_mib": 143771, "memory_used_mib_at_start": 0},
-           "versions": {"sglang": "0.5.17", "sglang-ddtree": "0.1.0", "torch": "2.11.0"}, "model": {},
+           "versions": {"sglang": "0.5.17", "sglang-ddtree": "0.1.0", "sglang-ddtree-tools": "0.1.0+r1",
+                        "torch": "2.11.0"}, "model": {},
            "settings": {"max_new_tokens": 128}, "runs": []}
     for mode, b, blk, g, levels in runs:
         doc["runs"].append({"mode": mode, "budget": b, "block": blk, "graphs": g, "status": "ok", "error": None,
                             "levels": [lv(*x) for x in levels]})
     doc.update(kw)
     return doc
+
+
+def test_the_report_keeps_which_plugin_and_tools_measured():
+    got = bench.parse_report(report())["versions"]
+    assert got == {"sglang": "0.5.17", "sglang-ddtree": "0.1.0", "sglang-ddtree-tools": "0.1.0+r1", "torch": "2.11.0"}
+    assert bench.parse_report(report(versions={"sglang-ddtree-tools": "x" * 500}))["versions"][
+        "sglang-ddtree-tools"] == "x" * 100
 
 
 def test_the_plugins_report_passes_the_control_sides_check():

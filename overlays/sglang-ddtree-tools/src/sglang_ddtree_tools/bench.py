@@ -592,7 +592,7 @@ def _versions() -> dict:
     from importlib import metadata
 
     out = {}
-    for d in ("sglang", "sglang-ddtree", "torch"):
+    for d in ("sglang", "sglang-ddtree", "sglang-ddtree-tools", "torch"):
         try:
             out[d] = metadata.version(d)
         except metadata.PackageNotFoundError:

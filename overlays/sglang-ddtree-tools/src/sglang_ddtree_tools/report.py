@@ -254,7 +254,7 @@ def parse_report(doc) -> dict:
                     "memory_total_mib": gpu.get("memory_total_mib") if _nonneg(gpu.get("memory_total_mib")) else None,
                     "memory_used_mib_at_start": gpu.get("memory_used_mib_at_start")
                     if _nonneg(gpu.get("memory_used_mib_at_start")) else None},
-            "versions": {k: clip(vers.get(k), 100) for k in ("sglang", "sglang-ddtree", "torch")},
+            "versions": {k: clip(vers.get(k), 100) for k in ("sglang", "sglang-ddtree", "sglang-ddtree-tools", "torch")},
             "max_new_tokens": st.get("max_new_tokens") if type(st.get("max_new_tokens")) is int else None,
             "runs": out_runs, "paired": paired}
 
