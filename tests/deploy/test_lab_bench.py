@@ -60,6 +60,12 @@ def test_lab_host_has_no_gpu_and_says_so(lab, deployed, fab):
     assert ssh(lab, HOST, "ls /tmp | grep -c ddtree-bench || true").stdout.strip() == "0"
     assert invocation(lab) == before  # the deployed service was not touched
     assert not (deployed["tmp"] / "bench").exists()  # nothing measured, nothing kept
+    # the tools ran from the wheel the call carried (the report above is their bench's); the serving venv has the
+    # plugin and no tool: neither the tools distribution nor a measurement module in the plugin
+    spec = ssh(lab, HOST, f"{lab.hosts[HOST].vars['venv']}/bin/python -c 'import importlib.util as u; "
+                          "print(u.find_spec(\"sglang_ddtree\") is not None, u.find_spec(\"sglang_ddtree_tools\"), "
+                          "u.find_spec(\"sglang_ddtree.bench\"), u.find_spec(\"sglang_ddtree.smoke\"))'").stdout.split()
+    assert spec == ["True", "None", "None", "None"], spec
 
 
 def test_json_and_tiny_say_the_same(deployed, fab):
