@@ -11,7 +11,7 @@ of the two pieces ``SGLANG_DDTREE_GLUE_GRAPHS=2`` moves into the glue graphs, ea
   int32 casts SGLang's scatter wrappers make): level 2 gets them, int32, from graph 2 and runs none.
 
 On the GPU each counted op is one kernel launch (plus what a launch costs the host); SGLang's own scatter
-kernels are the same at both levels and not counted. The GPU profile (``python -m sglang_ddtree.bench
+kernels are the same at both levels and not counted. The GPU profile (``python -m sglang_ddtree_tools.bench
 --profile-steps``) is the measurement; this is the arithmetic that says what to expect of it.
 
     python benchmarks/glue_launches.py [--batch 1,4,16] [--budgets 15,31,63] [--block 16] [--interval 256]

@@ -1,8 +1,8 @@
 """How learnable is the synthetic language's greedy map for a one-layer DFlash drafter? (CPU, minutes)
 
-``PYTHONPATH=overlays/sglang-ddtree/src python benchmarks/markov_drafter_proxy.py [--noise 0,0.25,1] [--steps N]``
+``PYTHONPATH=overlays/sglang-ddtree/src:overlays/sglang-ddtree-tools/src python benchmarks/markov_drafter_proxy.py [--noise 0,0.25,1] [--steps N]``
 
-A design check before GPU time: it trains :class:`sglang_ddtree.trainkit.DFlashDrafter`
+A design check before GPU time: it trains :class:`sglang_ddtree_tools.trainkit.DFlashDrafter`
 (the kit's drafter, SGLang 0.5.17's DFlash computation) on the *source's* greedy text
 with **oracle target features** instead of a trained target - each position's two
 "captured layers" are fixed random embeddings of (current token + regime) and
@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from sglang_ddtree import markov, trainkit as tk
+from sglang_ddtree_tools import markov, trainkit as tk
 
 
 def oracle_features(seq, regimes, e1, e2, e3, er):

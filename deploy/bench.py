@@ -6,8 +6,9 @@ service), which model pair (that service's target and draft model, or with `--ti
 trained on the host as `fab smoke` writes its tiny model there), modes, budgets, concurrencies, the DFLASH block
 (the service's `block_size`), and the active release whose venv and plugin run it. Refused before anything runs:
 no active release, a venv root must not run, a GPU the host does not have, no model configured. Then one
-`bench.run` agent call runs the plugin's `python -m sglang_ddtree.bench` on the host (transient `systemd-run`
-servers as the service user, one at a time, always torn down) and its report comes back. The report is hostile
+`bench.run` agent call carries this checkout's tools wheel (:mod:`deploy.tools`: installed into the run's private
+directory on the host, never into the venv) and runs its `python -m sglang_ddtree_tools.bench` with the release's
+venv (transient `systemd-run` servers as the service user, one at a time, always torn down); its report comes back. The report is hostile
 input: :func:`parse_report` checks it whole (types, ranges, sizes) before anything is kept or shown. A host
 without a GPU (a CPU lab host) says so and the run exits 2.
 
@@ -47,12 +48,14 @@ from pathlib import Path
 
 from . import modes, values
 from . import smoke as smokemod
+from . import tools
+from .tools import report as benchreport
 from .inventory import Host, Inventory
 from .release import hybrid
 
-REPORT_SCHEMA = "ddtree-bench/1"  # what the plugin's bench module writes
+REPORT_SCHEMA = benchreport.SCHEMA  # what the tools' bench module writes (sglang_ddtree_tools/report.py)
 RESULT_SCHEMA = "ddtree-bench-result/1"  # what is kept here
-BENCH_MODES = ("plain", "dflash", "tree-verify", "shadow-linear")
+BENCH_MODES = benchreport.BENCH_MODES
 # --overlap: the scheduler the bench asks of each tree-verify server (the plugin's bench --overlap); "default":
 # none asked, the plugin's own (the synchronous scheduler)
 OVERLAP_CHOICES = ("default", "off", "on", "both")
@@ -65,22 +68,23 @@ RELEASE_RE = re.compile(r"\d{8}T\d{6}Z-[0-9a-f]{6}\Z")
 DIGEST_RE = re.compile(r"[0-9a-f]{64}\Z")
 EXIT_OK, EXIT_FAILED, EXIT_CANNOT_RUN = 0, 1, 2
 PROBE_DEADLINE = 60.0
-MAX_RUNS, MAX_LEVELS, MAX_TEXT = 256, 64, 4000
+MAX_TEXT = benchreport.MAX_TEXT
 PROMPTS_MAX, PROMPT_TOKENS_MAX, PROMPTS_BYTES_MAX = 4096, 32768, 4 << 20
 DEFAULTS = {"modes": ("plain", "dflash", "tree-verify"), "budgets": (15, 31, 63), "concurrency": (1, 4, 16),
             "graphs": "both", "max_new_tokens": 128, "num_prompts": 32, "prompt_len": 64, "seed": 0}
 
 
+# the bench report's schema and checks live in one module, shared with the host side (deploy/tools.py loads it)
+BadReport = benchreport.BadReport  # a report from a host that is not a well-formed ddtree-bench/1 document
+parse_report = benchreport.parse_report  # a host's report, checked whole and copied into a clean document
+ran_overlap = benchreport.ran_overlap  # whether a DDTREE run's server ran SGLang's overlap scheduler
+run_label = benchreport.run_label  # a run's name in tables, as the tools' bench names it
+failure_line = benchreport.failure_summary  # a failed run's reason on one line
+_text = benchreport.clip
+
+
 class BenchRefused(ValueError):
     """The benchmark cannot run on this host as asked (nothing was started)."""
-
-
-class BadReport(ValueError):
-    """A report from a host that is not a well-formed ddtree-bench/1 document (every problem listed)."""
-
-    def __init__(self, problems: list[str]):
-        self.problems = problems
-        super().__init__("; ".join(problems[:8]) + (f" (+{len(problems) - 8} more)" if len(problems) > 8 else ""))
 
 
 class NoChoice(ValueError):
@@ -282,134 +286,6 @@ def plan_bench(host: Host, probe: dict, *, gpu: int | None = None, modes_: tuple
                      warnings=tuple(warnings), rounds=rounds, cpus=cpus, overlap=overlap)
 
 
-# ----------------------------------------------------------------------------- the report, hostile
-def _nonneg(v, allow_none=False) -> bool:
-    if v is None:
-        return allow_none
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and 0 <= v < 1e12
-
-
-def _text(v, n=MAX_TEXT):
-    return None if v is None else str(v)[:n]
-
-
-def parse_report(doc) -> dict:
-    """A host's bench report, checked whole and copied into a clean document (only the fields kept, every string
-    cut to size). Raises BadReport naming each problem."""
-    p: list[str] = []
-    if not isinstance(doc, dict):
-        raise BadReport(["the report is not a JSON object"])
-    if doc.get("schema") != REPORT_SCHEMA:
-        p.append(f"schema is {_text(doc.get('schema'), 60)!r}, not {REPORT_SCHEMA!r}")
-    runs = doc.get("runs")
-    if not isinstance(runs, list) or len(runs) > MAX_RUNS:
-        raise BadReport(p + [f"runs must be a list of at most {MAX_RUNS}"])
-    out_runs = []
-    for i, r in enumerate(runs):
-        w = f"runs[{i}]"
-        if not isinstance(r, dict):
-            p.append(f"{w} is not an object")
-            continue
-        mode, budget, block, graphs = r.get("mode"), r.get("budget"), r.get("block"), r.get("graphs")
-        if mode not in BENCH_MODES:
-            p.append(f"{w}.mode {_text(mode, 40)!r} is not one of {', '.join(BENCH_MODES)}")
-        if mode in ("tree-verify", "shadow-linear") and not (type(budget) is int and 1 <= budget <= 1023):
-            p.append(f"{w}.budget must be an integer in [1, 1023]")
-        if block is not None and not (type(block) is int and 1 <= block <= 1024):
-            p.append(f"{w}.block must be an integer or null")
-        if not isinstance(graphs, bool):
-            p.append(f"{w}.graphs must be true or false")
-        if r.get("status") not in ("ok", "failed"):
-            p.append(f"{w}.status must be ok or failed")
-        for k in ("overlap", "overlap_schedule"):  # asked of the plugin / what the server said it ran
-            if r.get(k) is not None and not isinstance(r.get(k), bool):
-                p.append(f"{w}.{k} must be true, false or null")
-        levels = r.get("levels")
-        if not isinstance(levels, list) or len(levels) > MAX_LEVELS:
-            p.append(f"{w}.levels must be a list of at most {MAX_LEVELS}")
-            continue
-        out_levels = []
-        for j, lv in enumerate(levels):
-            lw = f"{w}.levels[{j}]"
-            if not isinstance(lv, dict):
-                p.append(f"{lw} is not an object")
-                continue
-            bad = [k for k in ("concurrency", "requests", "errors", "output_tokens")
-                   if not (type(lv.get(k)) is int and 0 <= lv[k] < 10 ** 9)]
-            bad += [k for k in ("output_tok_s", "wall_s") if not _nonneg(lv.get(k))]
-            bad += [k for k in ("accept_length",) if not _nonneg(lv.get(k), allow_none=True)]
-            for k in ("ttft_ms", "itl_ms", "step_ms"):
-                d = lv.get(k)
-                if d is None and k == "step_ms":  # reports of plugins from before it
-                    continue
-                if not (isinstance(d, dict) and _nonneg(d.get("p50"), True) and _nonneg(d.get("p99"), True)):
-                    bad.append(k)
-            if lv.get("concurrency") == 0:
-                bad.append("concurrency")
-            if bad:
-                p.append(f"{lw}: {', '.join(sorted(set(bad)))} out of range or of the wrong type")
-                continue
-            tr = lv.get("tok_s_rounds")
-            if tr is not None and not (isinstance(tr, list) and 1 <= len(tr) <= 20 and all(map(_nonneg, tr))):
-                p.append(f"{lw}.tok_s_rounds must be a list of 1-20 non-negative numbers")
-                continue
-            out_levels.append({k: lv[k] for k in ("concurrency", "requests", "errors", "output_tokens", "output_tok_s",
-                                                  "wall_s", "accept_length")}
-                              | {k: {"p50": lv[k]["p50"], "p99": lv[k]["p99"]} for k in ("ttft_ms", "itl_ms")}
-                              | ({"step_ms": {"p50": lv["step_ms"]["p50"], "p99": lv["step_ms"]["p99"]}}
-                                 if lv.get("step_ms") is not None else {})
-                              | {"first_error": _text(lv.get("first_error"), 300)}
-                              | ({"tok_s_rounds": list(tr)} if tr is not None else {}))
-        out_runs.append({"mode": mode, "budget": budget if mode in ("tree-verify", "shadow-linear") else None,
-                         "block": block, "graphs": graphs, "status": r.get("status"), "error": _text(r.get("error")),
-                         "levels": out_levels}
-                        | {k: r[k] for k in ("overlap", "overlap_schedule") if isinstance(r.get(k), bool)})
-    paired = _parse_paired(doc.get("paired"), {run_label(r) for r in out_runs} if not p else set(), p)
-    if p:
-        raise BadReport(p)
-    gpu = doc.get("gpu") if isinstance(doc.get("gpu"), dict) else {}
-    vers = doc.get("versions") if isinstance(doc.get("versions"), dict) else {}
-    st = doc.get("settings") if isinstance(doc.get("settings"), dict) else {}
-    return {"schema": REPORT_SCHEMA, "created": _text(doc.get("created"), 40), "ok": doc.get("ok") is True,
-            "cannot_run": _text(doc.get("cannot_run")), "error": _text(doc.get("error")),
-            "interrupted": doc.get("interrupted") is True,
-            "gpu": {"name": _text(gpu.get("name"), 100),
-                    "memory_total_mib": gpu.get("memory_total_mib") if _nonneg(gpu.get("memory_total_mib")) else None,
-                    "memory_used_mib_at_start": gpu.get("memory_used_mib_at_start")
-                    if _nonneg(gpu.get("memory_used_mib_at_start")) else None},
-            "versions": {k: _text(vers.get(k), 100) for k in ("sglang", "sglang-ddtree", "torch")},
-            "max_new_tokens": st.get("max_new_tokens") if type(st.get("max_new_tokens")) is int else None,
-            "runs": out_runs, "paired": paired}
-
-
-def _parse_paired(section, labels: set[str], p: list[str]) -> list[dict]:
-    """A report's `paired` section (--rounds: each run against DFLASH and plain, round by round, as the plugin's
-    sglang_ddtree.paired computed it on the host), checked like the rest: numbers in range, and the two runs named
-    exactly as two of the report's own runs (so no host text reaches the terminal); absent -> []."""
-    if section is None:
-        return []
-    if not isinstance(section, list) or len(section) > MAX_RUNS:
-        p.append(f"paired must be a list of at most {MAX_RUNS}")
-        return []
-    out = []
-    for i, r in enumerate(section):
-        n = r.get("n") if isinstance(r, dict) else None
-        iv = r.get("interval") if isinstance(r, dict) else None
-        if not (isinstance(r, dict) and type(n) is int and 1 <= n <= 20 and _nonneg(r.get("median_ratio"))
-                and type(r.get("concurrency")) is int and 1 <= r["concurrency"] <= 4096
-                and type(r.get("ahead")) is int and 0 <= r["ahead"] <= n
-                and isinstance(r.get("ratios"), list) and len(r["ratios"]) == n and all(map(_nonneg, r["ratios"]))
-                and (iv is None or (isinstance(iv, list) and len(iv) == 2 and all(map(_nonneg, iv))))
-                and r.get("run") in labels and r.get("peer") in labels):
-            p.append(f"paired[{i}] is not a paired comparison of two of the report's runs (n 1-20 ratios, their "
-                     f"median, interval, rounds ahead)")
-            continue
-        out.append({"run": r["run"], "peer": r["peer"],
-                    "concurrency": r["concurrency"], "n": n, "median_ratio": r["median_ratio"],
-                    "interval": list(iv) if iv is not None else None, "ahead": r["ahead"], "ratios": list(r["ratios"])})
-    return out
-
-
 def paired_lines(report: dict) -> list[str]:
     """The report's paired comparisons, a line each, for under the table."""
     out = []
@@ -530,15 +406,6 @@ def service_overlap(env) -> bool:
     return any(k == OVERLAP_ENV and str(v).strip().lower() in OVERLAP_ON for k, v in env or ())
 
 
-def ran_overlap(run: dict) -> bool:
-    """Whether a DDTREE run's server ran SGLang's overlap scheduler (what it said; where it said nothing, what the
-    bench asked of it). DFLASH and plain run it by default and are not named by it."""
-    ran = run.get("overlap_schedule")
-    if not isinstance(ran, bool):
-        ran = run.get("overlap")
-    return run.get("mode") in ("tree-verify", "shadow-linear") and ran is True
-
-
 def choose(results: list[dict], *, host: str, plugin_digest: str | None, model: str | None,
            draft_model: str | None, concurrency: int, block_size: int, graphs_for, overlap: bool = False) -> Choice:
     """The mode and budget `mode: auto` gives a service (the rule is in the module docstring). `graphs_for(mode)`
@@ -631,19 +498,6 @@ def resolve_auto(inventory_path: str, hosts: list[Host], plugin_digest: str | No
 
 
 # ----------------------------------------------------------------------------- showing it
-def failure_line(error) -> str:
-    """A failed run's reason on one line: its first line and the last (the server log's, which says why)."""
-    lines = [ln.strip() for ln in str(error or "failed").splitlines() if ln.strip()] or ["failed"]
-    return (lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}")[:300]
-
-
-def run_label(run: dict) -> str:
-    """A run's name in tables, as the plugin's bench names it (RunSpec.label)."""
-    part = {"plain": "plain", "dflash": f"dflash blk={run['block']}"}.get(run["mode"],
-                                                                          f"{run['mode']} B={run['budget']}")
-    return f"{part}{' overlap' if ran_overlap(run) else ''} graphs={'on' if run['graphs'] else 'off'}"
-
-
 def rows(report: dict) -> list[dict]:
     """One flat row per run and level (a failed run with no level: one row saying why)."""
     out = []
@@ -751,9 +605,9 @@ def outcome(res: dict) -> tuple[int, str, dict | None]:
         return EXIT_FAILED, "the benchmark did not finish within its deadline (its servers were stopped)", None
     if raw is None:
         tail = " | ".join((res.get("stderr") or "").strip().splitlines()[-3:])[:600]
-        if "No module named sglang_ddtree.bench" in (res.get("stderr") or ""):
-            return EXIT_FAILED, ("the active release's plugin has no sglang_ddtree.bench: deploy a release built by "
-                                 "this toolkit first"), None
+        if "No module named 'sglang_ddtree'" in (res.get("stderr") or ""):
+            return EXIT_FAILED, ("the active release's venv has no sglang_ddtree (the serving plugin the tools run "
+                                 "with): deploy a release built by this toolkit first"), None
         return EXIT_FAILED, f"the bench module exited {res.get('rc')} without a report: {tail}", None
     try:
         rep = parse_report(raw)
@@ -803,7 +657,9 @@ def run(inv: Inventory, host: Host, on_plan=None, dry_run: bool = False, **kw) -
             on_plan(plan)
         if dry_run:
             return plan, None
-        return plan, remote.call("bench.run", plan.agent_args(), deadline=plan.deadline)
+        w = tools.wheel()  # the measurement tools travel with the call, for this run only
+        return plan, remote.call("bench.run", plan.agent_args() | {"tools": w.agent_args()}, deadline=plan.deadline,
+                                 data=w.data)
 
     (r,) = run_per_host(inv, [host], one, label="bench")
     if not r.ok:

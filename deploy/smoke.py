@@ -4,10 +4,11 @@ Plan (pure, from the inventory and one read-only `release.probe`): which GPU (de
 service), which mode (default: that service's), which tiny-model family (the family of the service's configured
 model: `hybrid` when its config.json has recurrent layers, by the deploy's own hybrid gate), the budget, and the
 active release whose venv and plugin run it. Refused before anything runs: no active release, a venv root must not
-run, a GPU the host does not have, an unreadable model config. Then one `smoke.run` agent call runs the plugin's
-`python -m sglang_ddtree.smoke` on the host (transient `systemd-run` servers as the service user, always torn
-down) and its report comes back: the lossless statistic, the algorithm and accept length the server reports, an
-unsupported request rejected alone. A host without a GPU (a CPU lab host) says so and the run fails.
+run, a GPU the host does not have, an unreadable model config. Then one `smoke.run` agent call carries this
+checkout's tools wheel (:mod:`deploy.tools`: installed into the run's private directory on the host, never into the
+venv) and runs its `python -m sglang_ddtree_tools.smoke` with the release's venv (transient `systemd-run` servers
+as the service user, always torn down); its report comes back: the lossless statistic, the algorithm and accept
+length the server reports, an unsupported request rejected alone. A host without a GPU (a CPU lab host) says so and the run fails.
 """
 from __future__ import annotations
 
@@ -139,7 +140,11 @@ def run(inv: Inventory, host: Host, gpu: int | None = None, mode: str | None = N
             return None, str(exc)
         if on_plan:
             on_plan(plan)
-        return plan, remote.call("smoke.run", plan.agent_args(), deadline=plan.deadline)
+        from . import tools
+
+        w = tools.wheel()  # the measurement tools travel with the call, for this run only
+        return plan, remote.call("smoke.run", plan.agent_args() | {"tools": w.agent_args()}, deadline=plan.deadline,
+                                 data=w.data)
 
     (r,) = run_per_host(inv, [host], one, label="smoke")
     if not r.ok:

@@ -2,13 +2,14 @@
 # On the lent H200, from the repository root (the device tool's `run`): one step of a measuring session.
 # Every step writes what it measured under $OUT (at most 8 files of 16 MiB come back) and prints a summary.
 #   install BATCH...          carried wheel batches (.gpu/A ...; benchmarks/h200/batches.sh) into /tmp/site
-#   setup                     the plugin of this checkout into /tmp/site; SGLang and the plugin import
+#   setup                     the plugin and its tools (sglang-ddtree, sglang-ddtree-tools) of this checkout into
+#                             /tmp/site; SGLang, the plugin and the tools import
 #   cpuspeed                  each CPU's time for one pinned Python loop, $REPS passes -> $OUT/cpuspeed.txt
 #   glue                      python -m ddtree_checks.glue_check (no SGLang server)     -> $OUT/glue_check.txt
 #   kit                       train the tiny pairs (trainkit, seed 0, 180 s) into /tmp/tiny -> $OUT/kit-*.tgz
 #   unkit                     a carried kit (.gpu/kit/kit-*.tgz, prompts.jsonl, manifest.json) into /tmp/tiny
 #   bench FAMILY MODES BUDGETS CONC [GLUE]
-#                             python -m sglang_ddtree.bench, each server alone, graphs on, --profile-steps 20,
+#                             python -m sglang_ddtree_tools.bench, each server alone, graphs on, --profile-steps 20,
 #                             SGLANG_DDTREE_GLUE_GRAPHS=GLUE (default: unset, the plugin's own default: 2 on a
 #                             dense target, 1 on a hybrid one), --rounds $ROUNDS (default 1),
 #                             --graphs $GRAPHS (default on; off or both for the graphs on/off figures),
@@ -47,14 +48,14 @@ case "$step" in
     echo "installed $* ($(ls "$SITE" | wc -l) entries in $SITE)";;
   setup)
     python3 -m pip install -q --no-deps --no-build-isolation --no-compile --upgrade --target "$SITE" \
-      ./overlays/sglang-ddtree 2>&1 | grep -v WARNING | tail -3
-    rm -rf overlays/sglang-ddtree/build
+      ./overlays/sglang-ddtree ./overlays/sglang-ddtree-tools 2>&1 | grep -v WARNING | tail -3
+    rm -rf overlays/sglang-ddtree/build overlays/sglang-ddtree-tools/build
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader
     # where the host's noise may come from: the CPUs the GPU is local to, the CPU model, what else runs
     nvidia-smi topo -m 2>/dev/null | head -4; lscpu 2>/dev/null | grep -E '^(Model name|CPU\(s\)|NUMA|Thread)'
-    python3 -c "import torch, triton, sglang, sgl_kernel, sglang_ddtree, transformers; \
+    python3 -c "import torch, triton, sglang, sgl_kernel, sglang_ddtree, sglang_ddtree_tools, transformers; \
 print('torch', torch.__version__, 'triton', triton.__version__, 'sglang', sglang.__version__, \
-'transformers', transformers.__version__, 'plugin', sglang_ddtree.__file__)";;
+'transformers', transformers.__version__, 'plugin', sglang_ddtree.__file__, 'tools', sglang_ddtree_tools.__file__)";;
   cpuspeed)
     # each CPU's speed for one Python loop, REPS times over (a vCPU whose hyperthread sibling is busy in another
     # guest runs a host-bound process slower without any steal showing): ms per CPU, one line a pass
@@ -74,7 +75,7 @@ print(round((time.perf_counter() - t) * 1000, 1))')"
   kit)
     set -o pipefail
     rm -rf /tmp/tiny
-    timeout 500 python3 -m sglang_ddtree.trainkit /tmp/tiny --seed 0 --device cuda --drafter-chain-target 4.0 \
+    timeout 500 python3 -m sglang_ddtree_tools.trainkit /tmp/tiny --seed 0 --device cuda --drafter-chain-target 4.0 \
       2>&1 | tee "$OUT/trainkit.log" | tail -25 || exit 1
     for f in hybrid dense; do tar czf "$OUT/kit-$f.tgz" -C /tmp tiny/$f-target tiny/$f-drafter; done
     cp /tmp/tiny/prompts.jsonl "$OUT/" 2>/dev/null; cp /tmp/tiny/manifest.json "$OUT/" 2>/dev/null
@@ -98,7 +99,7 @@ print(round((time.perf_counter() - t) * 1000, 1))')"
       both|on|off) ovarg=(--overlap "$OVERLAP");;  # per DDTREE server, in the same rounds (bench --overlap)
       *) export SGLANG_DDTREE_OVERLAP=$OVERLAP;;  # the whole call (1 / 0)
     esac
-    timeout "${BENCH_TIMEOUT:-570}" python3 -m sglang_ddtree.bench --tiny /tmp/tiny \
+    timeout "${BENCH_TIMEOUT:-570}" python3 -m sglang_ddtree_tools.bench --tiny /tmp/tiny \
       --family "$fam" --launcher process --out "$o" --modes "$modes" --budgets "$budgets" --graphs "${GRAPHS:-on}" \
       ${ovarg[@]+"${ovarg[@]}"} --concurrency "$conc" --max-new-tokens 128 --requests "${REQUESTS:-16}" --profile-steps 20 --rounds "${ROUNDS:-1}" \
       ${CPUS:+--cpus "$CPUS"} ${SPY:+--spy "$SITE/bin/py-spy"} ${SERVER_ARGS:+--server-args "$SERVER_ARGS"} \

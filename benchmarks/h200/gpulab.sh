@@ -136,7 +136,7 @@ SH
     # the training kit's hybrid pair, trained on the machine's GPU in the background (~150 s; a new session, so
     # it outlives the device call that starts it), then given a tokenizer (kit_tokenizer.py) and put in $KIT
     rm -rf /tmp/tiny-build; mkdir -p "${KIT:-/tmp/tiny}"
-    setsid nohup sh -c "PYTHONPATH=$PWD/overlays/sglang-ddtree/src python3 -m sglang_ddtree.trainkit /tmp/tiny-build \
+    setsid nohup sh -c "PYTHONPATH=$PWD/overlays/sglang-ddtree/src:$PWD/overlays/sglang-ddtree-tools/src python3 -m sglang_ddtree_tools.trainkit /tmp/tiny-build \
         --family ${FAMILY:-hybrid} --seed ${SEED:-0} --device cuda --drafter-chain-target 4.0 \
       && python3 benchmarks/h200/kit_tokenizer.py /tmp/tiny-build/*-target /tmp/tiny-build/*-drafter \
       && cp -rL /tmp/tiny-build/. ${KIT:-/tmp/tiny}/ && chmod -R a+rX ${KIT:-/tmp/tiny} && echo KIT-DONE \

@@ -1,4 +1,4 @@
-"""Give a training kit's models (python -m sglang_ddtree.trainkit) a tokenizer, so they serve text as a real model does.
+"""Give a training kit's models (python -m sglang_ddtree_tools.trainkit) a tokenizer, so they serve text as a real model does.
 
 The kit's models speak a synthetic vocabulary of token ids and ship no tokenizer; SGLang then needs
 --skip-tokenizer-init and ids-only requests, and sglang-router finds no tokenizer at registration. For the GPU lab,

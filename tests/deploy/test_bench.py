@@ -131,7 +131,8 @@ def report(runs=None, **kw):
     ]
     doc = {"schema": "ddtree-bench/1", "created": "2026-12-02T01:00:00Z", "ok": True, "host": "box",
            "gpu": {"index": 0, "name": "NVIDIA H200", "memory_total_mib": 143771, "memory_used_mib_at_start": 0},
-           "versions": {"sglang": "0.5.17", "sglang-ddtree": "0.1.0", "torch": "2.11.0"}, "model": {},
+           "versions": {"sglang": "0.5.17", "sglang-ddtree": "0.1.0", "sglang-ddtree-tools": "0.1.0+r1",
+                        "torch": "2.11.0"}, "model": {},
            "settings": {"max_new_tokens": 128}, "runs": []}
     for mode, b, blk, g, levels in runs:
         doc["runs"].append({"mode": mode, "budget": b, "block": blk, "graphs": g, "status": "ok", "error": None,
@@ -140,9 +141,16 @@ def report(runs=None, **kw):
     return doc
 
 
+def test_the_report_keeps_which_plugin_and_tools_measured():
+    got = bench.parse_report(report())["versions"]
+    assert got == {"sglang": "0.5.17", "sglang-ddtree": "0.1.0", "sglang-ddtree-tools": "0.1.0+r1", "torch": "2.11.0"}
+    assert bench.parse_report(report(versions={"sglang-ddtree-tools": "x" * 500}))["versions"][
+        "sglang-ddtree-tools"] == "x" * 100
+
+
 def test_the_plugins_report_passes_the_control_sides_check():
     """Both sides of the schema: a report assembled by the plugin's own code is what parse_report accepts."""
-    pb = pytest.importorskip("sglang_ddtree.bench")
+    pb = pytest.importorskip("sglang_ddtree_tools.bench")
     recs = [pb.RequestRecord(sent=0.0, chunks=[(0.01, 1), (0.05, 8)], meta={"completion_tokens": 8, "spec_verify_ct": 3})]
     doc = {"schema": pb.SCHEMA, "created": "x", "host": "b", "ok": True, "versions": {}, "gpu": {"name": "g"},
            "model": {}, "settings": {"max_new_tokens": 8},
@@ -172,9 +180,9 @@ def test_the_plugins_report_passes_the_control_sides_check():
 
 
 def test_the_plugins_paired_section_is_kept_checked_and_shown():
-    """--rounds: the host's paired comparisons (sglang_ddtree.paired) pass the control side's check, are kept and
+    """--rounds: the host's paired comparisons (sglang_ddtree_tools.paired) pass the control side's check, are kept and
     printed under the table; numbers out of range, or a run the report does not have, refuse the report."""
-    pp = pytest.importorskip("sglang_ddtree.paired")
+    pp = pytest.importorskip("sglang_ddtree_tools.paired")
 
     level = report()["runs"][0]["levels"][0]
 
@@ -233,9 +241,9 @@ def test_parse_report_refuses_what_is_not_a_report_and_cuts_strings():
 def test_outcome_lines():
     assert bench.outcome({"report": {"cannot_run": "no GPU device /dev/nvidiactl"}})[:2] == (
         2, "cannot run: no GPU device /dev/nvidiactl")
-    code, line, _ = bench.outcome({"rc": 1, "report": None, "stderr": "x\n/v/bin/python: No module named "
-                                                                      "sglang_ddtree.bench"})
-    assert code == 1 and "has no sglang_ddtree.bench" in line
+    code, line, _ = bench.outcome({"rc": 1, "report": None, "stderr": "x\nModuleNotFoundError: No module named "
+                                                                      "'sglang_ddtree'"})
+    assert code == 1 and "venv has no sglang_ddtree (the serving plugin" in line
     code, line, rep = bench.outcome({"report": report()})
     assert code == 0 and line == "ok: 4/4 servers measured (12 levels)" and rep["runs"]
     bad = report()
@@ -419,8 +427,8 @@ def test_tree_verify_counts_only_on_the_scheduler_the_service_asks_for():
 def test_the_plugins_overlap_both_report_and_its_paired_names_pass_the_control_side():
     """The plugin's own names for a report with both schedulers (bench.run_label, paired.report_section) are the
     control side's: the paired section's runs are all among the report's."""
-    pb = pytest.importorskip("sglang_ddtree.bench")
-    pp = pytest.importorskip("sglang_ddtree.paired")
+    pb = pytest.importorskip("sglang_ddtree_tools.bench")
+    pp = pytest.importorskip("sglang_ddtree_tools.paired")
     level = report()["runs"][0]["levels"][0]
 
     def run(per_round, **kw):
@@ -527,11 +535,11 @@ def test_host_op_refuses_bad_arguments(kw, msg):
 
 
 def test_host_op_command_line_is_what_the_plugins_parser_reads():
-    pb = pytest.importorskip("sglang_ddtree.bench")
+    pb = pytest.importorskip("sglang_ddtree_tools.bench")
     a = agent_args(prompts=[[1, 2]], server_args=["--chunked-prefill-size", "4096"], requests=8)
     hostbench.check_args(a)
     argv = hostbench.bench_argv("/opt/v/bin/python", a, "/tmp/w/report.json", 900, "/tmp/w")
-    assert argv[:3] == ["/opt/v/bin/python", "-m", "sglang_ddtree.bench"]
+    assert argv[:3] == ["/opt/v/bin/python", "-m", "sglang_ddtree_tools.bench"]
     ns = pb.parse_args(argv[3:])
     assert (ns.model, ns.draft_model, ns.modes, ns.budgets, ns.concurrency) == (
         "/models/T", "/models/D", ["plain", "dflash", "tree-verify"], [15, 31, 63], [1, 4, 16])

@@ -60,6 +60,12 @@ def test_lab_host_has_no_gpu_and_says_so(lab, deployed, fab):
     assert ssh(lab, HOST, "ls /tmp | grep -c ddtree-bench || true").stdout.strip() == "0"
     assert invocation(lab) == before  # the deployed service was not touched
     assert not (deployed["tmp"] / "bench").exists()  # nothing measured, nothing kept
+    # the tools ran from the wheel the call carried (the report above is their bench's); the serving venv has the
+    # plugin and no tool: neither the tools distribution nor a measurement module in the plugin
+    spec = ssh(lab, HOST, f"{lab.hosts[HOST].vars['venv']}/bin/python -c 'import importlib.util as u; "
+                          "print(u.find_spec(\"sglang_ddtree\") is not None, u.find_spec(\"sglang_ddtree_tools\"), "
+                          "u.find_spec(\"sglang_ddtree.bench\"), u.find_spec(\"sglang_ddtree.smoke\"))'").stdout.split()
+    assert spec == ["True", "None", "None", "None"], spec
 
 
 def test_json_and_tiny_say_the_same(deployed, fab):
@@ -78,7 +84,7 @@ def test_json_and_tiny_say_the_same(deployed, fab):
     assert r.returncode == 2 and f"{pf}:2: a prompt is" in r.stderr
     r = fab("bench", HOST, "--dry-run", "--budgets", "15,31", inventory=deployed["inv"])
     assert r.returncode == 0, r.stdout + r.stderr
-    assert (f"[{HOST}] would run: /opt/sglang/venv/bin/python -m sglang_ddtree.bench --gpu 0 --modes "
+    assert (f"[{HOST}] would run: /opt/sglang/venv/bin/python -m sglang_ddtree_tools.bench --gpu 0 --modes "
             "plain,dflash,tree-verify --budgets 15,31 --concurrency 1,4,16 --graphs both --block 16") in r.stdout
     assert "--launcher systemd-run --unit-prefix ddtree-bench-" in r.stdout and "--user sglang" in r.stdout
     assert "--model /models/Qwen3-8B --draft-model /models/Qwen3-8B-DFlash-b16" in r.stdout

@@ -1,4 +1,4 @@
-"""The benchmark's pure parts (sglang_ddtree.bench): run planning, prompt files, the stream client against a
+"""The benchmark's pure parts (sglang_ddtree_tools.bench): run planning, prompt files, the stream client against a
 local SSE endpoint, percentiles, aggregation, the report schema, the table, the plot, argv through SGLang's own
 parser, and its refusal on a host without a GPU."""
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_ddtree import bench, servers, spy
+from sglang_ddtree_tools import bench, servers, spy
 
 
 # ----------------------------------------------------------------------------- what to run
@@ -170,7 +170,7 @@ def test_resolve_tiny_reads_both_layouts(tmp_path):
     assert (d["kind"], d["prompts"]) == ("trained", str(tmp_path / "prompts.jsonl"))
     assert bench.load_prompts(d["prompts"]) == [[3, 4]]
     assert bench.trainkit_argv("/py", "/w/tiny", "dense", 7) == [
-        "/py", "-m", "sglang_ddtree.trainkit", "/w/tiny", "--seed", "7", "--family", "dense", "--device", "cuda"]
+        "/py", "-m", "sglang_ddtree_tools.trainkit", "/w/tiny", "--seed", "7", "--family", "dense", "--device", "cuda"]
     with pytest.raises(ValueError, match="no tiny hybrid pair"):
         bench.resolve_tiny(str(tmp_path / "nowhere"), "hybrid")
     with pytest.raises(ValueError, match="choose hybrid or dense"):
@@ -179,7 +179,7 @@ def test_resolve_tiny_reads_both_layouts(tmp_path):
 
 def test_resolve_tiny_reads_what_the_tiny_kit_writes(tmp_path):
     pytest.importorskip("transformers")
-    from sglang_ddtree import tiny
+    from sglang_ddtree_tools import tiny
 
     tiny.write_family(tmp_path, "dense", seed=0)
     got = bench.resolve_tiny(str(tmp_path), "dense")
@@ -343,10 +343,10 @@ def test_report_schema_accepts_the_report_and_names_what_is_wrong():
     hostile = json.loads(json.dumps(doc))
     hostile["runs"][0]["levels"][0]["host"] = {"busy_pct": "all", "procs": "x"}
     assert [e for e in bench.validate_report(hostile) if "host" in e] == [
-        "runs[0].levels[0].host must be {busy_pct, steal_pct, procs[, sched_cpu_ms]} (sglang_ddtree.hostload)"]
+        "runs[0].levels[0].host must be {busy_pct, steal_pct, procs[, sched_cpu_ms]} (sglang_ddtree_tools.hostload)"]
     hostile["runs"][0]["levels"][0]["host"] = {"busy_pct": 5.0, "steal_pct": 0.0, "procs": [], "sched_cpu_ms": -1}
     assert [e for e in bench.validate_report(hostile) if "host" in e] == [
-        "runs[0].levels[0].host must be {busy_pct, steal_pct, procs[, sched_cpu_ms]} (sglang_ddtree.hostload)"]
+        "runs[0].levels[0].host must be {busy_pct, steal_pct, procs[, sched_cpu_ms]} (sglang_ddtree_tools.hostload)"]
     # cpu_ms: absent in older reports (valid); where present {before, after} of {CPU digits: ms}, rounds too
     speeds = json.loads(json.dumps(doc))
     speeds["runs"][0]["cpu_ms"] = {"before": {"0": 210.5, "15": 470.0}, "after": None}
@@ -422,7 +422,7 @@ def test_arguments_are_checked_before_anything_runs(capsys):
 
 @pytest.mark.skipif(os.path.exists("/dev/nvidia0"), reason="this host has a GPU; the refusal is for hosts without one")
 def test_cli_on_a_host_without_gpu_says_so_and_exits_2(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "sglang_ddtree.bench", "--tiny-random", "--json",
+    out = subprocess.run([sys.executable, "-m", "sglang_ddtree_tools.bench", "--tiny-random", "--json",
                           str(tmp_path / "r.json")], capture_output=True, text=True, timeout=120)
     assert out.returncode == bench.EXIT_CANNOT_RUN == 2, out.stderr
     assert "bench: cannot run: no GPU device /dev/nvidiactl or /dev/nvidia0" in out.stderr
@@ -523,7 +523,7 @@ def test_sigterm_mid_run_stops_the_server_and_writes_the_partial_report(tmp_path
     fake_py.chmod(0o755)
     state = tmp_path / "state"
     state.mkdir()
-    driver = ("import sys; from sglang_ddtree import bench as b\n"
+    driver = ("import sys; from sglang_ddtree_tools import bench as b\n"
               "b.gpu_device_problem = lambda g: None; b.gpu_memory_mib = lambda g: (0.0, 81559.0)\n"
               "b.gpu_name = lambda g: 'stand-in GPU'\n"  # nvidia-smi's figures: the stand-in has no GPU
               "sys.exit(b.main(sys.argv[1:]))\n")
@@ -555,7 +555,7 @@ def test_tiny_train_runs_the_kit_on_the_bench_gpu_first(tmp_path, monkeypatch, c
     fake_py.write_text(
         "#!/bin/sh\n"
         "if [ \"$1\" = -c ]; then [ -e \"$STANDIN_DIR/no-kit\" ] && exit 1; exit 0; fi\n"  # is the kit there?
-        "if [ \"$2\" = sglang_ddtree.trainkit ]; then\n"  # the kit's stand-in: its flat layout and prompts
+        "if [ \"$2\" = sglang_ddtree_tools.trainkit ]; then\n"  # the kit's stand-in: its flat layout and prompts
         "  mkdir -p \"$3/dense-target\" \"$3/dense-drafter\"; echo '{\"vocab_size\": 512}' > \"$3/dense-target/config.json\"\n"
         "  echo '{\"block_size\": 4}' > \"$3/dense-drafter/config.json\"; echo '{}' > \"$3/manifest.json\"\n"
         "  echo '{\"input_ids\": [5, 6]}' > \"$3/prompts.jsonl\"; echo \"$CUDA_VISIBLE_DEVICES $*\" > \"$STANDIN_DIR/kit\"; exit 0\n"
@@ -573,7 +573,7 @@ def test_tiny_train_runs_the_kit_on_the_bench_gpu_first(tmp_path, monkeypatch, c
                        str(fake_py), "--json", str(tmp_path / "r.json"), "--start-timeout", "30"])
     assert code == bench.EXIT_OK, capsys.readouterr().err
     kit = (state / "kit").read_text().split()
-    assert kit[0] == "3" and kit[1:4] == ["-m", "sglang_ddtree.trainkit", kit[3]] and kit[4:] == [
+    assert kit[0] == "3" and kit[1:4] == ["-m", "sglang_ddtree_tools.trainkit", kit[3]] and kit[4:] == [
         "--seed", "5", "--family", "dense", "--device", "cuda"]
     doc = json.loads((tmp_path / "r.json").read_text())
     assert doc["model"]["source"] == "tiny-trained" and doc["model"]["target"].endswith("/tiny/dense-target")
@@ -586,14 +586,14 @@ def test_tiny_train_runs_the_kit_on_the_bench_gpu_first(tmp_path, monkeypatch, c
     code = bench.main(["--tiny-train", "--modes", "plain", "--launcher", "process", "--python", str(fake_py),
                        "--json", str(tmp_path / "r2.json")])
     assert code == bench.EXIT_FAILED and not (state / "argv.jsonl").exists()
-    assert "this plugin has no sglang_ddtree.trainkit" in json.loads((tmp_path / "r2.json").read_text())["error"]
+    assert "this plugin has no sglang_ddtree_tools.trainkit" in json.loads((tmp_path / "r2.json").read_text())["error"]
 
 
 def test_reads_what_the_training_kit_writes(tmp_path):
     """The training kit's own output (its CPU toy preset, seconds): the pair, its block and its held-out prompts."""
     pytest.importorskip("transformers")
     out = tmp_path / "kit"
-    r = subprocess.run([sys.executable, "-m", "sglang_ddtree.trainkit", str(out), "--family", "dense", "--device", "cpu",
+    r = subprocess.run([sys.executable, "-m", "sglang_ddtree_tools.trainkit", str(out), "--family", "dense", "--device", "cpu",
                         "--preset", "toy", "--seed", "3"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     got = bench.resolve_tiny(str(out), "dense")
@@ -602,7 +602,7 @@ def test_reads_what_the_training_kit_writes(tmp_path):
     prompts = bench.load_prompts(got["prompts"], tcfg["vocab_size"])
     assert prompts and all(0 <= t < tcfg["vocab_size"] for p in prompts for t in p)
     assert bench.drafter_block(dcfg) == dcfg["dflash_config"]["block_size"] and not bench.is_hybrid(tcfg)
-    assert bench.trainkit_argv(sys.executable, str(out), "dense", 3)[2:] == ["sglang_ddtree.trainkit", str(out), "--seed",
+    assert bench.trainkit_argv(sys.executable, str(out), "dense", 3)[2:] == ["sglang_ddtree_tools.trainkit", str(out), "--seed",
                                                                           "3", "--family", "dense", "--device", "cuda"]
 
 
@@ -714,7 +714,7 @@ def test_rounds_run_the_whole_list_again_with_fresh_servers(tmp_path, monkeypatc
     assert doc["paired"][0]["ratios"] == [round(a["levels"][0]["output_tok_s"] / b["levels"][0]["output_tok_s"], 4)
                                           for a, b in zip(tv["rounds"], plain["rounds"])]
     bad = dict(doc, paired=[dict(doc["paired"][0], ratios=[1.0])])
-    assert bench.validate_report(bad) == ["paired[0] is not a paired comparison (sglang_ddtree.paired.report_section)"]
+    assert bench.validate_report(bad) == ["paired[0] is not a paired comparison (sglang_ddtree_tools.paired.report_section)"]
     with pytest.raises(SystemExit):
         bench.parse_args(["--tiny-random", "--rounds", "0"])
 
@@ -957,7 +957,7 @@ def test_stop_ends_the_whole_session_also_after_its_leader_exited(tmp_path):
 
 
 def test_spy_reads_a_kept_capture_again_from_the_command_line(tmp_path, capsys):
-    """``python -m sglang_ddtree.spy CAPTURE``: the same summary as bench's, per step with --steps; a capture with no
+    """``python -m sglang_ddtree_tools.spy CAPTURE``: the same summary as bench's, per step with --steps; a capture with no
     scheduler loop exits 1, a missing file 2 with one line."""
     cap = Path(__file__).parent / "fixtures" / "pyspy_raw.txt"
     assert spy.main([str(cap), "--steps", "150", "--mark", "process_batch_result", "--json"]) == 0

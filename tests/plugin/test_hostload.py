@@ -1,4 +1,4 @@
-"""sglang_ddtree.hostload: what the host's CPUs and a server's processes did over a bench level. Parsers on captured
+"""sglang_ddtree_tools.hostload: what the host's CPUs and a server's processes did over a bench level. Parsers on captured
 /proc text (fixtures/proc_stat_*.txt: this CI machine's, one second apart with one CPU kept busy; pid_stat_cat.txt:
 a real /proc/PID/stat), readers on real processes; the CPU-speed probe pinned for real, its summary on a real
 H200 host's reading (fixtures/cpuspeed_h200.txt: device.sh's `cpuspeed` output, 16 vCPUs)."""
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from sglang_ddtree import hostload
-from sglang_ddtree.servers import Server
+from sglang_ddtree_tools import hostload
+from sglang_ddtree_tools.servers import Server
 
 FIX = Path(__file__).parent / "fixtures"
 

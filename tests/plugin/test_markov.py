@@ -1,4 +1,4 @@
-"""The synthetic language (sglang_ddtree.markov): seeded tables, set probabilities, greedy, and the estimator."""
+"""The synthetic language (sglang_ddtree_tools.markov): seeded tables, set probabilities, greedy, and the estimator."""
 
 import math
 
@@ -6,7 +6,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from sglang_ddtree import markov  # noqa: E402
+from sglang_ddtree_tools import markov  # noqa: E402
 from sglang_ddtree.tree import build_tree_reference  # noqa: E402
 
 

@@ -1,4 +1,4 @@
-"""sglang_ddtree.paired: a mode against its peer round by round (never median against median), with the sign
+"""sglang_ddtree_tools.paired: a mode against its peer round by round (never median against median), with the sign
 test's distribution-free interval; tested on made-up reports and on real H200 reports trimmed to what it reads
 (fixtures/paired): every expectation is computed from the report's own rounds, never a figure copied from a run."""
 import json
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_ddtree import paired
+from sglang_ddtree_tools import paired
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 

@@ -17,7 +17,7 @@ import sglang  # hard import: the suite must fail loudly without SGLang
 from sglang.srt.server_args import ServerArgs
 
 import sglang_ddtree.plugin as plugin
-from sglang_ddtree import tiny
+from sglang_ddtree_tools import tiny
 from sglang_ddtree.adapters import ADAPTER_MODULES, common, load_adapter
 from sglang_ddtree.capabilities import load_capabilities
 
@@ -361,7 +361,6 @@ def test_wheel_builds_ships_capabilities_adapters_and_no_checks(tmp_path):
         assert "[sglang.srt.plugins]" in z.read(ep).decode()
     assert caps["sglang_versions"] == ["0.5.17", "0.5.23"]
     for m in ("adapters/v0_5_17.py", "adapters/v0_5_17_worker.py", "adapters/v0_5_23.py",
-              "adapters/v0_5_23_worker.py", "adapters/worker.py", "config.py", "admission.py", "smoke.py",
-              "tiny.py"):
+              "adapters/v0_5_23_worker.py", "adapters/worker.py", "config.py", "admission.py"):
         assert f"sglang_ddtree/{m}" in names, m
     assert not [n for n in names if "checks" in n], "the GPU checks must stay out of the serving wheel"

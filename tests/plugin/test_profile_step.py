@@ -1,4 +1,4 @@
-"""sglang_ddtree.profile_step.summarize_trace on a trace in the Chrome-trace form torch.profiler writes (the
+"""sglang_ddtree_tools.profile_step.summarize_trace on a trace in the Chrome-trace form torch.profiler writes (the
 event categories, names and correlation links of a real SGLang 0.5.17 trace on the H200): nested ranges,
 kernel launches, a CUDA-graph launch, a blocking copy and an aten::item sync."""
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "overlays" / "sglang-ddtree" / "gpu_checks"))
 
-from sglang_ddtree.profile_step import summarize_trace  # noqa: E402
+from sglang_ddtree_tools.profile_step import summarize_trace  # noqa: E402
 
 
 def _x(name, cat, ts, dur, tid=1, corr=None, pid=7):

@@ -1,4 +1,4 @@
-"""The smoke test's pure parts (sglang_ddtree.smoke), and its refusal on a host without a GPU."""
+"""The smoke test's pure parts (sglang_ddtree_tools.smoke), and its refusal on a host without a GPU."""
 
 import argparse
 import json
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from sglang_ddtree import smoke
+from sglang_ddtree_tools import smoke
 
 
 def test_lossless_stats_counts_violations_beyond_the_margin():
@@ -83,7 +83,7 @@ def test_gpu_device_problem(tmp_path):
 
 @pytest.mark.skipif(os.path.exists("/dev/nvidia0"), reason="this host has a GPU; the refusal is for hosts without one")
 def test_cli_on_a_host_without_gpu_says_so_and_exits_2(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "sglang_ddtree.smoke", "--json", str(tmp_path / "r.json")],
+    out = subprocess.run([sys.executable, "-m", "sglang_ddtree_tools.smoke", "--json", str(tmp_path / "r.json")],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == smoke.EXIT_CANNOT_RUN == 2
     assert "cannot run: no GPU device /dev/nvidiactl or /dev/nvidia0" in out.stderr
@@ -108,7 +108,7 @@ def test_pool_caps_reach_the_command_line():
 def test_a_lost_port_race_is_told_from_a_servers_own_failure():
     """Two matrices side by side on one host: a server can lose the port free_port() found to a server of the
     other process. That start is retried on a new port (serve_matrix); any other start failure is not."""
-    from sglang_ddtree.servers import lost_port_race
+    from sglang_ddtree_tools.servers import lost_port_race
 
     # the tail of that server's log, as captured on the H200
     lost = ("[2026-12-03 11:54:23] INFO:     Application startup complete.\n"

@@ -1,10 +1,10 @@
-"""The tiny-model kit (sglang_ddtree.tiny): configs SGLang reads, and seeded weights that load."""
+"""The tiny-model kit (sglang_ddtree_tools.tiny): configs SGLang reads, and seeded weights that load."""
 
 import json
 
 import pytest
 
-from sglang_ddtree import tiny
+from sglang_ddtree_tools import tiny
 
 
 def test_configs_are_what_sglang_0517_can_serve():

@@ -1,4 +1,4 @@
-"""The training kit (sglang_ddtree.trainkit): configs SGLang reads, training that learns, checkpoints that
+"""The training kit (sglang_ddtree_tools.trainkit): configs SGLang reads, training that learns, checkpoints that
 round-trip, determinism per seed, and the drafter being SGLang 0.5.17's DFlash computation."""
 
 import dataclasses
@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from sglang_ddtree import markov, trainkit as tk  # noqa: E402
+from sglang_ddtree_tools import markov, trainkit as tk  # noqa: E402
 
 TOY = tk.PRESETS["toy"]
 

@@ -1,10 +1,11 @@
 """`bench.run`: throughput and latency of the serving modes on one GPU of this host, with the active release's venv
 and plugin.
 
-It runs `{venv}/bin/python -m sglang_ddtree.bench` (the plugin's host-side benchmark: one transient SGLang server
-at a time, alone on the GPU, started with `systemd-run` as the service user, the prompts replayed at each
-concurrency) the way `smoke.run` runs the smoke module (smoke.run_transient: the venv trust check, a private work
-directory, the op's deadline, and every transient unit of the run's prefix stopped at the end whatever happened).
+It runs `{venv}/bin/python -m sglang_ddtree_tools.bench` (the plugin tools' host-side benchmark: one transient
+SGLang server at a time, alone on the GPU, started with `systemd-run` as the service user, the prompts replayed at
+each concurrency) the way `smoke.run` runs the smoke module (smoke.run_transient: the venv trust check, the tools
+wheel carried by the call installed into a private work directory for this run only, the op's deadline, and every
+transient unit of the run's prefix stopped at the end whatever happened).
 The servers change nothing the deploy manages and the op takes no host lock. Every argument is checked whole here
 again: the module's command line is built from them, never from a string.
 """
@@ -12,7 +13,7 @@ import json
 import re
 
 from .registry import Failure, op
-from .smoke import USER_RE, run_transient
+from .smoke import TOOLS_MODULE, USER_RE, run_transient
 
 PREFIX_RE = re.compile(r"ddtree-bench-[0-9a-f]{8,32}\Z")
 CPUS_RE = re.compile(r"[0-9]{1,4}(-[0-9]{1,4})?(,[0-9]{1,4}(-[0-9]{1,4})?){0,63}\Z")  # 0-3,8 (AllowedCPUs=)
@@ -94,7 +95,7 @@ def check_args(a):
 
 def bench_argv(python, a, report, runtime_max, work):
     """The bench module's command line (the control side shows the same fields in its plan)."""
-    argv = [python, "-m", "sglang_ddtree.bench", "--gpu", str(a["gpu"]), "--modes", ",".join(a["modes"]),
+    argv = [python, "-m", TOOLS_MODULE + ".bench", "--gpu", str(a["gpu"]), "--modes", ",".join(a["modes"]),
             "--budgets", ",".join(map(str, a["budgets"])), "--concurrency", ",".join(map(str, a["concurrency"])),
             "--graphs", a["graphs"], "--block", str(a["block"]), "--max-new-tokens", str(a["max_new_tokens"]),
             "--num-prompts", str(a["num_prompts"]), "--prompt-len", str(a["prompt_len"]), "--seed", str(a["seed"]),
@@ -126,4 +127,4 @@ def run(ctx, a):
     check_args(a)
     inputs = {"prompts.json": json.dumps(a["prompts"])} if a.get("prompts") is not None else None
     return run_transient(ctx, a["venv"], a["prefix"], lambda python, report, rmax, work: bench_argv(
-        python, a, report, rmax, work), inputs=inputs)
+        python, a, report, rmax, work), a.get("tools"), inputs=inputs)

@@ -1,12 +1,18 @@
 """`smoke.run`: the DDTree payload's smoke test on one GPU of this host, with the active release's venv and plugin.
 
-It runs `{venv}/bin/python -m sglang_ddtree.smoke` (the plugin's own host-side module: tiny seeded model of the
-requested family, transient SGLang servers started with `systemd-run` as the service user, the lossless statistic,
-the server's reports, an unsupported request) under the op's deadline, and always stops every transient unit it
-started (their names share a per-run prefix, and each unit carries RuntimeMaxSec as a second guard). The servers
-change nothing the deploy manages and the op takes no host lock; root runs the venv's interpreter only after the
-venv passed the trust check (nothing in it writable by another user).
+It runs `{venv}/bin/python -m sglang_ddtree_tools.smoke` (the plugin tools' host-side module: tiny seeded model of
+the requested family, transient SGLang servers started with `systemd-run` as the service user, the lossless
+statistic, the server's reports, an unsupported request) under the op's deadline, and always stops every transient
+unit it started (their names share a per-run prefix, and each unit carries RuntimeMaxSec as a second guard). The
+servers change nothing the deploy manages and the op takes no host lock; root runs the venv's interpreter only after
+the venv passed the trust check (nothing in it writable by another user).
+
+The tools (distribution sglang-ddtree-tools) are not in the serving venv: the call carries their wheel on its
+stdin (`tools`: its file name, size and sha256), which is checked (name, sha256, every member against its RECORD)
+and installed into the run's private work directory (`pip --no-index --no-deps --target`), on PYTHONPATH of the
+module's process only; the directory is removed when the run ends.
 """
+import hashlib
 import json
 import os
 import re
@@ -15,6 +21,7 @@ import tempfile
 
 from . import proc
 from . import venv as venvmod
+from . import wheels
 from .fsutil import Unsafe
 from .registry import Failure, op
 
@@ -23,11 +30,14 @@ FAMILIES = ("hybrid", "dense")
 USER_RE = re.compile(r"[a-z_][a-z0-9_-]{0,31}\Z")
 PREFIX_RE = re.compile(r"ddtree-smoke-[0-9a-f]{8,32}\Z")
 REPORT_MAX = 8 << 20  # a report larger than this is not read (the control side would refuse it anyway)
+TOOLS_DIST = "sglang-ddtree-tools"  # the tools' distribution (the control side's deploy/tools.py DIST)
+TOOLS_MODULE = "sglang_ddtree_tools"
+TOOLS_MAX = 16 << 20  # the tools wheel is pure Python, a few hundred KiB
 
 
 def smoke_argv(python, a, report, prefix, runtime_max):
     """The smoke module's command line (the control side shows the same fields in its plan)."""
-    argv = [python, "-m", "sglang_ddtree.smoke", "--gpu", str(a["gpu"]), "--mode", a["mode"],
+    argv = [python, "-m", TOOLS_MODULE + ".smoke", "--gpu", str(a["gpu"]), "--mode", a["mode"],
             "--family", a["family"], "--budget", str(a["budget"]), "--prompts", str(a["prompts"]),
             "--tokens", str(a["tokens"]), "--launcher", "systemd-run", "--unit-prefix", prefix,
             "--runtime-max", str(int(runtime_max)), "--json", report]
@@ -50,6 +60,49 @@ def _check(a):
         raise Failure("bad-args", "prefix must be ddtree-smoke-<hex>")
 
 
+def check_tools(t):
+    """The `tools` argument: {wheel: a sglang-ddtree-tools wheel file name, size, sha256}; raises Failure."""
+    if not isinstance(t, dict):
+        raise Failure("bad-args", "tools must be {wheel, size, sha256} (the tools wheel follows the request)")
+    nv = wheels.parse_wheel_filename(t.get("wheel"))
+    if nv is None or nv[0] != TOOLS_DIST:
+        raise Failure("bad-args", "tools.wheel must be a %s wheel file name" % TOOLS_DIST)
+    if not (isinstance(t.get("size"), int) and not isinstance(t["size"], bool) and 0 < t["size"] <= TOOLS_MAX):
+        raise Failure("bad-args", "tools.size must be an integer in [1, %d]" % TOOLS_MAX)
+    try:
+        wheels.checked_sha256(t.get("sha256"))
+    except wheels.WheelError as exc:
+        raise Failure("bad-args", "tools.sha256: %s" % exc)
+
+
+def tools_install_argv(python, wheel, target):
+    """Install the tools wheel, exactly that file, offline, into `target` (never the venv's site-packages)."""
+    return [python, "-m", "pip", "install", "--isolated", "--no-index", "--no-deps", "--no-compile",
+            "--disable-pip-version-check", "--no-input", "--no-cache-dir", "--target", target, wheel]
+
+
+def install_tools(ctx, python, t, work):
+    """Take the tools wheel (`t`: check_tools' fields) off the call's stdin, check it and install it under `work`;
+    returns the directory to put on PYTHONPATH. Raises Failure."""
+    data = ctx.stdin.read(t["size"])
+    if len(data) != t["size"] or hashlib.sha256(data).hexdigest() != t["sha256"]:
+        raise Failure("tools", "the tools wheel arrived damaged (%d of %d bytes)" % (len(data), t["size"]))
+    path = os.path.join(work, t["wheel"])
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(data)
+    try:
+        wheels.check_wheel(path)
+    except wheels.WheelError as exc:
+        raise Failure("tools", "the tools wheel was refused: %s" % exc)
+    target = os.path.join(work, "tools")
+    res = proc.run(tools_install_argv(python, path, target), timeout=ctx.deadline.left(cap=120, floor=5))
+    if res["rc"] != 0:
+        raise Failure("tools", "installing %s into the run's directory failed: %s"
+                      % (t["wheel"], (res["out"] + res["err"]).strip()[-1500:]))
+    return target
+
+
 def stop_units(prefix):
     """Stop every transient unit of this run (by its name prefix) and forget failed ones."""
     pattern = prefix + "-*"
@@ -57,11 +110,14 @@ def stop_units(prefix):
     proc.run(["systemctl", "reset-failed", pattern], timeout=20)
 
 
-def run_transient(ctx, venv, prefix, build_argv, inputs=None, cap=4000):
-    """Run one of the plugin's host modules (smoke, bench) from `venv` under the op's deadline: its report file
-    (`build_argv(python, report, runtime_max, work)` names it) is read back, every transient unit named
-    `prefix-*` is stopped afterwards whatever happened, and the private work directory is removed. `inputs`:
-    {file name: text} written into that directory first (0600, root's) for the module to read."""
+def run_transient(ctx, venv, prefix, build_argv, tools, inputs=None, cap=4000):
+    """Run one of the tools' host modules (smoke, bench) with `venv`'s interpreter under the op's deadline: the
+    tools wheel (`tools`: check_tools' fields; the bytes on the call's stdin) is installed into the private work
+    directory first and put on the module's PYTHONPATH, its report file (`build_argv(python, report, runtime_max,
+    work)` names it) is read back, every transient unit named `prefix-*` is stopped afterwards whatever happened,
+    and the work directory is removed. `inputs`: {file name: text} written into that directory first (0600,
+    root's) for the module to read."""
+    check_tools(tools)
     try:
         venvmod.check_runnable(venv)
     except (Unsafe, venvmod.VenvError) as exc:
@@ -76,8 +132,10 @@ def run_transient(ctx, venv, prefix, build_argv, inputs=None, cap=4000):
             fd = os.open(os.path.join(work, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w") as fh:
                 fh.write(text)
+        env = dict(os.environ, PYTHONPATH=install_tools(ctx, python, tools, work))
+        left = ctx.deadline.left(floor=30.0)
         res = proc.run(build_argv(python, report, runtime_max, work), timeout=max(30, left - 20), merge=False,
-                       cap=cap)
+                       cap=cap, env=env)
         doc = None
         try:
             if os.path.getsize(report) <= REPORT_MAX:
@@ -97,4 +155,4 @@ def run(ctx, a):
     _check(a)
     return run_transient(ctx, a["venv"], a["prefix"],
                          lambda python, report, runtime_max, work: smoke_argv(python, a, report, a["prefix"],
-                                                                                 runtime_max))
+                                                                                 runtime_max), a.get("tools"))

@@ -1,6 +1,6 @@
 """GPU-side checks and measurements of the DDTree plugin, kept OUT of the serving wheel.
 
-Run from the repository root with ``PYTHONPATH=overlays/sglang-ddtree/src:overlays/sglang-ddtree/gpu_checks``:
+Run from the repository root with ``PYTHONPATH=overlays/sglang-ddtree/src:overlays/sglang-ddtree-tools/src:overlays/sglang-ddtree/gpu_checks``:
 
 * ``python -m ddtree_checks.hybrid_gdn`` - hybrid (GDN) tree-state correctness with SGLang's
   own Triton kernels (one layer, random parameters, float64 per-path reference);

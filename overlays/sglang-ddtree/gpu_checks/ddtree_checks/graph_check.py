@@ -5,7 +5,7 @@
 Per family: a plain server (graphs off; the re-scoring reference) stays up; then, ONE AT A TIME beside it,
 DDTREE tree-verify with decode CUDA graphs on and off, and SGLang's DFLASH with graphs on.  For each:
 greedy outputs of ``--prompts`` x ``--tokens`` one at a time and 4 at a time, the lossless statistic of
-:mod:`sglang_ddtree.smoke` (every emitted token re-scored by one prefill of the plain server), accept
+:mod:`sglang_ddtree_tools.smoke` (every emitted token re-scored by one prefill of the plain server), accept
 length, tok/s (indicative only: the plain server idles beside it), whether the target's verify graph was
 captured with the tree mask (the worker's log line), the plugin's accept counters, and a torch-profiler
 summary of ``--profile-steps`` steps (:mod:`ddtree_checks.profile_step`).
@@ -21,7 +21,7 @@ import re
 import sys
 import time
 
-from sglang_ddtree import smoke, tiny
+from sglang_ddtree_tools import smoke, tiny
 
 from .profile_step import profile_server
 
@@ -30,7 +30,7 @@ GRAPHS_ON = ("--cuda-graph-backend-decode", "full")
 
 def _pair(family, a):
     if a.pairs:  # either layout: DIR/FAMILY/{target,drafter} or the training kit's DIR/FAMILY-{target,drafter}
-        from sglang_ddtree.bench import resolve_tiny
+        from sglang_ddtree_tools.bench import resolve_tiny
 
         got = resolve_tiny(a.pairs, family)
         return {"target": got["target"], "drafter": got["drafter"]}

@@ -15,7 +15,7 @@ out=${1:-${OUT:-/tmp/hybrid_out}}
 mkdir -p "$out" /tmp/site
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 3
 python3 -c "import zipfile; zipfile.ZipFile('.whl/sglang-0.5.23-kernels-srt.zip').extractall('/tmp/site')" || exit 3
-export PYTHONPATH=/tmp/site:$PWD/overlays/sglang-ddtree/src:$PWD/overlays/sglang-ddtree/gpu_checks
+export PYTHONPATH=/tmp/site:$PWD/overlays/sglang-ddtree/src:$PWD/overlays/sglang-ddtree-tools/src:$PWD/overlays/sglang-ddtree/gpu_checks
 export PYTHONUNBUFFERED=1
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader

@@ -12,7 +12,7 @@ target a deliberately *leaky* tree-verify (``SGLANG_DDTREE_UNSAFE_CHAIN_STATE=1`
 the recurrent layers process the tree's slots in chain order, so a node starts
 from its previous sibling's state, not its parent's).
 
-Measured per server, with the statistic of :mod:`sglang_ddtree.smoke`:
+Measured per server, with the statistic of :mod:`sglang_ddtree_tools.smoke`:
 greedy outputs of ``--prompts`` prompts x ``--tokens`` new tokens, one at a
 time and ``--concurrency`` at a time, each emitted token re-scored by one
 prefill of the plain server (top-2 log-probs; violation = not the argmax by
@@ -38,9 +38,9 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from sglang_ddtree import servers as servers_mod
-from sglang_ddtree import smoke
-from sglang_ddtree.bench import OVERLAP_CHOICES, level_prompts, overlap_env, server_overlap
+from sglang_ddtree_tools import servers as servers_mod
+from sglang_ddtree_tools import smoke
+from sglang_ddtree_tools.bench import OVERLAP_CHOICES, level_prompts, overlap_env, server_overlap
 
 from .graph_check import GRAPHS_ON, _log_facts, _pair
 
@@ -78,7 +78,7 @@ def _specs(family: str, paths: dict, quick: bool, a=None):
 def _pair_and_prompts(family: str, a):
     """The models (the kit's trained pair with --pairs, else the random tiny kit) and the prompts (--prompts-file,
     else the kit's held-out prompts.jsonl beside a trained pair, else seeded random ones)."""
-    from sglang_ddtree.bench import load_prompts, resolve_tiny
+    from sglang_ddtree_tools.bench import load_prompts, resolve_tiny
 
     paths = _pair(family, a)
     pfile = a.prompts_file or (resolve_tiny(a.pairs, family)["prompts"] if a.pairs else None)

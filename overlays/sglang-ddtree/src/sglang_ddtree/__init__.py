@@ -12,10 +12,10 @@ Importing this package does not import SGLang.  Submodules:
 * :mod:`sglang_ddtree.capabilities`  - the capability declaration (reads capabilities.json)
 * :mod:`sglang_ddtree.plugin`        - the ``sglang.srt.plugins`` entry point
 * :mod:`sglang_ddtree.adapters`      - one adapter (registration glue + worker) per supported SGLang version
-* :mod:`sglang_ddtree.tiny`          - tiny seeded models for GPU checks
-* :mod:`sglang_ddtree.markov`        - a seeded synthetic language with known branching; exact chain/tree accept estimator
-* :mod:`sglang_ddtree.trainkit`      - ``python -m sglang_ddtree.trainkit``: trained tiny targets + DFlash drafters
-* :mod:`sglang_ddtree.smoke`         - ``python -m sglang_ddtree.smoke``: serve the tiny model on one GPU and check
+* :mod:`sglang_ddtree.glue_graphs`   - the tree-verify step's glue captured into CUDA graphs
+
+The measurement and training tools (bench, smoke, paired, tiny models, the training kit) are a second
+distribution, ``sglang-ddtree-tools`` (package ``sglang_ddtree_tools``), never installed into a serving venv.
 """
 
 from importlib.metadata import PackageNotFoundError, version as _version

@@ -36,7 +36,7 @@ layer over SGLang's forwards and kernels with every index computation in
    shape with stride ``D``.
 
 Also here, for both versions: the ``record_function("ddtree.*")`` phase ranges
-(``sglang_ddtree.profile_step`` sums them), the accept counters logged as
+(``sglang_ddtree_tools.profile_step`` sums them), the accept counters logged as
 ``DDTREE accept stats {json}`` (:class:`sglang_ddtree.step.TreeAcceptStats`),
 the CUDA-graph check of :meth:`init_cuda_graphs` (graphs are allowed where the
 adapter's capability ``tree_verify_cuda_graphs`` says so - 0.5.17, whose worker
@@ -382,7 +382,7 @@ class DDTreeWorkerBase(DFlashWorkerV2):
         # `seq_lens` may come from another stream (DFlash's own decode step records it the same way).
         batch.seq_lens.record_stream(torch.get_device_module(self.device).current_stream())
         # record_function ranges name the step's phases in a torch-profiler trace (SGLang's /start_profile;
-        # sglang_ddtree.profile_step sums them); without a profiler they cost ~1 us each.
+        # sglang_ddtree_tools.profile_step sums them); without a profiler they cost ~1 us each.
         with record_function("ddtree.draft"):
             draft = self._tree_draft(batch)
         with record_function("ddtree.tree_verify"):

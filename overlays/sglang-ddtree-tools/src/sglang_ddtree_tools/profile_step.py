@@ -209,7 +209,7 @@ def profile_server(base: str, out_dir: str, steps: int, prompt: List[int], max_n
     Each client sends ``prompt`` again and again (``max_new`` tokens each) until the trace is written: a
     speculative server with a good drafter finishes a short request in fewer steps than asked for, and the
     profiler only stops after ``steps`` steps. A few prefill steps fall inside the trace (one a request)."""
-    from sglang_ddtree.smoke import _post
+    from sglang_ddtree_tools.smoke import _post
 
     os.makedirs(out_dir, exist_ok=True)
     before = set(glob.glob(os.path.join(out_dir, "**", "*.json*"), recursive=True))

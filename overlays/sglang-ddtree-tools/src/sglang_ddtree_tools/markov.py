@@ -299,7 +299,7 @@ def tree_rank_tuples(depth_logprobs: torch.Tensor, budget: int):
     candidates per depth, sorted descending.  Uses the plugin's own builder
     (:func:`sglang_ddtree.tree.build_tree_reference`), so the node set is the
     one the served tree would hold for a drafter with this profile."""
-    from .tree import build_tree_reference
+    from sglang_ddtree.tree import build_tree_reference
 
     t = build_tree_reference(depth_logprobs.to(torch.float64), int(budget))
     out = []
@@ -374,7 +374,7 @@ def accept_lengths(logits: torch.Tensor, truth: torch.Tensor, budgets: Sequence[
     with the tie rule, :func:`sglang_ddtree.step.build_tree_from_candidates`, built
     on CPU tensors by its torch builder, identical to the Triton one) walked with
     :func:`tree_walk_accept`."""
-    from .step import build_tree_from_candidates, draft_topk_candidates, merge_vocab_shards
+    from sglang_ddtree.step import build_tree_from_candidates, draft_topk_candidates, merge_vocab_shards
 
     r, length, v = logits.shape
     logits = logits.float()

@@ -17,7 +17,7 @@ has what its ratio is made of (the accept and step ratios) and how fast each sid
 loop time of the CPU each scheduler ran on (``host.sched_cpu_ms``; a pair whose run had the slower CPU is a pair
 the host weighed on).
 
-    python -m sglang_ddtree.paired REPORT.json [REPORT.json ...] [--peer dflash] [--json]
+    python -m sglang_ddtree_tools.paired REPORT.json [REPORT.json ...] [--peer dflash] [--json]
 
 Exit status: 0 a comparison was made, 1 none could be (no round where both ran), 2 a report could not be read.
 Pure functions, tested on CPU and on the reports kept from the H200 (benchmarks/results/h200_scheduler_ab_lossless_b15_b63, h200_dense_race_cpu_pinning).
@@ -30,13 +30,13 @@ import math
 import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .config import OVERLAP_ENV
+from sglang_ddtree.config import OVERLAP_ENV
 
 LEVEL = 0.95
 
 
 def _label(run: dict) -> str:
-    from .bench import run_label  # the one way a run is named, as bench's table names it (with its scheduler)
+    from .report import run_label  # the one way a run is named, as bench's table names it (with its scheduler)
     return run_label(run)
 
 
@@ -246,7 +246,7 @@ def format_pairs(rows: Sequence[dict]) -> str:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m sglang_ddtree.paired", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m sglang_ddtree_tools.paired", description=__doc__.split("\n\n")[0])
     ap.add_argument("reports", nargs="+", help="bench JSON reports (schema ddtree-bench/1)")
     ap.add_argument("--peer", default="dflash", help="the mode every other run is compared with (default dflash)")
     ap.add_argument("--json", action="store_true", help="print the comparisons as JSON")

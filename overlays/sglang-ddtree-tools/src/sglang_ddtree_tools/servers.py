@@ -1,6 +1,6 @@
 """Transient SGLang servers on one GPU: what to start, how to start it, and how to stop it.
 
-Shared by :mod:`sglang_ddtree.smoke` (the lossless smoke test) and :mod:`sglang_ddtree.bench` (throughput and
+Shared by :mod:`sglang_ddtree_tools.smoke` (the lossless smoke test) and :mod:`sglang_ddtree_tools.bench` (throughput and
 latency), so that both build the same command line, size their pools the same way and always tear their servers
 down the same way:
 
@@ -31,7 +31,7 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
-from .config import BUDGET_ENV, MODE_ENV, SHADOW_LINEAR, TREE_VERIFY
+from sglang_ddtree.config import BUDGET_ENV, MODE_ENV, SHADOW_LINEAR, TREE_VERIFY
 from .hostload import group_pids, stat_fields
 
 MODES = ("tree-verify", "shadow-linear", "linear", "dflash", "plain")  # linear = dflash: SGLang's own DFLASH chain

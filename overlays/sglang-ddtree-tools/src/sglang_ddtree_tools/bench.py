@@ -1,8 +1,8 @@
-"""Throughput and latency of plain, DFLASH and DDTREE serving on one GPU: ``python -m sglang_ddtree.bench``.
+"""Throughput and latency of plain, DFLASH and DDTREE serving on one GPU: ``python -m sglang_ddtree_tools.bench``.
 
 Runs where SGLang and this plugin are installed (a fleet host's managed venv, driven by ``fab bench``, or any GPU
 box: nothing of the toolkit is needed).  For each requested mode, budget and CUDA-graph setting it starts ONE
-transient SGLang server (:mod:`sglang_ddtree.servers`, as ``sglang_ddtree.smoke`` starts them: ``systemd-run``
+transient SGLang server (:mod:`sglang_ddtree_tools.servers`, as ``sglang_ddtree_tools.smoke`` starts them: ``systemd-run``
 units where systemd runs, plain process sessions otherwise, ``--launcher``), alone on the GPU: servers run one
 after another, never two at once, and each is torn down before the next starts, also on an error, SIGTERM or
 Ctrl-C.  It then replays the prompts (token ids through ``/generate`` with ``--skip-tokenizer-init``,
@@ -18,11 +18,11 @@ Ctrl-C.  It then replays the prompts (token ids through ``/generate`` with ``--s
   last) over its decode steps (SGLang's ``spec_verify_ct``; plain: a step a token). With ``accept_length`` it
   splits a race in two: what a step costs and what it buys (tok/s ~ accept / step, less the fixed TTFT);
 * ``host`` (where /proc is): the machine's busy and stolen CPU time over the level and the server's busiest
-  processes, their CPU share and the CPU each last ran on (:mod:`sglang_ddtree.hostload`): on a shared or virtual
+  processes, their CPU share and the CPU each last ran on (:mod:`sglang_ddtree_tools.hostload`): on a shared or virtual
   host a whole server instance can run slow, and this says next to its tok/s whether the host was why; with
   ``sched_cpu_ms``, the before-start speed of the CPU the scheduler ran on (below);
 * per server (and per round), ``cpu_ms`` {"before", "after"}: each CPU's time for one pinned Python loop right
-  before the server starts and right after it stops (:func:`sglang_ddtree.hostload.cpu_speeds`; on the H200's
+  before the server starts and right after it stops (:func:`sglang_ddtree_tools.hostload.cpu_speeds`; on the H200's
   host one vCPU ran it 2x slower than another, and the same vCPU 2x slower minutes later, with no steal shown);
 * ``itl_ms`` p50/p99: per-token latency after the first chunk.  A streamed chunk that brings ``n`` tokens
   ``g`` ms after the previous one counts as ``n`` tokens of ``g / n`` ms each (a speculative step emits several
@@ -42,7 +42,7 @@ its server said it ran that scheduler (:func:`run_label`).
 
 ``--rounds N`` runs the whole list N times over, every other round in reverse (A B C, C B A, ...; a fresh server
 each time; a level's row is its median round, with every round's tok/s in ``tok_s_rounds``), and prints, under
-the table, each run's paired ratio to DFLASH (and to plain) round by round (:mod:`sglang_ddtree.paired`): on the
+the table, each run's paired ratio to DFLASH (and to plain) round by round (:mod:`sglang_ddtree_tools.paired`): on the
 H200's host the same step's host time differed by ~30% between two servers started one after the other, and one
 server's tok/s 2x from one start to another, more than the gaps being measured.
 
@@ -50,8 +50,8 @@ Each level is preceded by ``c`` unmeasured warm-up requests of ``--warmup-tokens
 (Triton compiles per batch shape); a level sends ``max(--requests, c)`` requests (prompts reused in order).
 
 Models: ``--model PATH [--draft-model PATH]``; or ``--tiny DIR [--family hybrid|dense]``: a tiny pair as
-``python -m sglang_ddtree.trainkit DIR`` (trained; with its held-out ``prompts.jsonl``) or
-``python -m sglang_ddtree.tiny DIR`` (random weights) write it (``DIR/FAMILY-target``, ``DIR/FAMILY-drafter``;
+``python -m sglang_ddtree_tools.trainkit DIR`` (trained; with its held-out ``prompts.jsonl``) or
+``python -m sglang_ddtree_tools.tiny DIR`` (random weights) write it (``DIR/FAMILY-target``, ``DIR/FAMILY-drafter``;
 ``DIR/FAMILY/{target,drafter}`` too); or ``--tiny-train`` (the training kit run here first, seeded by ``--seed``,
 into the private work directory: what ``fab bench --tiny`` does) or ``--tiny-random`` (tiny.py's random pair
 written there).  Prompts: ``--prompts FILE`` (JSON or JSONL of token-id lists or ``{"input_ids": [...]}``
@@ -87,16 +87,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence
 
-from .config import OVERLAP_ENV
+from sglang_ddtree.config import OVERLAP_ENV
 from .hostload import LevelWatch, cpu_speeds, host_line, sched_cpu_ms, speed_line
 from .spy import format_summary, spy_argv, summarize
 from .servers import (Server, ServerSpec, cpu_list, free_port, get, gpu_device_problem, gpu_memory_mib, gpu_name,
                       map_concurrent, parse_cpus, server_argv, server_env, server_mem_fraction, wait_healthy)
+from .report import (BENCH_MODES, BUDGETED, MODE_ALIASES, SCHEMA, failure_summary, run_label,  # noqa: F401
+                     validate_report)
 
-SCHEMA = "ddtree-bench/1"
-BENCH_MODES = ("plain", "dflash", "tree-verify", "shadow-linear")
-MODE_ALIASES = {"linear": "dflash"}
-BUDGETED = ("tree-verify", "shadow-linear")
 GRAPHS = {"on": (True,), "off": (False,), "both": (False, True)}
 # --overlap: the scheduler each tree-verify server is asked for (SGLANG_DDTREE_OVERLAP in its own environment);
 # "default" leaves the plugin's switch as this process has it (unset: the synchronous scheduler)
@@ -180,17 +178,6 @@ class RunSpec:
         return f"{part}{' overlap' if self.overlap else ''} graphs={'on' if self.graphs else 'off'}"
 
 
-def run_label(run: dict) -> str:
-    """A report's run by name, as tables, plots and :mod:`sglang_ddtree.paired` show it: with ``overlap`` where a
-    DDTREE server ran SGLang's overlap scheduler (what the server's /server_info said; where it said nothing, what
-    was asked)."""
-    ran = run.get("overlap_schedule")
-    if not isinstance(ran, bool):
-        ran = run.get("overlap")
-    return RunSpec(run["mode"], run.get("budget"), run.get("block"), bool(run.get("graphs")),
-                   True if (run["mode"] in BUDGETED and ran is True) else None).label
-
-
 def plan_runs(modes: Sequence[str], budgets: Sequence[int], graphs: str, block: int,
               overlap: str = "default") -> List[RunSpec]:
     """Every server to start, in order: for each graph setting (off first), each mode, each budget, and for
@@ -262,7 +249,7 @@ def random_prompts(n: int, length: int, vocab: int, seed: int = 1) -> List[List[
 
 def resolve_tiny(root: str, family: str) -> dict:
     """The tiny pair of ``family`` under ``root``: ``FAMILY/{target,drafter}`` or ``FAMILY-target`` /
-    ``FAMILY-drafter`` (what ``sglang_ddtree.trainkit`` and ``sglang_ddtree.tiny`` write), with the held-out
+    ``FAMILY-drafter`` (what ``sglang_ddtree_tools.trainkit`` and ``sglang_ddtree_tools.tiny`` write), with the held-out
     ``prompts.jsonl`` beside it when there is one (``FAMILY/prompts.jsonl`` or ``prompts.jsonl``).  ``kind`` is
     ``trained`` when the training kit's ``manifest.json`` is there (or the nested layout), else ``random``."""
     if family not in FAMILIES:
@@ -282,7 +269,7 @@ def resolve_tiny(root: str, family: str) -> dict:
 
 def trainkit_argv(python: str, out: str, family: str, seed: int) -> List[str]:
     """The training kit's command line (``--tiny-train``): one family, on the GPU, seeded."""
-    return [python, "-m", "sglang_ddtree.trainkit", out, "--seed", str(seed), "--family", family, "--device", "cuda"]
+    return [python, "-m", "sglang_ddtree_tools.trainkit", out, "--seed", str(seed), "--family", family, "--device", "cuda"]
 
 
 def read_config(path: Optional[str]) -> dict:
@@ -465,104 +452,6 @@ def aggregate_level(records: Sequence[RequestRecord], wall_s: float, concurrency
 
 
 # ----------------------------------------------------------------------------- pure parts: the report
-def _is_num(v, allow_none=True) -> bool:
-    if v is None:
-        return allow_none
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
-
-
-def _bad_cpu_ms(v) -> Optional[str]:
-    """What is wrong with a run's ``cpu_ms`` ({"before", "after"}: each null or {cpu digits: ms}); None: fine or
-    absent (reports from before it)."""
-    if v is None:
-        return None
-    if not isinstance(v, dict) or set(v) - {"before", "after"}:
-        return "must be {before, after}"
-    for when, speeds in v.items():
-        if speeds is not None and not (isinstance(speeds, dict) and all(
-                isinstance(c, str) and c.isdigit() and _is_num(ms, allow_none=False) for c, ms in speeds.items())):
-            return f"{when} must be null or {{CPU number: ms}}"
-    return None
-
-
-def validate_report(doc) -> List[str]:
-    """What is wrong with a report (empty when it is a well-formed ``ddtree-bench/1`` document)."""
-    if not isinstance(doc, dict):
-        return ["the report is not a JSON object"]
-    errs = []
-    if doc.get("schema") != SCHEMA:
-        errs.append(f"schema is {doc.get('schema')!r}, not {SCHEMA!r}")
-    for k in ("model", "settings", "gpu"):
-        if not isinstance(doc.get(k), dict):
-            errs.append(f"{k} is not an object")
-    runs = doc.get("runs")
-    if not isinstance(runs, list):
-        return errs + ["runs is not a list"]
-    for i, run in enumerate(runs):
-        where = f"runs[{i}]"
-        if not isinstance(run, dict):
-            errs.append(f"{where} is not an object")
-            continue
-        if run.get("mode") not in BENCH_MODES:
-            errs.append(f"{where}.mode {run.get('mode')!r} is not one of {BENCH_MODES}")
-        if run.get("mode") in BUDGETED and not (type(run.get("budget")) is int and run["budget"] > 0):
-            errs.append(f"{where}.budget must be a positive integer")
-        if not isinstance(run.get("graphs"), bool):
-            errs.append(f"{where}.graphs must be true or false")
-        if run.get("status") not in ("ok", "failed"):
-            errs.append(f"{where}.status must be ok or failed")
-        for k in ("overlap", "overlap_schedule"):
-            if run.get(k) is not None and not isinstance(run.get(k), bool):
-                errs.append(f"{where}.{k} must be true, false or null")
-        for k, trial in [("", run)] + [(f".rounds[{r}]", t) for r, t in enumerate(run.get("rounds") or [])
-                                        if isinstance(t, dict)]:
-            bad = _bad_cpu_ms(trial.get("cpu_ms"))
-            if bad:
-                errs.append(f"{where}{k}.cpu_ms {bad}")
-        levels = run.get("levels")
-        if not isinstance(levels, list):
-            errs.append(f"{where}.levels is not a list")
-            continue
-        for j, lv in enumerate(levels):
-            w = f"{where}.levels[{j}]"
-            if not isinstance(lv, dict):
-                errs.append(f"{w} is not an object")
-                continue
-            for k in ("concurrency", "requests", "errors", "output_tokens"):
-                if type(lv.get(k)) is not int or lv[k] < 0:
-                    errs.append(f"{w}.{k} must be a non-negative integer")
-            for k in ("output_tok_s", "wall_s"):
-                if not _is_num(lv.get(k), allow_none=False):
-                    errs.append(f"{w}.{k} must be a non-negative number")
-            if not _is_num(lv.get("accept_length")):
-                errs.append(f"{w}.accept_length must be a non-negative number or null")
-            for k in ("ttft_ms", "itl_ms", "step_ms"):
-                d = lv.get(k)
-                if d is None and k == "step_ms":  # reports from before step_ms
-                    continue
-                if not (isinstance(d, dict) and _is_num(d.get("p50")) and _is_num(d.get("p99"))):
-                    errs.append(f"{w}.{k} must be {{p50, p99}} of non-negative numbers or null")
-            h = lv.get("host")
-            if h is not None and not (isinstance(h, dict) and _is_num(h.get("busy_pct"), allow_none=False)
-                                      and _is_num(h.get("steal_pct"), allow_none=False)
-                                      and isinstance(h.get("procs"), list) and _is_num(h.get("sched_cpu_ms"))):
-                errs.append(f"{w}.host must be {{busy_pct, steal_pct, procs[, sched_cpu_ms]}} (sglang_ddtree.hostload)")
-            tr = lv.get("tok_s_rounds")
-            if tr is not None and not (isinstance(tr, list) and tr and all(_is_num(x, allow_none=False) for x in tr)):
-                errs.append(f"{w}.tok_s_rounds must be a non-empty list of non-negative numbers")
-    for i, r in enumerate(doc.get("paired") or []):  # --rounds: sglang_ddtree.paired.report_section
-        ok = isinstance(r, dict) and isinstance(r.get("run"), str) and isinstance(r.get("peer"), str) and \
-            type(r.get("concurrency")) is int and type(r.get("n")) is int and r["n"] > 0 and \
-            _is_num(r.get("median_ratio"), allow_none=False) and type(r.get("ahead")) is int and \
-            isinstance(r.get("ratios"), list) and len(r["ratios"]) == r["n"] and \
-            all(_is_num(x, allow_none=False) for x in r["ratios"]) and \
-            (r.get("interval") is None or (isinstance(r["interval"], list) and len(r["interval"]) == 2
-                                           and all(_is_num(x, allow_none=False) for x in r["interval"])))
-        if not ok:
-            errs.append(f"paired[{i}] is not a paired comparison (sglang_ddtree.paired.report_section)")
-    return errs
-
-
 def rows(doc: dict) -> List[dict]:
     """One flat row per (run, level), with the run's label, for tables, plots and choices."""
     out = []
@@ -574,14 +463,6 @@ def rows(doc: dict) -> List[dict]:
         for lv in run.get("levels") or []:
             out.append(dict(lv, label=label, mode=run["mode"], budget=run.get("budget"), graphs=run["graphs"]))
     return out
-
-
-def failure_summary(error) -> str:
-    """A failed run's reason on one line: its first line and, when the server's log follows, the log's last line
-    (where SGLang or the plugin says why it refused to start)."""
-    lines = [ln.strip() for ln in str(error or "failed").splitlines() if ln.strip()] or ["failed"]
-    text = lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"
-    return text[:300]
 
 
 def _f(v, nd=1) -> str:
@@ -711,7 +592,7 @@ def _versions() -> dict:
     from importlib import metadata
 
     out = {}
-    for d in ("sglang", "sglang-ddtree", "torch"):
+    for d in ("sglang", "sglang-ddtree", "sglang-ddtree-tools", "torch"):
         try:
             out[d] = metadata.version(d)
         except metadata.PackageNotFoundError:
@@ -773,7 +654,7 @@ def run_bench(a, runs: List[RunSpec], prompts: List[List[int]], target: str, dra
     a fresh server each time, so host noise that lasts minutes or comes with a start (on a shared host, a server's
     processes land on other cores) is spread over every run alike; each level's row is its median round
     (:func:`median_round`), every round kept in ``entry["rounds"]`` (index = round), which
-    :mod:`sglang_ddtree.paired` pairs round by round. The profile and ``--cold-warm`` belong to the first round."""
+    :mod:`sglang_ddtree_tools.paired` pairs round by round. The profile and ``--cold-warm`` belong to the first round."""
     tcfg, dcfg = read_config(target), read_config(drafter)
     sizing = plan_sizing(prompts, a.max_new_tokens, a.concurrency, runs, tcfg, dcfg)
     weights = _weights_mib(target) + _weights_mib(drafter)
@@ -1003,7 +884,7 @@ def profile_line(p: dict) -> str:
 
 def _profile_run(a, entry: dict, base: str, prompts, out_dir: str, log) -> None:
     """A torch-profiler trace of ``--profile-steps`` decode steps at one request (SGLang's /start_profile),
-    summarized into ``entry["profile"]`` (:mod:`sglang_ddtree.profile_step`); a failure is reported, not fatal."""
+    summarized into ``entry["profile"]`` (:mod:`sglang_ddtree_tools.profile_step`); a failure is reported, not fatal."""
     from .profile_step import profile_server
 
     try:
@@ -1045,15 +926,15 @@ def _warm_restart(a, entry: dict, argv, env, prompts, logdir: str, slug: str, lo
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m sglang_ddtree.bench", description=__doc__.split("\n")[0],
+    ap = argparse.ArgumentParser(prog="python -m sglang_ddtree_tools.bench", description=__doc__.split("\n")[0],
                                  epilog="Each server starts alone on the GPU and is always stopped.")
     src = ap.add_argument_group("models (one of)")
     src.add_argument("--model", help="target model directory")
     src.add_argument("--draft-model", help="DFlash drafter directory (needed by every mode but plain)")
     src.add_argument("--tiny", metavar="DIR", help="a tiny pair: DIR/FAMILY/{target,drafter} or DIR/FAMILY-{target,drafter}")
-    src.add_argument("--tiny-random", action="store_true", help="write sglang_ddtree.tiny's random pair and use it")
+    src.add_argument("--tiny-random", action="store_true", help="write sglang_ddtree_tools.tiny's random pair and use it")
     src.add_argument("--tiny-train", action="store_true",
-                     help="train the pair here first (python -m sglang_ddtree.trainkit, seed --seed) and use it")
+                     help="train the pair here first (python -m sglang_ddtree_tools.trainkit, seed --seed) and use it")
     src.add_argument("--family", choices=FAMILIES, default="hybrid", help="with --tiny/--tiny-random (default hybrid)")
     ap.add_argument("--modes", default="plain,dflash,tree-verify", help="comma list of " + ", ".join(BENCH_MODES))
     ap.add_argument("--budgets", default="15", help="DDTREE budgets B, comma list (tree-verify: D = B + 1)")
@@ -1095,7 +976,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--spy", metavar="PY_SPY",
                     help="start every server under this py-spy (record --nonblocking --subprocesses, raw) and "
                          "report where its scheduler's host time goes, per function and per decode step "
-                         "(sglang_ddtree.spy; raw captures in OUT/spy/); with --launcher process; replaces "
+                         "(sglang_ddtree_tools.spy; raw captures in OUT/spy/); with --launcher process; replaces "
                          "--profile-steps, whose profiler would be sampled too")
     ap.add_argument("--spy-rate", type=int, default=1000, help="py-spy samples a second (default 1000: 1 ms each)")
     ap.add_argument("--python", default=sys.executable, help="the interpreter SGLang runs from (default this one)")
@@ -1220,9 +1101,9 @@ def main(argv=None) -> int:
                 import subprocess
 
                 probe = [a.python, "-c", "import importlib.util as u, sys; "
-                         "sys.exit(u.find_spec('sglang_ddtree.trainkit') is None)"]
+                         "sys.exit(u.find_spec('sglang_ddtree_tools.trainkit') is None)"]
                 if subprocess.run(probe, timeout=120).returncode != 0:  # the interpreter the kit would run under
-                    raise RuntimeError("this plugin has no sglang_ddtree.trainkit (the training kit): --tiny-train "
+                    raise RuntimeError("this plugin has no sglang_ddtree_tools.trainkit (the training kit): --tiny-train "
                                        "needs a plugin that ships it; use --tiny DIR or --tiny-random")
                 out = os.path.join(workdir, "tiny")
                 argv = trainkit_argv(a.python, out, a.family, a.seed)

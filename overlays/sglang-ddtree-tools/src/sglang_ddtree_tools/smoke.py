@@ -1,8 +1,8 @@
-"""Smoke test of the environment and the DDTree payload on one GPU: ``python -m sglang_ddtree.smoke``.
+"""Smoke test of the environment and the DDTree payload on one GPU: ``python -m sglang_ddtree_tools.smoke``.
 
 Runs where SGLang and this plugin are installed (a fleet host's managed venv,
 driven by ``fab smoke``, or any GPU box).  It writes the tiny seeded model of
-the requested family (:mod:`sglang_ddtree.tiny`) into a private temporary
+the requested family (:mod:`sglang_ddtree_tools.tiny`) into a private temporary
 directory, starts transient SGLang servers on one GPU (a free loopback port
 each, always torn down: ``systemd-run`` units with a runtime cap on a systemd
 host, or a process session otherwise) and checks:
@@ -255,7 +255,7 @@ def run_smoke(*, mode: str, family: str, gpu: int, python: str, workdir: str, pr
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m sglang_ddtree.smoke", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m sglang_ddtree_tools.smoke", description=__doc__.split("\n")[0])
     ap.add_argument("--mode", choices=MODES, default="tree-verify")
     ap.add_argument("--family", choices=("hybrid", "dense"), default="hybrid")
     ap.add_argument("--gpu", type=int, default=0)

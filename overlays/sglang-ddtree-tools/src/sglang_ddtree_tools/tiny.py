@@ -1,6 +1,6 @@
 """Tiny seeded models for GPU checks: a target and a DFlash drafter per family.
 
-``python -m sglang_ddtree.tiny OUT_DIR [--family hybrid|dense|all] [--seed 0]``
+``python -m sglang_ddtree_tools.tiny OUT_DIR [--family hybrid|dense|all] [--seed 0]``
 writes, per family, ``OUT_DIR/<family>-target`` and ``OUT_DIR/<family>-drafter``
 (config.json + model.safetensors, bf16), ready for
 ``sglang.launch_server --skip-tokenizer-init`` with ``input_ids``:
@@ -160,7 +160,7 @@ def write_family(out_dir: str | os.PathLike, family: str, seed: int = 0) -> dict
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m sglang_ddtree.tiny", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m sglang_ddtree_tools.tiny", description=__doc__.split("\n")[0])
     ap.add_argument("out_dir")
     ap.add_argument("--family", choices=FAMILIES + ("all",), default="all")
     ap.add_argument("--seed", type=int, default=0)

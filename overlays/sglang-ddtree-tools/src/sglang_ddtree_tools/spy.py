@@ -177,12 +177,12 @@ def format_summary(s: Dict[str, object], n: int = 25) -> str:
 
 
 def main(argv=None) -> int:
-    """``python -m sglang_ddtree.spy CAPTURE``: a kept raw capture (bench's ``OUT/spy/*.txt``) read again."""
+    """``python -m sglang_ddtree_tools.spy CAPTURE``: a kept raw capture (bench's ``OUT/spy/*.txt``) read again."""
     import argparse
     import json
     import sys
 
-    ap = argparse.ArgumentParser(prog="python -m sglang_ddtree.spy", description=main.__doc__.split(": ", 1)[1])
+    ap = argparse.ArgumentParser(prog="python -m sglang_ddtree_tools.spy", description=main.__doc__.split(": ", 1)[1])
     ap.add_argument("capture", help="py-spy raw output (record --format raw --subprocesses)")
     ap.add_argument("--steps", type=float,
                     help="decode steps while it was sampled (bench reports them): per-step figures")

@@ -1,6 +1,6 @@
 """Train a tiny target and its DFlash drafter on the synthetic language, per family, in minutes.
 
-``python -m sglang_ddtree.trainkit OUT --seed S [--family hybrid|dense|both] [--device cuda]
+``python -m sglang_ddtree_tools.trainkit OUT --seed S [--family hybrid|dense|both] [--device cuda]
 [--preset full|small|toy] [--target-steps N] [--drafter-steps N] [--target-seconds S]
 [--drafter-seconds S]`` writes, per family,
 ``OUT/<family>-target`` and ``OUT/<family>-drafter`` (config.json +
@@ -14,11 +14,11 @@ nothing that looks finished.
 
 What it does, per family
 ------------------------
-1. **Target** (:func:`target_config`): the architecture of :mod:`sglang_ddtree.tiny`
+1. **Target** (:func:`target_config`): the architecture of :mod:`sglang_ddtree_tools.tiny`
    (hybrid: ``Qwen3NextForCausalLM``, GDN linear attention + full attention, two
    experts both routed; dense: ``Qwen3ForCausalLM``; 4 layers, 8/2 heads of 64), at a
    smaller width and the language's vocabulary, trained from scratch with AdamW on
-   fresh samples of :class:`sglang_ddtree.markov.MarkovSource`.  Printed: loss against
+   fresh samples of :class:`sglang_ddtree_tools.markov.MarkovSource`.  Printed: loss against
    the source's entropy rate; then on held-out prompts the target's own greedy
    continuation (autoregressive, KV cache) against the source's greedy continuation.
 2. **Drafter** (:class:`DFlashDrafter`): a one-layer DFlash draft model trained on the
@@ -33,7 +33,7 @@ What it does, per family
    own path (:func:`sglang_ddtree.step.draft_topk_candidates`,
    :func:`~sglang_ddtree.step.merge_vocab_shards`,
    :func:`~sglang_ddtree.step.build_tree_from_candidates`); plus the per-depth rank
-   histogram of the true token and :func:`sglang_ddtree.markov.expected_accept` on
+   histogram of the true token and :func:`sglang_ddtree_tools.markov.expected_accept` on
    the measured profile.  Accept lengths count the bonus token, as SGLang's do.  An
    average over anchors, not a served figure: serving visits anchors where the last
    step stopped.
@@ -885,7 +885,7 @@ def run(out_dir: str, seed: int, families, device: str, preset: Preset, preset_n
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m sglang_ddtree.trainkit", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m sglang_ddtree_tools.trainkit", description=__doc__.split("\n")[0])
     ap.add_argument("out_dir")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--family", choices=FAMILIES + ("both",), default="both")

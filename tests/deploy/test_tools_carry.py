@@ -1,0 +1,83 @@
+"""The tools wheel `fab bench` and `fab smoke` carry to a host: built from the checkout (deploy/tools.py), sent on
+the agent call's stdin, checked by the host op and installed into the run's private directory with the real pip -
+on PYTHONPATH of that run only, never into the interpreter's own site-packages."""
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+from deploy import tools
+from deploy.remote.host import smoke as hostsmoke
+from deploy.remote.host.registry import Context, Failure
+
+
+@pytest.fixture(scope="module")
+def wheel():
+    return tools.wheel()
+
+
+def ctx(data: bytes) -> Context:
+    return Context({"op": "smoke.run", "deadline": 300}, state=None, stdin=io.BytesIO(data), stdout=io.StringIO())
+
+
+def test_the_tools_wheel_is_built_from_the_checkout(wheel):
+    assert wheel.name.startswith("sglang_ddtree_tools-") and wheel.name.endswith("-py3-none-any.whl")
+    with zipfile.ZipFile(io.BytesIO(wheel.data)) as z:
+        names = z.namelist()
+    assert "sglang_ddtree_tools/bench.py" in names and "sglang_ddtree_tools/report.py" in names
+    assert not [n for n in names if n.startswith("sglang_ddtree/")]
+    hostsmoke.check_tools(wheel.agent_args())  # what the host op accepts
+
+
+def test_host_op_installs_it_into_the_run_directory_only(wheel, tmp_path):
+    target = hostsmoke.install_tools(ctx(wheel.data), sys.executable, wheel.agent_args(), str(tmp_path))
+    assert target == str(tmp_path / "tools") and (tmp_path / "tools" / "sglang_ddtree_tools" / "report.py").is_file()
+    probe = "import sglang_ddtree_tools.report as r; print(r.__file__)"
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, PYTHONPATH=target), cwd=tmp_path)
+    assert r.returncode == 0 and r.stdout.strip().startswith(target), r.stderr
+    # the interpreter itself did not get it: without the run's PYTHONPATH there is no sglang_ddtree_tools
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    r = subprocess.run([sys.executable, "-c", "import sglang_ddtree_tools"], capture_output=True, text=True,
+                       timeout=60, env=env, cwd=tmp_path)
+    assert r.returncode != 0 and "No module named 'sglang_ddtree_tools'" in r.stderr
+
+
+def test_host_op_refuses_a_damaged_or_foreign_wheel(wheel, tmp_path):
+    a = wheel.agent_args()
+    with pytest.raises(Failure, match="arrived damaged"):
+        hostsmoke.install_tools(ctx(wheel.data[:-1] + b"x"), sys.executable, a, str(tmp_path / "a"))
+    with pytest.raises(Failure, match="arrived damaged"):
+        hostsmoke.install_tools(ctx(wheel.data[:100]), sys.executable, a, str(tmp_path / "b"))
+    for bad, msg in [(dict(a, wheel="sglang_ddtree-0.1.0-py3-none-any.whl"), "sglang-ddtree-tools wheel"),
+                     (dict(a, wheel="../x-1-py3-none-any.whl"), "sglang-ddtree-tools wheel"),
+                     (dict(a, size=0), "tools.size"), (dict(a, size=True), "tools.size"),
+                     (dict(a, sha256="0" * 63), "tools.sha256"), (None, "tools must be")]:
+        with pytest.raises(Failure, match=msg):
+            hostsmoke.check_tools(bad)
+    # a wheel whose member does not match its RECORD is refused before pip sees it
+    buf = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(wheel.data)) as zin, zipfile.ZipFile(buf, "w") as zout:
+        for i in zin.infolist():
+            data = zin.read(i)
+            zout.writestr(i, data + b"# changed\n" if i.filename.endswith("report.py") else data)
+    data = buf.getvalue()
+    w2 = tools.ToolsWheel(wheel.name, wheel.version, data)
+    (tmp_path / "c").mkdir()
+    with pytest.raises(Failure, match="was refused: .*RECORD"):
+        hostsmoke.install_tools(ctx(data), sys.executable, w2.agent_args(), str(tmp_path / "c"))
+    assert not (tmp_path / "c" / "tools").exists()
+
+
+def test_the_modules_run_from_the_tools_package():
+    a = {"gpu": 0, "mode": "tree-verify", "family": "dense", "budget": 7, "prompts": 2, "tokens": 4}
+    assert hostsmoke.smoke_argv("/v/bin/python", a, "/w/r.json", "ddtree-smoke-0123456789ab", 60)[1:3] == [
+        "-m", "sglang_ddtree_tools.smoke"]
+    assert hostsmoke.tools_install_argv("/v/bin/python", "/w/x.whl", "/w/tools")[1:] == [
+        "-m", "pip", "install", "--isolated", "--no-index", "--no-deps", "--no-compile", "--disable-pip-version-check",
+        "--no-input", "--no-cache-dir", "--target", "/w/tools", "/w/x.whl"]
