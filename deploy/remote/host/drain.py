@@ -203,7 +203,10 @@ def prune(spec, keep=(), key=None):
         return []
     t0 = time.monotonic()
     removed = dict((u, remove(spec, None, key, url=u)) for u in stray)
-    watch = dict((u, [(url_port(u), "127.0.0.1")] if url_port(u) else []) for u in stray)
+    # the server behind a stray url is waited on unless a named worker shares its port (it keeps serving there)
+    named = set(url_port(u) for u in spec.get("expected") or [])
+    watch = dict((u, [(url_port(u), "127.0.0.1")] if url_port(u) and url_port(u) not in named else [])
+                 for u in stray)
     out = wait_idle(spec, watch, t0)
     return [dict(out[u], url=u, removed=removed[u]) for u in stray]
 
