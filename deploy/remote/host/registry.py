@@ -70,9 +70,13 @@ class Context(object):
             locks.check(self.state, self.lock["token"], extend=(seconds or 0) + 60, step=name)
 
     def progress(self, **fields):
-        """Record where the run is in the host lock (out: the GPUs it holds out of the router)."""
+        """Record where the run is in the host lock (out: the GPUs it holds out of the router). A lock lost meanwhile
+        is left to the next step's check: a batch half-way through still puts its GPUs back."""
         if self.lock:
-            locks.check(self.state, self.lock["token"], renew=False, **fields)
+            try:
+                locks.check(self.state, self.lock["token"], renew=False, **fields)
+            except locks.LockLost:
+                pass
 
     def heartbeat(self, every=envelope.HEARTBEAT):
         stop = threading.Event()
