@@ -382,8 +382,8 @@ def run_host(inv: Inventory, remote: Remote, host: Host, payload: dict, lock: di
         if exc.kind == "locked":
             raise HostLocked(exc.reply.get("holder") or {}) from None
         if exc.kind == "no-reply":  # the agent process died (killed) while the link stayed up
-            raise AgentError("agent-died", f"the host's agent died during {kind} without an answer "
-                                           f"({exc.message}); its last "
+            how = exc.message.removeprefix("the agent gave no answer ")
+            raise AgentError("agent-died", f"the host's agent died during {kind} without an answer {how}; its last "
                                            f"report: {last[0] if last else 'none (it died before its first step)'}. "
                                            f"The host may be left mid-{kind}: `fab status` shows what is out; the "
                                            f"next deploy, restart or rollback of it finishes it first") from None
