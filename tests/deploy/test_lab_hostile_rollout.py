@@ -2,9 +2,10 @@
 rollout now guarantees: each GPU ends serving the new release or the old one, in its router, and the router holds
 exactly the host's enabled workers.
 
-  a GPU's port changes under load           the worker at the OLD url is drained and removed, the new one added;
-                                            a worker nobody names is taken out (drained) by the next run, which
-                                            says so; `fab status` exits 1 while one is there
+  a GPU's port changes under load           the worker at the OLD url is drained and removed, the new one added
+                                            (deploy, the automatic rollback, fab rollback); a worker nobody names
+                                            is taken out (drained) by the next run, which says so; `fab status`
+                                            exits 1 while one is there
   the host's agent SIGKILLed mid-rollout    the run says the agent died and what it last did; `fab status` exits 1
                                             (GPU out, the dead run's lock); the next run names the interrupted run
                                             and finishes it: every GPU back in the router on the active release
@@ -129,8 +130,17 @@ def test_a_port_change_drains_the_old_worker_and_a_worker_nobody_names_is_taken_
     assert r.returncode == 0 and "nothing restarted" in out, out + r.stderr
     assert re.search(rf"router worker {re.escape(stray)} is not in the inventory: out of the router; drained \d+", out)
     assert settled(env, want) == dict.fromkeys(want, True) and s["failed"] == 0, s
-    # and back to 30000: the worker at 30010 goes, drained
-    r = fab("deploy", "--yes", inventory=env["base"])
+    # a port change whose new server fails its gate: the automatic rollback puts gpu0 back at 30010, and the
+    # router holds neither 30020 nor anything else
+    bad = lab_inventory(env["tmp"], "bad.yaml", keep=[HOST], hosts={HOST: dict(
+        env["host"], services={0: {"port": 30020, "env": {"LABSERVER_FAIL_AT_START": "1"}}})})
+    r = fab("deploy", "--yes", inventory=bad)
+    out = strip_ansi(r.stdout)
+    assert r.returncode == 1 and "gpu0 :30020 gate FAILED" in out and re.search(r"rollback to \S+ ok", out), out
+    assert "(and its old worker http://127.0.0.1:30010)" in out, out
+    assert settled(env, want) == dict.fromkeys(want, True)
+    # `fab rollback` to the release on 30000: the worker at 30010 goes, drained
+    r = fab("rollback", inventory=env["base"])
     out = strip_ansi(r.stdout)
     assert r.returncode == 0 and "(and its old worker http://127.0.0.1:30010)" in out, out + r.stderr
     want = {"http://127.0.0.1:30000", "http://127.0.0.1:30001"}
