@@ -49,7 +49,8 @@ def inventory(tmp: Path, gpus: int, services: dict | None = None, name: str = "r
     doc = yaml.safe_load(fleet.lab_inventory_path().read_text())
     doc["vars"] = dict(doc.get("vars") or {}, server="labserver", mode="shadow-linear", api_key_file=KEY_FILE)
     doc["hosts"] = {h: {"address": f"{fleet.SUBNET}.{o}", "gpus": gpus,
-                        "vars": {"listen_address": f"{fleet.SUBNET}.{o}"}, **({"services": services} if services else {})}
+                        "vars": {"listen_address": f"{fleet.SUBNET}.{o}"},
+                        **({"services": services} if services else {})}
                     for h, o in (("ct129", 129), ("ct200", 200), ("ct201", 201))}
     doc["reference"] = "ct129"
     doc["groups"] = {}

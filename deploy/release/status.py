@@ -179,7 +179,8 @@ def problems(rs: list[dict], router_rows: list[dict]) -> list[str]:
     out += locks.values()
     for rr in router_rows:
         if rr.get("stray"):
-            out.append(f"{rr['host']}: the router holds worker(s) the inventory does not name: {', '.join(rr['stray'])}")
+            out.append(f"{rr['host']}: the router holds worker(s) the inventory does not name: "
+                       f"{', '.join(rr['stray'])}")
         if rr.get("alive") and rr.get("error"):
             out.append(f"{rr['host']}: router: {rr['error']}")
     return out

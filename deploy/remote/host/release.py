@@ -852,7 +852,8 @@ def apply(ctx, a):
         append_jsonl(os.path.join(h.sdir, "journal.jsonl"), dict(
             event="interrupted", token=dead.get("token"), ok=False, time=now_iso(), by=dead.get("holder"),
             command=dead.get("command"), error="the run died at step %r with %s out of the router; finished by %s" % (
-                dead.get("step"), ", ".join(dead.get("out") or []) or "no GPU", journal.get("command") or "the next run")))
+                dead.get("step"), ", ".join(dead.get("out") or []) or "no GPU",
+                journal.get("command") or "the next run")))
     try:
         gates = {}
         for b in a.get("batches") or []:
