@@ -1,5 +1,7 @@
 """Requests lost across a rollout: streaming clients through each host's real sglang-router while `fab deploy
---mode tree-verify`, `fab restart`, `fab rollback` run, and while a GPU server is SIGKILLed.
+--mode tree-verify`, `fab restart`, `fab rollback` run, while gpu0's port changes (30000 -> 30010 on every host),
+while the host agent of a `fab deploy` is SIGKILLed on ct129 (right after `gpu0 out of the router`) and the next
+`fab deploy` finishes that run, and while a GPU server is SIGKILLed.
 
     DDTREE_LAB_ID=N .venv/bin/python benchmarks/rollout_under_load.py [--clients 8] [--gpus 4]
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -42,15 +45,16 @@ CLEAN = ("systemctl stop 'sglang-ddtree@*' sglang-router 2>/dev/null; "
          "systemctl daemon-reload")
 
 
-def inventory(tmp: Path, gpus: int) -> Path:
+def inventory(tmp: Path, gpus: int, services: dict | None = None, name: str = "rollout-under-load.yaml") -> Path:
     doc = yaml.safe_load(fleet.lab_inventory_path().read_text())
     doc["vars"] = dict(doc.get("vars") or {}, server="labserver", mode="shadow-linear", api_key_file=KEY_FILE)
     doc["hosts"] = {h: {"address": f"{fleet.SUBNET}.{o}", "gpus": gpus,
-                        "vars": {"listen_address": f"{fleet.SUBNET}.{o}"}}
+                        "vars": {"listen_address": f"{fleet.SUBNET}.{o}"},
+                        **({"services": services} if services else {})}
                     for h, o in (("ct129", 129), ("ct200", 200), ("ct201", 201))}
     doc["reference"] = "ct129"
     doc["groups"] = {}
-    p = tmp / "rollout-under-load.yaml"
+    p = tmp / name
     p.write_text(yaml.safe_dump(doc, sort_keys=False))
     return p
 
@@ -97,11 +101,16 @@ def under_load(endpoints, clients, window, action, budget):
     return load.results, a0, a1, info
 
 
-def worker_healthy(inv, host, url):
+def router_workers(inv, host):
+    """{url: healthy} as the host's router lists them."""
     code = ("import json,urllib.request as u\nr=u.Request('http://%s:8000/workers',headers={'Authorization':'Bearer %s'})\n"
             "print(json.dumps({w['url']: w['is_healthy'] for w in json.load(u.urlopen(r,timeout=3))['workers']}))"
             % (inv.hosts[host].address, KEY))
-    return json.loads(ssh(inv, host, f"python3 -c \"{code}\"").stdout).get(url)
+    return json.loads(ssh(inv, host, f"python3 -c \"{code}\"").stdout)
+
+
+def worker_healthy(inv, host, url):
+    return router_workers(inv, host).get(url)
 
 
 def main():
@@ -142,6 +151,56 @@ def main():
         errs = loadgen.summary(results)["errors"]
         if errs:
             print(f"  errors: {errs}")
+    # gpu0's port changes on every host: drained at its old url, back at the new one
+    moved = inventory(tmp, a.gpus, {0: {"port": 30010}}, "moved.yaml")
+    holder = {}
+
+    def move():
+        holder["r"], holder["t"] = fab(moved, "deploy", "--yes")
+    results, a0, a1, _ = under_load(endpoints, a.clients, a.window, move, a.budget)
+    rr = holder["r"]
+    all_ok &= rr.returncode == 0
+    old = rr.stdout.count("(and its old worker http://127.0.0.1:30000)")
+    print(f"\nport change gpu0 30000 -> 30010 (fab deploy): exit {rr.returncode} in {holder['t']:.1f}s; drained at "
+          f"the old url on {old} host(s); router workers on ct129: {sorted(router_workers(inv, 'ct129'))}"
+          + ("" if rr.returncode == 0 else f"\n{rr.stdout[-1500:]}{rr.stderr[-800:]}"))
+    for name, part in zip(("before", "during", "after"), split(results, a0, a1)):
+        print(f"  {name:<7} {fmt(loadgen.summary(part))}")
+    # the host agent of a deploy SIGKILLed on ct129 right after gpu0 left the router; the next deploy finishes it
+    ainfo = {}
+
+    def kill_agent():
+        env = dict(os.environ, DEPLOY_INVENTORY=str(moved), COLUMNS="200")
+        p = subprocess.Popen([str(Path(sys.executable).with_name("fab")), "deploy", "--yes", "--mode", "tree-verify"],
+                             cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+        lines = []
+        for line in p.stdout:
+            lines.append(line)
+            if line.startswith("[ct129] gpu0 out of the router") and "pid" not in ainfo:
+                lock = json.loads(ssh(inv, "ct129", "cat /var/lib/ddtree/lock.json").stdout)
+                ainfo["pid"] = lock["agent"]["pid"]
+                ssh(inv, "ct129", f"kill -9 {ainfo['pid']}")
+        p.wait()
+        ainfo["killed_rc"] = p.returncode
+        ainfo["died"] = [ln.strip() for ln in lines if "agent died" in ln][:1]
+        st, _t = fab(moved, "status", "--hosts", "ct129")
+        ainfo["status_rc"] = st.returncode
+        ainfo["r"], ainfo["t"] = fab(moved, "deploy", "--yes", "--mode", "tree-verify")
+    results, a0, a1, _ = under_load(endpoints, a.clients, a.window, kill_agent, a.budget)
+    rr = ainfo["r"]
+    all_ok &= rr.returncode == 0
+    print(f"\nagent SIGKILLed on ct129 during fab deploy --mode tree-verify (after gpu0 left the router): that run "
+          f"exit {ainfo['killed_rc']} ({ainfo['died'][0] if ainfo['died'] else 'no agent-died line'}); fab status "
+          f"exit {ainfo['status_rc']}; the next fab deploy exit {rr.returncode} in {ainfo['t']:.1f}s, "
+          f"{'named' if 'found an interrupted run' in rr.stdout else 'DID NOT NAME'} the interrupted run; router "
+          f"workers on ct129: {router_workers(inv, 'ct129')}"
+          + ("" if rr.returncode == 0 else f"\n{rr.stdout[-1500:]}{rr.stderr[-800:]}"))
+    for name, part in zip(("before", "during", "after"), split(results, a0, a1)):
+        print(f"  {name:<7} {fmt(loadgen.summary(part))}")
+    errs = loadgen.summary(results)["errors"]
+    if errs:
+        print(f"  errors: {errs}")
     # SIGKILL one GPU server
     victim, inst, port = "ct129", "gpu1", 30001
     url = f"http://127.0.0.1:{port}"

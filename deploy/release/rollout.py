@@ -51,8 +51,12 @@ def by_gpu(insts) -> list[str]:
     return sorted(insts, key=lambda s: (len(s), s))
 
 
-def changed_services(new: dict, old: dict | None, units: dict, recorded: dict) -> dict[str, str]:
-    """instance -> why it must be (re)started; unchanged and running services are left alone."""
+def changed_services(new: dict, old: dict | None, units: dict, recorded: dict, health: dict | None = None,
+                     routed: dict | None = None) -> dict[str, str]:
+    """instance -> why it must be (re)started; unchanged, running and healthy services are left alone. `health`
+    (the probe's {instance: "ok" or why not}) restarts a running service that does not answer /health (hung);
+    `routed` ({instance: in the router?}, None without a router) one its router does not hold (left out by a
+    failed gate or a run that died)."""
     out = {}
     for inst, s in new["services"].items():
         if not s.get("enabled", True):
@@ -67,19 +71,44 @@ def changed_services(new: dict, old: dict | None, units: dict, recorded: dict) -
             out[inst] = "running an older release"
         elif state not in ("active", "activating"):
             out[inst] = f"not running ({state or 'unknown'})"
+        elif (health or {}).get(inst, "ok") != "ok":
+            out[inst] = f"not healthy ({health[inst]})"
+        elif routed is not None and inst in routed and not routed[inst]:
+            out[inst] = "out of the router"
     return out
+
+
+def routed(manifest: dict | None, view: dict | None) -> dict | None:
+    """{instance: whether the host's router holds its worker} from the probe's router view; None when the release
+    has no router or the view could not be read."""
+    if not manifest or not view or "workers" not in view:
+        return None
+    return {i: routermod.worker_url(s["port"]) in view["workers"] for i, s in manifest.get("services", {}).items()
+            if s.get("enabled", True)}
+
+
+def interrupted_line(lock: dict | None) -> str | None:
+    """What a plan says about the lock of a run that died part-way (stale, with the step it had begun)."""
+    if not lock or not lock.get("stale") or not lock.get("step") or lock.get("step") == "done":
+        return None
+    out = ", ".join(lock.get("out") or []) or "none"
+    return (f"found an interrupted run: {lock.get('holder')} running {lock.get('command')!r} since "
+            f"{lock.get('started')} stopped at step {lock.get('step')!r} ({lock.get('stale')}); GPUs it left out of "
+            f"the router: {out}. This run finishes it first: every GPU out of the router or not on the active "
+            f"release restarts (gated) and goes back")
 
 
 # ---------------------------------------------------------------- commands, built pure
 
-def restart_batch(manifest: dict, insts: list[str], drain: bool = True) -> dict:
+def restart_batch(manifest: dict, insts: list[str], drain: bool = True, previous: dict | None = None) -> dict:
     """One batch: the systemctl commands that restart `insts` together and what each one's gate expects: where
     the service listens and the host's API-key file (the agent reads the key there; the key never travels); with
-    the host's router (and `drain`), how the agent takes them out of it first and puts them back after."""
+    the host's router (and `drain`), how the agent takes them out of it first (at their `previous` release's url
+    too, when their port changes) and puts them back after."""
     units = [render.unit_name(i) for i in insts]
     return {"instances": list(insts), "reset_failed": SYSTEMCTL_RESET + units, "restart": SYSTEMCTL_RESTART + units,
             "gates": {i: gate(manifest["services"][i]) for i in insts},
-            "drain": routermod.drain_spec(manifest) if drain else None}
+            "drain": routermod.drain_spec(manifest, previous=previous) if drain else None}
 
 
 def gate(svc: dict) -> dict:
@@ -89,9 +118,10 @@ def gate(svc: dict) -> dict:
             "address": svc.get("address"), "api_key_file": svc.get("api_key_file")}
 
 
-def restart_batches(host: Host, manifest: dict, insts: list[str], drain: bool = True) -> list[dict]:
+def restart_batches(host: Host, manifest: dict, insts: list[str], drain: bool = True,
+                    previous: dict | None = None) -> list[dict]:
     """`insts` in batches of the host's max_unavailable (what deploy, rollback and restart send)."""
-    return [restart_batch(manifest, b, drain) for b in batches(insts, host.vars["max_unavailable"])]
+    return [restart_batch(manifest, b, drain, previous) for b in batches(insts, host.vars["max_unavailable"])]
 
 
 def router_spec(manifest: dict | None) -> dict | None:
@@ -171,7 +201,8 @@ def rollback_spec(host: Host, previous: dict | None, current: dict) -> dict:
             "reset_failed": SYSTEMCTL_RESET, "restart": SYSTEMCTL_RESTART,
             "max_unavailable": host.vars["max_unavailable"],
             "gates": {i: gate(s) for i, s in (previous or {}).get("services", {}).items()},
-            "drain": routermod.drain_spec(previous) if previous else None, "router": router_spec(previous)}
+            "drain": routermod.drain_spec(previous, previous=current) if previous else None,
+            "router": router_spec(previous)}
 
 
 def apply_commands(payload: dict) -> list[list[str]]:
@@ -234,14 +265,20 @@ def gate_line(inst: str, port: int, g: dict) -> str:
     return out + "".join(f"\n      | {ln}" for ln in tail)
 
 
-def drain_line(ev: dict) -> str:
-    inst, first, n = ev["instance"], ev.get("in_flight_at_start"), ev.get("in_flight")
+def drain_line(ev: dict, what: str | None = None, then: str = "restarting") -> str:
+    """One drain's line: a GPU's (or `what`: a worker the release does not name) out of the router and its wait;
+    an unknown reading (a server that does not answer /metrics) waits to the deadline and says so."""
+    inst, first, n = what or ev["instance"], ev.get("in_flight_at_start"), ev.get("in_flight")
     where = "out of the router" if ev.get("removed") else "not in the router"
+    if ev.get("previous_url"):
+        where += (f" (and its old worker {ev['previous_url']}" if ev.get("previous_removed") else
+                  f" (its old worker {ev['previous_url']} was not listed") + ")"
+    if ev.get("timed_out") and n is None:
+        return (f"{inst} {where}; DRAIN DEADLINE passed after {ev.get('seconds', 0):.1f}s with its in-flight requests "
+                f"unknown ({ev.get('detail')}): {then} anyway (any it holds are cut)")
     if ev.get("timed_out"):
         return (f"{inst} {where}; DRAIN DEADLINE passed after {ev.get('seconds', 0):.1f}s with {n} request(s) still "
-                f"in flight: restarting anyway (they are cut)")
-    if n is None:
-        return f"{inst} {where}; in-flight requests unknown ({ev.get('detail')}): restarting"
+                f"in flight: {then} anyway (they are cut)")
     return f"{inst} {where}; drained {first or 0} in-flight request(s) in {ev.get('seconds', 0):.1f}s"
 
 
@@ -264,6 +301,15 @@ def event_printer(host: str, out: Printer, kind: str):
                           f"healthy in {g['router'].get('seconds', 0):.1f}s)")
         elif e == "drain":
             out(host, drain_line(ev))
+        elif e == "stray":
+            out(host, drain_line(ev, f"router worker {ev.get('url')} is not in the inventory:", "removed"))
+        elif e == "note" and ev.get("message") == "prune-failed":
+            out(host, f"WARNING could not read the router's workers to remove those the inventory does not name "
+                      f"({ev.get('detail')})")
+        elif e == "interrupted":
+            out(host, f"took over the lock of an interrupted run ({ev.get('holder')}, {ev.get('command')!r}, since "
+                      f"{ev.get('started')}; stopped at step {ev.get('step')!r}; out of the router: "
+                      f"{', '.join(ev.get('out') or []) or 'none'}): journaled as interrupted")
         elif e == "note" and ev.get("message") == "drain-failed":
             out(host, f"WARNING could not drain before stopping ({ev.get('detail')}): stopping anyway")
         elif e == "router" and ev.get("phase") == "restarted":
@@ -323,12 +369,24 @@ def run_host(inv: Inventory, remote: Remote, host: Host, payload: dict, lock: di
              data: bytes = b"") -> dict:
     """One release.apply call: the transaction runs on the host; its events print as they come. A lost link is
     followed by reading the outcome from the host's journal once it answers again."""
+    last: list[str] = []
+
+    def tee(name: str, msg: str) -> None:  # the host's last line: what its agent last reported
+        last[:] = [msg]
+        out(name, msg)
+    on_event = event_printer(host.name, tee, kind)
     try:
         return remote.call("release.apply", payload, deadline=apply_deadline(host, payload), lock=lock, data=data,
-                           on_event=event_printer(host.name, out, kind), silence=SILENCE)
+                           on_event=on_event, silence=SILENCE)
     except AgentError as exc:
         if exc.kind == "locked":
             raise HostLocked(exc.reply.get("holder") or {}) from None
+        if exc.kind == "no-reply":  # the agent process died (killed) while the link stayed up
+            how = exc.message.removeprefix("the agent gave no answer ")
+            raise AgentError("agent-died", f"the host's agent died during {kind} without an answer {how}; its last "
+                                           f"report: {last[0] if last else 'none (it died before its first step)'}. "
+                                           f"The host may be left mid-{kind}: `fab status` shows what is out; the "
+                                           f"next deploy, restart or rollback of it finishes it first") from None
         if not isinstance(exc, LinkLost):
             raise
         out(host.name, f"LINK LOST during {kind}: {exc.message}; the host's agent finishes or rolls back on its own")
@@ -484,8 +542,11 @@ def make_plan(host, plugin, overlays, release, opts, state, rendered: tuple | No
             old.get("unsafe", {}) == manifest["unsafe"]:
         p.unchanged, p.release, p.manifest = True, old["release"], old
     units, recorded = state.get("units") or {}, state.get("services") or {}
-    p.restart = changed_services(old, old, units, recorded) if p.unchanged else \
-        changed_services(p.manifest, old, units, recorded)
+    health, inrouter = state.get("health"), routed(old, state.get("router_view"))
+    p.restart = changed_services(old, old, units, recorded, health, inrouter) if p.unchanged else \
+        changed_services(p.manifest, old, units, recorded, health, inrouter)
+    if line := interrupted_line(state.get("lock")):
+        p.warnings.insert(0, line)
     if old:
         p.stop = [i for i, s in old.get("services", {}).items()
                   if i not in p.manifest["services"] or not p.manifest["services"][i].get("enabled", True)]
@@ -497,14 +558,21 @@ def make_plan(host, plugin, overlays, release, opts, state, rendered: tuple | No
     return p
 
 
+def out_first(insts: list[str], why: dict) -> list[str]:
+    """The GPUs already out of the router first: restarting them costs no capacity (as a rollback does)."""
+    return [i for i in insts if why.get(i) == "out of the router"] + \
+        [i for i in insts if why.get(i) != "out of the router"]
+
+
 def deploy_payload(p: HostPlan, opts: DeployOptions) -> dict:
     """The release.apply arguments of a planned host (its bundle travels as the call's data)."""
     host, old = p.host, p.probe.get("manifest")
-    todo = [s.instance for s in host.services if s.instance in p.restart]
+    todo = out_first([s.instance for s in host.services if s.instance in p.restart], p.restart)
     payload = host_args(host) | _timeouts(host) | {
         "expect_current": p.current, "keep": host.vars["releases_keep"],
         "protect": [x for x in (p.current,) if x],
-        "batches": restart_batches(host, p.manifest, todo, drain=not opts.no_drain),
+        "batches": restart_batches(host, p.manifest, todo, drain=not opts.no_drain, previous=old),
+        "prune": None if opts.no_drain else routermod.drain_spec(p.manifest),
         "journal": {"event": "deploy-noop" if p.unchanged and not p.restart else "deploy", "release": p.release,
                     "previous": p.current, "by": p.manifest.get("created_by"), "command": p.manifest.get("command"),
                     "unsafe": p.manifest.get("unsafe", {}), "unchanged": p.unchanged},
@@ -679,6 +747,8 @@ def _runbook(inv: Inventory, hosts: list[Host], kind: str, plan_one, command: st
         state = probe(remote, host, instances=[s.instance for s in host.services], manifests=manifests,
                       venv_trust=False)
         check_lock(host, state, break_lock)
+        if line := interrupted_line(state.get("lock")):
+            out(host.name, line)
         res = {"host": host.name, "ok": False, "restarted": [], "release": state.get("current")}
         try:
             payload = plan_one(host, state, out)
@@ -719,12 +789,15 @@ def rollback_payload(host: Host, state: dict, to: str | None, out: Printer, no_d
     man, old = mans.get(target), state.get("manifest") or {}
     if not man:
         raise RuntimeError(f"release {target} on {host.name} has no readable manifest")
-    todo = by_gpu(changed_services(man, old or None, state.get("units") or {}, {}))
+    why = changed_services(man, old or None, state.get("units") or {}, {}, state.get("health"),
+                           routed(old or None, state.get("router_view")))
+    todo = out_first(by_gpu(why), why)
     stop = [i for i in old.get("services", {}) if i not in man["services"]]
     payload = host_args(host) | _timeouts(host) | {
         "expect_current": cur, "keep": host.vars["releases_keep"], "protect": [x for x in (cur,) if x],
         "activate": activation(host, man, old or None),
-        "batches": restart_batches(host, man, todo, drain=not no_drain),
+        "batches": restart_batches(host, man, todo, drain=not no_drain, previous=old or None),
+        "prune": None if no_drain else routermod.drain_spec(man),
         "journal": {"event": "rollback", "previous": cur, "release": target}, "fail_event": "rollback",
         "mark_failed": False}
     if stop:
@@ -746,9 +819,14 @@ def restart_payload(host: Host, state: dict, gpus: list[int] | None, no_drain: b
     if not man:
         raise RuntimeError(f"no active release on {host.name}; run fab deploy first")
     insts = by_gpu(i for i, s in man["services"].items() if s.get("enabled", True) and (gpus is None or s["gpu"] in gpus))
+    # a GPU left out of the router or on an older release (a run that died, a failed gate) restarts too, first
+    why = changed_services(man, man, state.get("units") or {}, state.get("services") or {}, state.get("health"),
+                           routed(man, state.get("router_view")))
+    insts = out_first(by_gpu(set(insts) | set(why)), why)
     return host_args(host) | _timeouts(host) | {
         "expect_current": state.get("current"), "keep": host.vars["releases_keep"],
         "batches": restart_batches(host, man, insts, drain=not no_drain),
+        "prune": None if no_drain else routermod.drain_spec(man),
         "journal": {"event": "restart", "release": state.get("current")}, "fail_event": "restart",
         "mark_failed": False}
 

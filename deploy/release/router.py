@@ -150,12 +150,26 @@ def manifest_entry(host: Host, w: Wheel, router_files: dict[str, bytes]) -> dict
                                                render.sha256(router_files["bin/router_launch.py"]), w.sha256]))}
 
 
-def drain_spec(manifest: dict, services: dict | None = None) -> dict | None:
+def drain_spec(manifest: dict, services: dict | None = None, previous: dict | None = None) -> dict | None:
     """What the agent needs to take a GPU out of its host's router and put it back; None without a router.
-    `services` (default: the manifest's) name the workers: a stopped GPU's are the previous release's."""
+    `services` (default: the manifest's) name the workers: a stopped GPU's are the previous release's. `expected`:
+    the workers the router holds once the manifest's release runs (its enabled GPUs), nothing else. `previous`
+    (the manifest the host runs now): a GPU whose port changes is served at its old url until it restarts, so its
+    drain takes that worker out too."""
     r = manifest.get("router") or {}
     if not r.get("enabled"):
         return None
     services = manifest["services"] if services is None else services
-    return {"address": r["address"], "port": r["port"], "api_key_file": r.get("api_key_file"),
-            "timeout": r["drain_timeout"], "workers": {i: worker_url(s["port"]) for i, s in services.items()}}
+    spec = {"address": r["address"], "port": r["port"], "api_key_file": r.get("api_key_file"),
+            "timeout": r["drain_timeout"], "workers": {i: worker_url(s["port"]) for i, s in services.items()},
+            "expected": expected_workers(manifest)}
+    moved = {i: worker_url(s["port"]) for i, s in ((previous or {}).get("services") or {}).items()
+             if i in spec["workers"] and s.get("port") and worker_url(s["port"]) != spec["workers"][i]}
+    if moved:
+        spec["previous"] = moved
+    return spec
+
+
+def expected_workers(manifest: dict) -> list[str]:
+    """The worker urls a router in front of `manifest`'s release holds: one per enabled GPU service."""
+    return sorted(worker_url(s["port"]) for s in manifest["services"].values() if s.get("enabled", True))

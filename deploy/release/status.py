@@ -6,6 +6,7 @@ from ..remote.client import Remote
 from ..remote.host import metrics as metricsmod
 from ..ssh import run_per_host
 from . import render
+from . import router as routermod
 from .rollout import host_args
 
 DEADLINE = 60.0
@@ -94,6 +95,8 @@ def rows(gathered: list[dict], hosts: dict[str, Host], previous: dict | None = N
                 "unsafe_reason": man.get("unsafe", {}).get(inst),
                 "plugin": st.get("plugin_installed"),
                 "lock": f"{lock.get('holder')} ({lock.get('command')}, since {lock.get('started')})" if lock else None,
+                "lock_stale": lock.get("stale") if lock else None, "lock_step": lock.get("step") if lock else None,
+                "enabled": bool(ms.get("enabled", True)) if ms else bool(inv_svc and inv_svc.enabled),
                 "last_deploy": (f"{last.get('event')} {last.get('release')} {last.get('time')}"
                                 + (" (rolled back)" if last.get("rolled_back_to") else "")) if last else None,
             })
@@ -199,19 +202,51 @@ def notes(rs: list[dict]) -> list:
     return out
 
 
-def routers(gathered: list[dict]) -> list[dict]:
+def routers(gathered: list[dict], hosts: dict[str, Host] | None = None) -> list[dict]:
     """One row per host with a router: its endpoint, whether it answers, how many workers it holds and how many of
-    them are healthy."""
+    them are healthy, and (with the inventory's `hosts`) those it holds that the inventory does not name."""
     out = []
     for g in gathered:
         view = (g.get("state") or {}).get("router_view") if g["ok"] else None
         if view is None:
             continue
         ws = view.get("workers")
+        h = (hosts or {}).get(g["host"])
+        named = {routermod.worker_url(s.port) for s in h.services if s.enabled} if h else None
         out.append({"host": g["host"], "endpoint": f"{view.get('listen')}:{view.get('port')}",
                     "alive": view.get("alive"), "detail": view.get("detail"), "error": view.get("error"),
                     "workers": None if ws is None else len(ws),
-                    "healthy": None if ws is None else sum(1 for w in ws.values() if w["healthy"])})
+                    "healthy": None if ws is None else sum(1 for w in ws.values() if w["healthy"]),
+                    "stray": None if ws is None or named is None else sorted(u for u in ws if u not in named)})
+    return out
+
+
+def problems(rs: list[dict], router_rows: list[dict]) -> list[str]:
+    """Why `fab status` exits 1, one line each: an unreachable host, a GPU service not healthy, an enabled one out
+    of its router (or unhealthy in it), a router down or holding workers the inventory does not name, a lock whose
+    run is dead (stale: its agent process is gone or it expired)."""
+    out, locks = [], {}
+    for r in rs:
+        if r.get("error"):
+            out.append(f"{r['host']}: {r['error']}")
+            continue
+        name = f"{r['host']}:{r['instance']}"
+        if r["health"] != "ok":
+            out.append(f"{name} not healthy (/health {r['health']})")
+        rc = r.get("router") or "-"
+        if r.get("enabled", True) and rc not in ("-", "in/healthy"):
+            out.append(f"{name} {'out of the router' if rc == 'OUT' else 'router: ' + rc}")
+        if r.get("lock_stale"):
+            locks[r["host"]] = (f"{r['host']}: the lock of a dead run: {r['lock']} ({r['lock_stale']}"
+                                + (f"; stopped at step {r['lock_step']!r}" if r.get("lock_step") else "")
+                                + "): the next deploy, restart or rollback finishes it")
+    out += locks.values()
+    for rr in router_rows:
+        if rr.get("stray"):
+            out.append(f"{rr['host']}: the router holds worker(s) the inventory does not name: "
+                       f"{', '.join(rr['stray'])}")
+        if rr.get("alive") and rr.get("error"):
+            out.append(f"{rr['host']}: router: {rr['error']}")
     return out
 
 

@@ -96,7 +96,9 @@ def _error_kind(rc: int | None, stderr: str) -> tuple[str, str]:
         return "sudo", f"sudo -n refused ({stderr.strip()[-300:]}); the SSH user needs passwordless sudo"
     if rc == 127:
         return "no-python", f"no python3 on the host ({stderr.strip()[-300:]})"
-    return "no-reply", f"the agent gave no answer (exit {rc}): {stderr.strip()[-800:]}"
+    tail = stderr.strip()[-800:]
+    return "no-reply", (f"the agent gave no answer (exit {rc}): {tail}" if tail else
+                        f"the agent gave no answer (exit {rc}, nothing on stderr: killed by a signal?)")
 
 
 class Remote:

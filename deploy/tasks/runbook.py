@@ -36,7 +36,7 @@ def status(c, hosts=None, json=False, history=0, watch=False, interval=2.0, coun
         t = time.monotonic()
         gathered = st.gather(inv, selected, journal_n=max(5, int(history)))
         rows = st.rows(gathered, inv.hosts, previous, (t - last_t) if last_t else None)
-        routers = st.routers(gathered)
+        routers = st.routers(gathered, inv.hosts)
         if json:
             doc = rows if not history and not watch else {"services": rows, "routers": routers, "journal": {
                 g["host"]: (g["state"] or {}).get("journal", [])[-int(history):] for g in gathered}}
@@ -58,11 +58,10 @@ def status(c, hosts=None, json=False, history=0, watch=False, interval=2.0, coun
             time.sleep(max(0.0, float(interval) - (time.monotonic() - t)))
         except KeyboardInterrupt:
             break
-    down = [r for r in rows if not r.get("error") and r["health"] != "ok"]
-    if down and not json:
-        print(f"{len(down)} service(s) not healthy: " + ", ".join(f"{r['host']}:{r['instance']}" for r in down),
-              file=sys.stderr)
-    if any(r.get("error") for r in rows) or down:
+    bad = st.problems(rows, routers)
+    if bad and not json:
+        print("\n".join(["NOT OK:"] + ["  " + b for b in bad]), file=sys.stderr)
+    if bad:
         raise Exit(code=1)
 
 

@@ -174,9 +174,10 @@ def test_deploy_plan_is_data_with_every_command_as_argv(tmp_path):
     assert rv["commands"]["venv"] == ["/usr/bin/python3", "-m", "venv", rv["path"] + ".tmp"]
     assert rollout.apply_commands(pay)[5] == ["systemctl", "restart", "sglang-router.service"]
     assert len(rollout.apply_commands(pay)) == 14 and "sglang-router.service" in act["enable"]
+    urls = {f"gpu{i}": f"http://127.0.0.1:{30000 + i}" for i in range(8)}
     assert pay["batches"][0]["drain"] == {"address": "127.0.0.1", "port": 8000, "api_key_file": None,
-                                          "timeout": 300, "workers": {f"gpu{i}": f"http://127.0.0.1:{30000 + i}"
-                                                                      for i in range(8)}}
+                                          "timeout": 300, "workers": urls, "expected": sorted(urls.values())}
+    assert pay["prune"] == pay["batches"][0]["drain"]  # the router holds these workers, no other
     # a host that has the venv gets no wheel and builds nothing
     _h, p2 = _planned(tmp_path / "c", dict(state, router={"venvs": [rv["path"].rsplit("/", 1)[1]]}))
     assert rv["wheel"] not in p2.files and rollout.apply_commands(p2.payload)[0] == act["install_plugin"]

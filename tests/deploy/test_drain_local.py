@@ -5,11 +5,14 @@ deadline; a router that does not answer is an error, not a silent restart."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 import zipfile
 from pathlib import Path
@@ -67,7 +70,7 @@ def fleet(tmp_path_factory):
     try:
         assert wait(lambda: len([w for w in drain.workers(spec).values() if w["is_healthy"]]) == 2), \
             (tmp / "router.log").read_text()[-2000:]
-        yield {"spec": spec, "ports": ports, "router": f"http://127.0.0.1:{rport}"}
+        yield {"spec": spec, "ports": ports, "router": f"http://127.0.0.1:{rport}", "procs": procs}
     finally:
         for p in procs:
             p.terminate()
@@ -119,3 +122,51 @@ def test_a_router_that_does_not_answer_is_an_error(fleet):
     assert drain.alive(dead)[0] is False
     with pytest.raises(RuntimeError, match="did not list its workers"):
         drain.take_out(dead, {"gpu0": (fleet["ports"][0], "127.0.0.1")})
+
+
+# ---------------------------------------------------------------- the reading of a server: idle, busy or unknown
+
+def test_a_reading_is_idle_busy_or_unknown():
+    page = "sglang:num_running_reqs{{model_name=\"m\"}} {r}\nsglang:num_queue_reqs{{model_name=\"m\"}} {q}\n"
+    assert drain.reading(200, page.format(r=0, q=0))[:2] == (drain.IDLE, 0)
+    assert drain.reading(200, page.format(r=2, q=1))[:2] == (drain.BUSY, 3)
+    refused = urllib.error.URLError(ConnectionRefusedError(111, "Connection refused"))
+    assert drain.reading(None, None, refused)[:2] == (drain.IDLE, 0)  # nothing listens: nothing in flight
+    for err in (TimeoutError("timed out"), urllib.error.URLError(TimeoutError("timed out")),
+                ConnectionResetError(104, "Connection reset by peer")):
+        st, n, detail = drain.reading(None, None, err)
+        assert (st, n) == (drain.UNKNOWN, None) and detail.startswith("/metrics"), (err, detail)
+    assert drain.reading(None, None, TimeoutError("timed out"))[2] == "/metrics timed out"
+    assert drain.reading(503, "")[:2] == (drain.UNKNOWN, None)
+    assert drain.reading(200, "# nothing sglang here\nprocess_cpu_seconds_total 3\n")[:2] == (drain.UNKNOWN, None)
+
+
+def test_a_stopped_server_is_unknown_and_waited_on_to_the_deadline(fleet):
+    """A SIGSTOPped server (hung) accepts the connection and never answers /metrics: the drain does not call it
+    drained; it waits until the deadline and says the count is unknown."""
+    spec, ports = dict(fleet["spec"], timeout=2.0), fleet["ports"]
+    pid = next(p for p in fleet["procs"] if str(ports[0]) in p.args)
+    os.kill(pid.pid, signal.SIGSTOP)
+    try:
+        t = time.monotonic()
+        res = drain.take_out(spec, {"gpu0": (ports[0], "127.0.0.1")})["gpu0"]
+        took = time.monotonic() - t
+    finally:
+        os.kill(pid.pid, signal.SIGCONT)
+    assert res["removed"] and res["timed_out"] and not res["drained"] and res["in_flight"] is None, res
+    assert "timed out" in res["detail"] and took >= 2.0, (res, took)
+    assert wait(lambda: drain.server_load(ports[0])[0] == 0, 10)
+    assert drain.put_back(spec, "gpu0")["ok"]
+
+
+def test_prune_takes_out_only_the_workers_the_release_does_not_name(fleet):
+    spec, ports = fleet["spec"], fleet["ports"]
+    alias = f"http://localhost:{ports[0]}"  # the same server under a url no release names
+    code, _d, raw = drain._router(spec, "POST", "/workers", {"url": alias})
+    assert code in (200, 201, 202), raw
+    assert wait(lambda: alias in drain.workers(spec), 15)
+    expected = dict(spec, expected=sorted(spec["workers"].values()))
+    assert drain.prune(expected, keep=[alias]) == []          # a url the run handles itself stays
+    [res] = drain.prune(expected)
+    assert res["url"] == alias and res["removed"] and res["drained"], res
+    assert sorted(drain.workers(spec)) == sorted(spec["workers"].values())

@@ -107,16 +107,33 @@ def acquire(state, req, agent_pid=None, extend=None):
         return {"ok": True, "lock": lock, "took_over": cur}
 
 
-def check(state, token, extend=None):
-    """The lock must still carry `token` (LockLost otherwise); its expiry moves to now + max(ttl, extend)."""
+def check(state, token, extend=None, renew=True, **progress):
+    """The lock must still carry `token` (LockLost otherwise); its expiry moves to now + max(ttl, extend).
+    `progress` (step: the step the run begins, out: the GPUs it holds out of the router) is recorded in the lock,
+    so that a run finding the lock of a run that died says where that run stopped (renew=False: the expiry
+    stays)."""
     with _Mutex(state):
         cur = read(state)
         if not cur or cur.get("token") != token:
             raise LockLost(token, cur)
         ttl = float(cur.get("ttl") or DEFAULT_TTL)
-        cur["expires_ts"] = time.time() + max(ttl, extend or 0)
+        if renew:
+            cur["expires_ts"] = time.time() + max(ttl, extend or 0)
+        for k, v in progress.items():
+            if v is not None:
+                cur[k] = v
+        if progress.get("step"):
+            cur["step_at"] = now_iso()
         _write(state, cur)
         return cur
+
+
+def interrupted(cur):
+    """What a lock taken over says about the run that held it, when that run died part-way through a change (it
+    had begun a step): {holder, command, started, step, step_at, out, token}; None otherwise."""
+    if not cur or not cur.get("step") or cur.get("step") == "done":
+        return None
+    return dict((k, cur.get(k)) for k in ("holder", "command", "started", "step", "step_at", "out", "token"))
 
 
 def release(state, token):

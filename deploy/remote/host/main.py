@@ -55,6 +55,7 @@ def handle(ctx):
                 if not got["ok"]:
                     raise Failure("locked", "host locked", holder=got["holder"])
                 acquired = lk["token"]
+                ctx.took_over = got.get("took_over")
             else:
                 locks.check(ctx.state, lk["token"], extend=ctx.deadline.left())
         elif ctx.deadline.end is not None:

@@ -45,6 +45,7 @@ class Context(object):
         self.stdin = stdin if stdin is not None else sys.stdin.buffer
         self.stdout = stdout if stdout is not None else sys.stdout
         self.lock = req.get("lock") or None
+        self.took_over = None          # the stale lock this call took over (the run that held it is dead)
         self.orphaned = False          # the client went away; the op carries on to its end
         self._out = threading.Lock()
         self._hb = None
@@ -64,9 +65,18 @@ class Context(object):
 
     def step(self, name, seconds=None):
         """Before a step of a mutating op: the lock must still be ours (locks.LockLost otherwise); its expiry
-        is moved past the step's own deadline."""
+        is moved past the step's own deadline and the step is recorded in it."""
         if self.lock:
-            locks.check(self.state, self.lock["token"], extend=(seconds or 0) + 60)
+            locks.check(self.state, self.lock["token"], extend=(seconds or 0) + 60, step=name)
+
+    def progress(self, **fields):
+        """Record where the run is in the host lock (out: the GPUs it holds out of the router). A lock lost meanwhile
+        is left to the next step's check: a batch half-way through still puts its GPUs back."""
+        if self.lock:
+            try:
+                locks.check(self.state, self.lock["token"], renew=False, **fields)
+            except locks.LockLost:
+                pass
 
     def heartbeat(self, every=envelope.HEARTBEAT):
         stop = threading.Event()

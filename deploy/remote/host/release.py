@@ -225,11 +225,28 @@ def probe(ctx, a):
             out["api_keys"][f] = "ok"
         except Unsafe as exc:
             out["api_keys"][f] = str(exc)
+    out["health"] = service_health(out["manifest"], out["units"])
+    out["router_view"] = router_view(out["manifest"])
     if a.get("facts") is not None:
         # coherence before change: the facts probe's own reading of the venv (distributions with their
         # requirements, native extensions against torch for the GPU archs), in this call, under its deadline
         from . import probe as facts_probe
         out["facts"] = facts_probe.probe(ctx, dict(a["facts"], venv=a["venv"]))
+    return out
+
+
+def service_health(man, units, timeout=2.0):
+    """{instance: "ok" or why not} for each enabled service of the active release whose unit is active: its
+    /health must answer 200 within `timeout` (a hung or stopped server does not: it is no healthy service, even
+    with its unit running)."""
+    out = {}
+    for i, ms in sorted(((man or {}).get("services") or {}).items()):
+        if not ms.get("enabled", True) or (units.get(i) or {}).get("ActiveState") != "active" or not ms.get("port"):
+            continue
+        code, raw = gatemod.http(int(ms["port"]), "GET", "/health", timeout=timeout,
+                                 address=ms.get("address") or "127.0.0.1")
+        out[i] = "ok" if code == 200 else ("/health HTTP %s" % code if code else
+                                           "/health: %s" % raw[:80].decode("utf-8", "replace"))
     return out
 
 
@@ -309,6 +326,7 @@ class Host(object):
         self.root, self.sdir, self.venv = a["root"], a["state_dir"], a["venv"]
         self.unit_dir = a.get("unit_dir") or "/etc/systemd/system"
         self.unit_file = a.get("unit_file") or "sglang-ddtree@.service"
+        self.out = set()   # the GPUs this run holds out of the router (recorded in the lock)
 
     def run(self, argv, step, timeout=600, check=True):
         r = run(argv, max(5.0, self.ctx.deadline.left(cap=timeout, floor=5)))
@@ -656,6 +674,8 @@ class Host(object):
             except RuntimeError as exc:  # the router cannot be asked: restarting now would cut requests
                 return dict((j, {"ok": False, "step": "drain", "detail": str(exc), "port": batch["gates"][j]["port"]})
                             for j in insts)
+            self.out.update(insts)
+            self.ctx.progress(out=sorted(self.out, key=lambda s: (len(s), s)))
             for i in insts:
                 self.ctx.event("drain", instance=i, **drained[i])
         results = self.restart_only(batch, keys)
@@ -669,7 +689,26 @@ class Host(object):
             results[i]["router"] = back
             if not back["ok"]:
                 results[i].update(ok=False, step="router", detail=back["detail"])
+            else:
+                self.out.discard(i)
+        if drain:
+            self.ctx.progress(out=sorted(self.out, key=lambda s: (len(s), s)))
         return results
+
+    def prune(self, spec, keep=()):
+        """Take out of the router (drained) every worker the release does not name; say so per worker. A router
+        that cannot be asked is a warning here (the restarts' own drain refuses to restart without it)."""
+        if not spec:
+            return []
+        try:
+            key = server_secrets.read_api_key(spec["api_key_file"]) if spec.get("api_key_file") else None
+            done = drainmod.prune(spec, keep, key)
+        except (RuntimeError, server_secrets.SecretsError, OSError) as exc:
+            self.ctx.event("note", message="prune-failed", detail=str(exc))
+            return []
+        for d in done:
+            self.ctx.event("stray", **d)
+        return done
 
     def restart_only(self, batch, keys):
         """Reset, restart the batch together (one systemctl), then gate each service with its address and key."""
@@ -736,6 +775,7 @@ class Host(object):
             size = max(1, int(spec.get("max_unavailable") or 1))
             batches = [self.batch(spec, restart[i:i + size]) for i in range(0, len(restart), size)]
             self.roll(batches, prev["release"], [])
+            self.prune(spec.get("drain"))  # e.g. the new url of a GPU whose port the failed release changed
         except GateFailed as exc:
             ok, detail = False, str(exc)
         except Exception as exc:
@@ -805,6 +845,15 @@ def apply(ctx, a):
     res = {"ok": True, "restarted": [], "gates": {}, "rolled_back": False, "previous": cur,
            "release": (a.get("activate") or {}).get("release") or cur}
     touched, began, lost = res["restarted"], False, False
+    if locks.interrupted(ctx.took_over):  # the lock of a run that died part-way: say so, journal its end
+        dead = locks.interrupted(ctx.took_over)
+        res["interrupted"] = dead
+        ctx.event("interrupted", **dead)
+        append_jsonl(os.path.join(h.sdir, "journal.jsonl"), dict(
+            event="interrupted", token=dead.get("token"), ok=False, time=now_iso(), by=dead.get("holder"),
+            command=dead.get("command"), error="the run died at step %r with %s out of the router; finished by %s" % (
+                dead.get("step"), ", ".join(dead.get("out") or []) or "no GPU",
+                journal.get("command") or "the next run")))
     try:
         gates = {}
         for b in a.get("batches") or []:
@@ -829,13 +878,21 @@ def apply(ctx, a):
         if a.get("router"):  # before any GPU restarts: the drain goes through it
             ctx.step("router", seconds=ROUTER_START + 30)
             res["router"] = h.router_up(a["router"])
+        batches = a.get("batches") or []
+        if a.get("prune"):  # workers nobody names (a port changed, a run died): out first, drained
+            ctx.step("prune", seconds=float(a["prune"].get("timeout") or 0) + 2 * drainmod.ROUTER_WAIT)
+            keep = [u for b in batches for u in ((b.get("drain") or {}).get("previous") or {}).values()]
+            keep += list(((a.get("stop") or {}).get("drain") or {}).get("workers", {}).values())
+            res["pruned_workers"] = h.prune(a["prune"], keep)
         if a.get("stop"):
             ctx.step("stop")
             h.stop(a["stop"]["argv"], a["stop"]["instances"], a["stop"])
-        batches = a.get("batches") or []
         if not batches:
             ctx.event("note", message="nothing-restarted")
         res["gates"] = h.roll(batches, res["release"], touched)
+        if a.get("prune"):
+            ctx.step("prune", seconds=float(a["prune"].get("timeout") or 0) + 2 * drainmod.ROUTER_WAIT)
+            res["pruned_workers"] = (res.get("pruned_workers") or []) + h.prune(a["prune"])
         ctx.step("done")  # a run whose lock was broken while it ran does not report success
     except locks.LockLost as exc:  # someone broke our lock: they own the host now; stop, touch nothing more
         res.update(ok=False, error=str(exc), lock_lost=True)
