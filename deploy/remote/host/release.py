@@ -190,8 +190,9 @@ def probe(ctx, a):
     tree-verify model's config.json (hybrid gate), the file-overlay guards, whether root may run the venv and
     the secrets files: the secrets env file and every API-key file the plan may restart with (those asked for and
     those of the manifests read), each "ok" or why the unit's start check would refuse it (never a key); with
-    `facts` (the facts probe's arguments), the venv's facts as facts.probe reads them (the deploy's coherence
-    preflight)."""
+    `listeners` (ports) and `model_dirs` (paths), who listens on each port and whether each path is a model
+    directory (fit.py); with `facts` (the facts probe's arguments), the venv's facts as facts.probe reads them
+    (the deploy's coherence preflight)."""
     out, _man, _insts = _state(ctx, a)
     out["configs"] = {}
     for m in a.get("models", []):
@@ -225,6 +226,11 @@ def probe(ctx, a):
             out["api_keys"][f] = "ok"
         except Unsafe as exc:
             out["api_keys"][f] = str(exc)
+    if a.get("listeners") is not None or a.get("model_dirs") is not None:
+        # what the plan checks the inventory against: who listens on its ports, are its model paths models
+        from . import fit
+        out["listeners"] = fit.listeners(a.get("listeners") or [])
+        out["model_dirs"] = dict((m, fit.model_dir(m)) for m in a.get("model_dirs") or [])
     if a.get("facts") is not None:
         # coherence before change: the facts probe's own reading of the venv (distributions with their
         # requirements, native extensions against torch for the GPU archs), in this call, under its deadline
