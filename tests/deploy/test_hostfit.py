@@ -137,3 +137,22 @@ def test_host_side_model_directory_check(tmp_path):
     assert fit.model_dir(str(m)) == "ok"
     assert fit.model_dir(str(m / "config.json")) == f"{m}/config.json: not a directory"
     assert fit.model_dir(str(tmp_path / "nope")) == f"{tmp_path}/nope: no such directory"
+
+
+def test_an_error_without_a_file_name_gets_the_path_it_failed_on():
+    """A write's ENOSPC names no file; inside fsutil.naming it names the path, and describe() adds the free space."""
+    import errno
+
+    import pytest
+
+    from deploy.remote.host.fsutil import describe, naming
+    with pytest.raises(OSError) as err:
+        with naming("/dev/full"), open("/dev/full", "wb") as fh:
+            fh.write(b"x")
+    assert err.value.errno == errno.ENOSPC and err.value.filename == "/dev/full"
+    assert describe(err.value).startswith("OSError: [Errno 28] No space left on device: '/dev/full' (")
+    assert describe(err.value).endswith(" free on the file system of /dev)")
+    with pytest.raises(FileNotFoundError) as err:  # an error that names its file keeps it
+        with naming("/elsewhere"):
+            open("/nonexistent/x")
+    assert err.value.filename == "/nonexistent/x" and describe(err.value).endswith("'/nonexistent/x'")
