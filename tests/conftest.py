@@ -34,6 +34,15 @@ def lab():
     return load_inventory(str(LAB_INVENTORY))
 
 
+@pytest.fixture(scope="module")
+def lab_as_built(lab):
+    """The lab as `fab lab.up` built it, whatever the user or an earlier test ran on it (tests/labstate.py), for a
+    module whose tests assert that state (ct200's torch +cu128 against ct129's +cu130, no drift, no plugin)."""
+    from labstate import as_built
+    as_built(lab)
+    return lab
+
+
 def run_fab(*args: str, inventory: str | Path = LAB_INVENTORY, timeout: int = 300, env: dict | None = None):
     """Run the real `fab` CLI from the repo root against an inventory; returns CompletedProcess."""
     e = dict(os.environ, DEPLOY_INVENTORY=str(inventory), COLUMNS="250")
