@@ -1,5 +1,6 @@
 """The deploy plan's checks of an inventory against its host (deploy/release/hostfit.py, pure) and what the host
-side reads for them (deploy/remote/host/fit.py), here on this machine's own /proc and files."""
+side reads for them (deploy/remote/host/fit.py), here on this machine's own /proc and files; and the host side's
+errors naming the path they failed on (fsutil.naming)."""
 from __future__ import annotations
 
 import dataclasses
