@@ -362,6 +362,14 @@ def previous_facts(inventory_path: str, host) -> dict | None:
     return None
 
 
-def is_fresh(facts: dict, max_age: float) -> bool:
-    """Gathered at most `max_age` seconds ago."""
-    return time.time() - datetime.fromisoformat(facts["gathered_at"]).timestamp() <= max_age
+def is_fresh(facts: dict, max_age: float, now: float | None = None) -> bool:
+    """Gathered at most `max_age` seconds ago. A time in the future (a clock set back, a copied or edited file)
+    or one that is not a time says nothing about the host now: stale."""
+    try:
+        at = datetime.fromisoformat(str(facts["gathered_at"]))
+    except (KeyError, TypeError, ValueError):
+        return False
+    if at.tzinfo is None:
+        return False  # what gather writes carries its zone; a naive time is not one of ours
+    age = (time.time() if now is None else now) - at.timestamp()
+    return 0 <= age <= max_age

@@ -200,6 +200,9 @@ class Service:
     concurrency: int | None = None  # the concurrent requests it is sized for (mode auto picks for it)
     auto: str | None = None  # set by `fab deploy` when the mode and budget came from `mode: auto`: why (bench)
     cuda_graphs: bool = True  # SGLang's decode CUDA graphs (tree-verify: where the plugin's adapter supports them)
+    # where each of its values came from, "file:line: key" (gpu, port, model, draft_model): what a plan-time
+    # refusal of that value names
+    where: dict = field(default_factory=dict, hash=False, compare=False)
 
     @property
     def instance(self) -> str:
@@ -216,6 +219,8 @@ class Host:
     vars: dict = field(hash=False, compare=False, default_factory=dict)
     services: tuple[Service, ...] = ()
     groups: tuple[str, ...] = ()
+    # where its host-level values came from, "file:line: key" (router.port, router.metrics_port)
+    where: dict = field(default_factory=dict, hash=False, compare=False)
 
     @property
     def venv(self) -> str:
@@ -420,7 +425,12 @@ def parse_inventory(doc, path: str) -> Inventory:
                         + [(groups_node[g].get("vars"), f"groups.{g}.vars") for g in reversed(list(groups_node))
                            if g in member_of and isinstance(groups_node[g], dict)] + [(doc.get("vars"), "vars")],
                         hline, hname)
-        services = _services(c, h, where, hname, gpus, resolved, hline)
+        origins = {}
+        for node, scope in [(doc.get("vars"), "vars")] + [
+                (groups_node[g].get("vars"), f"groups.{g}.vars") for g in groups_node
+                if g in member_of and isinstance(groups_node[g], dict)] + [(h.get("vars"), f"{where}.vars")]:
+            origins.update(_origins(path, node, scope))
+        services = _services(c, h, where, hname, gpus, resolved, hline, origins)
         router = resolved["router"]
         if router["enabled"]:
             taken = {s.port: f"GPU {s.gpu}" for s in services}
@@ -429,7 +439,9 @@ def parse_inventory(doc, path: str) -> Inventory:
                     c.err(hline, f"{where}.router.{key}", f"port {router[key]} is also used by {taken[router[key]]} "
                                                           f"on {hname}")
                 taken[router[key]] = f"router.{key}"
-        hosts[hname] = Host(hname, address, user, port, gpus, resolved, services, member_of)
+        hosts[hname] = Host(hname, address, user, port, gpus, resolved, services, member_of,
+                            {k: origins.get(k, f"{path}:{hline}: {where} (default {k})")
+                             for k in ("router.port", "router.metrics_port")})
 
     ref = doc.get("reference")
     if "reference" in doc and (not isinstance(ref, str) or ref not in hosts_node):
@@ -472,6 +484,26 @@ def _merged(resolved: dict, scope: dict) -> dict:
     return out
 
 
+# the values a plan checks against the host's facts (deploy/release/hostfit.py), whose origin each host keeps
+ORIGIN_KEYS = ("model", "draft_model", "base_port")
+
+
+def _origins(path: str, node, where: str) -> dict[str, str]:
+    """{key: "file:line: scope.key"} for the ORIGIN_KEYS and router ports a scope's `vars` sets."""
+    out = {}
+    if not isinstance(node, PosDict):
+        return out
+    for k in ORIGIN_KEYS:
+        if k in node:
+            out[k] = f"{path}:{node.line_of(k)}: {where}.{k}"
+    r = node.get("router")
+    if isinstance(r, PosDict):
+        for k in ("port", "metrics_port"):
+            if k in r:
+                out[f"router.{k}"] = f"{path}:{r.line_of(k)}: {where}.router.{k}"
+    return out
+
+
 def _vars(c: _Checker, node, where: str, line: int) -> dict:
     m = c.mapping(node, where, line)
     if m is None:
@@ -499,8 +531,16 @@ def _gpus(c: _Checker, h: PosDict, where: str) -> tuple[int, ...]:
     return ()
 
 
+def _gpu_lines(c: _Checker, h: PosDict, where: str) -> dict[int, str]:
+    """{gpu: "file:line: hosts.H.gpus"}: the line of each listed index (or of the count)."""
+    g, line = h.get("gpus", 0), h.line_of("gpus")
+    if isinstance(g, PosList):
+        return {x: f"{c.path}:{g.line_of(i)}: {where}.gpus" for i, x in enumerate(g) if isinstance(x, int)}
+    return {x: f"{c.path}:{line}: {where}.gpus" for x in range(g if isinstance(g, int) else 0)}
+
+
 def _services(c: _Checker, h: PosDict, where: str, hname: str, gpus, resolved: dict,
-              hline: int = 1) -> tuple[Service, ...]:
+              hline: int = 1, origins: dict | None = None) -> tuple[Service, ...]:
     snode = c.mapping(h.get("services"), f"{where}.services", h.line_of("services")) or PosDict()
     allowed = set(SERVICE_KEYS) | set(SERVICE_VARS)
     overrides: dict[int, dict] = {}
@@ -519,6 +559,10 @@ def _services(c: _Checker, h: PosDict, where: str, hname: str, gpus, resolved: d
         c.known(o, allowed, swhere)
         overrides[gpu] = c.typed(o, SERVICE_KEYS | {k: VARS[k] for k in SERVICE_VARS}, swhere)
         overrides[gpu]["_line"] = sline
+        overrides[gpu]["_where"] = {k: f"{c.path}:{o.line_of(k)}: {swhere}.{k}" for k in ("port", "model",
+                                                                                           "draft_model") if k in o}
+    origins = origins or {}
+    gpu_at = _gpu_lines(c, h, where)
     out, ports, auto_told = [], {}, False
     for gpu in gpus:
         o = overrides.get(gpu, {})
@@ -537,5 +581,20 @@ def _services(c: _Checker, h: PosDict, where: str, hname: str, gpus, resolved: d
         out.append(Service(hname, gpu, port, v.get("model"), v.get("draft_model"), v.get("served_model_name"),
                            v["mode"], v["budget"], v["block_size"], tuple(v["extra_args"]),
                            tuple(sorted((k, str(x)) for k, x in v["env"].items())), o.get("enabled", True),
-                           service_listen(resolved), v.get("concurrency"), cuda_graphs=v["cuda_graphs"]))
+                           service_listen(resolved), v.get("concurrency"), cuda_graphs=v["cuda_graphs"],
+                           where=_service_where(o, origins, gpu_at.get(gpu, f"{c.path}:{hline}: {where}"), gpu)))
     return tuple(out)
+
+
+def _service_where(o: dict, origins: dict, gpu_at: str, gpu: int) -> dict[str, str]:
+    """Where one service's gpu, port, model and draft_model were set: its own `services` entry, else the
+    most specific scope's vars (a port from base_port names base_port, or the GPU's line when it is the
+    default's)."""
+    own = o.get("_where") or {}
+    port = own.get("port") or (f"{origins['base_port']} + {gpu}" if "base_port" in origins else
+                               f"{gpu_at} (port: the default base_port + {gpu})")
+    out = {"gpu": gpu_at, "port": port}
+    for k in ("model", "draft_model"):
+        if k in own or k in origins:
+            out[k] = own.get(k) or origins[k]
+    return out

@@ -26,12 +26,25 @@ LAB_INVENTORY = lab_inventory_path()
 
 @pytest.fixture(scope="session")
 def lab():
-    """The running lab (booted if needed) as a loaded Inventory of inventory/lab.yaml."""
+    """The running lab (booted if needed) as a loaded Inventory of inventory/lab.yaml, put back as `fab lab.up`
+    built it whatever ran on it before the tests (tests/labstate.py: a provision, a deploy, a drift left behind)."""
     from deploy.inventory import load_inventory
     from deploy.lab import fleet
+    from labstate import as_built
 
     fleet.up(log=lambda *_: None)  # idempotent: boots only what is missing; raises if it cannot
-    return load_inventory(str(LAB_INVENTORY))
+    inv = load_inventory(str(LAB_INVENTORY))
+    as_built(inv)
+    return inv
+
+
+@pytest.fixture(scope="module")
+def lab_as_built(lab):
+    """The lab as `fab lab.up` built it again, whatever an earlier test module ran on it (tests/labstate.py), for a
+    module whose tests assert that state (ct200's torch +cu128 against ct129's +cu130, no drift, no plugin)."""
+    from labstate import as_built
+    as_built(lab)
+    return lab
 
 
 def run_fab(*args: str, inventory: str | Path = LAB_INVENTORY, timeout: int = 300, env: dict | None = None):

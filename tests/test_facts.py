@@ -171,3 +171,19 @@ def test_real_probe_output_from_the_h200():
     assert t["arch_list"] == ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120"]
     assert f["venv"]["abi"] == "cp312" and f["os"]["glibc"] == "2.39" and f["nvcc"] == "13.0"
     assert f["venv"]["distributions"]["torch"] == "2.11.0"  # metadata lacks the tag; version.py has it
+
+
+def test_cached_facts_dated_in_the_future_or_undated_are_stale():
+    """Issue 26: facts dated two days ahead were shown as fresh (age < 0 <= ttl). Only 0 <= age <= ttl is fresh."""
+    from datetime import datetime, timezone
+
+    from deploy.facts import is_fresh
+    now = 1_800_000_000.0
+
+    def at(seconds):
+        return {"gathered_at": datetime.fromtimestamp(now + seconds, timezone.utc).isoformat(timespec="seconds")}
+    assert is_fresh(at(-10), 600, now) and is_fresh(at(0), 600, now)
+    assert not is_fresh(at(-601), 600, now)
+    assert not is_fresh(at(2 * 86400), 600, now) and not is_fresh(at(1), 600, now)
+    assert not is_fresh({}, 600, now) and not is_fresh({"gathered_at": "yesterday"}, 600, now)
+    assert not is_fresh({"gathered_at": "2027-01-15T12:00:00"}, 10 ** 9, now)  # no zone: not what gather writes

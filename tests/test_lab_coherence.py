@@ -16,7 +16,8 @@ from deploy.lab.wheels import load_closure
 from deploy.remote.host import dists, elfsyms
 from deploy.ssh import open_checked
 
-pytestmark = pytest.mark.lab
+# the lab as lab.up built it (ct200 +cu128, no drift), whatever ran on it before: tests/labstate.py
+pytestmark = [pytest.mark.lab, pytest.mark.usefixtures("lab_as_built")]
 
 VENV = fleet.VENV
 CAPS_BOTH = {"sglang_versions": ["0.5.17", "0.5.23"]}

@@ -9,7 +9,8 @@ import pytest
 
 from deploy.lab import fleet
 
-pytestmark = pytest.mark.lab
+# the lab as lab.up built it (ct200 +cu128, no drift), whatever ran on it before: tests/labstate.py
+pytestmark = [pytest.mark.lab, pytest.mark.usefixtures("lab_as_built")]
 
 
 def test_inventory_shows_ct200_cu128_drift_against_ct129(lab, fab):

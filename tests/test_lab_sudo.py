@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.lab
+# ct200 as lab.up built it (+cu128), whatever ran on the lab before: tests/labstate.py
+pytestmark = [pytest.mark.lab, pytest.mark.usefixtures("lab_as_built")]
 
 
 @pytest.fixture

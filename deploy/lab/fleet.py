@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from packaging.utils import canonicalize_name
+from packaging.utils import canonicalize_name, parse_wheel_filename
 
 from . import gpuhost, persona
 from .wheels import build_lab_wheels, dist_info_dirname, find_meta, load_closure, write_dist_info
@@ -405,8 +405,11 @@ def _swap_sglang(site: Path, version: str) -> None:
 def set_drift(name: str, kind: str, log=print) -> str:
     """Apply a drift knob (DRIFTS) to a running lab host's managed venv; returns the previous kind.
 
-    sglang-kernel changes go through the venv's own pip (uninstall by RECORD, install the lab wheel);
-    sglang's metadata-only distribution is swapped in place."""
+    Every knob starts from the host as lab.up built it, whatever changed it since (`fab provision`, which copies
+    the reference's torch build onto ct200, a test, an operator): the lab-built distributions (torch of the host's
+    persona, triton, sglang-kernel) go back to their as-built versions through the venv's own pip (uninstall by
+    RECORD, install the lab wheel), except what the knob drifts; sglang's metadata-only distribution is swapped in
+    place."""
     if kind not in DRIFTS:
         raise LabError(f"unknown drift {kind!r}; one of: {', '.join(DRIFTS)}")
     h = _host(name)
@@ -416,22 +419,30 @@ def set_drift(name: str, kind: str, log=print) -> str:
     root = host_dir(h) / "root"
     site = _site_packages(root)
     kernel = "0.4.10" if kind == "sglang-kernel-0.4.10" else "0.4.5"
-    have = [d.name for d in site.glob("sglang_kernel-*.dist-info")]
-    if have != [dist_info_dirname("sglang-kernel", kernel)]:
-        whl = wheels[f"sglang-kernel-{kernel}"]
+    want = [wheels[f"torch-{h.torch_tag}"], wheels["triton"], wheels[f"sglang-kernel-{kernel}"]]
+    todo = []
+    for whl in want:
+        dist, version, _build, _tags = parse_wheel_filename(whl.name)
+        have = sorted(d.name for d in site.glob(f"{dist.replace('-', '_')}-*.dist-info"))
+        if have != [dist_info_dirname(dist, str(version))]:
+            todo.append(whl)
+    if todo:
         stage = root / "var/tmp/lab-drift"
         stage.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(whl, stage / whl.name)
+        for whl in todo:
+            shutil.copyfile(whl, stage / whl.name)
         p = _run(_ssh_argv(h, f"{VENV}/bin/pip install -q --no-index --no-deps --force-reinstall "
-                              f"--disable-pip-version-check /var/tmp/lab-drift/{whl.name}; rc=$?; "
-                              f"rm -rf /var/tmp/lab-drift; exit $rc"), check=False, timeout=120)
+                              "--disable-pip-version-check " + " ".join(f"/var/tmp/lab-drift/{w.name}" for w in todo)
+                              + "; rc=$?; rm -rf /var/tmp/lab-drift; exit $rc"), check=False, timeout=120)
         if p.returncode != 0:
-            raise LabError(f"{name}: installing sglang-kernel {kernel} failed: {p.stderr.strip()[-800:]}")
+            raise LabError(f"{name}: installing {', '.join(w.name for w in todo)} failed: "
+                           f"{p.stderr.strip()[-800:]}")
     sglang = kind.split("-", 1)[1] if kind.startswith("sglang-0.") else "0.5.17"
-    if not (site / dist_info_dirname("sglang", sglang)).is_dir():
+    if not (site / dist_info_dirname("sglang", sglang)).is_dir() or \
+            len(list(site.glob("sglang-*.dist-info"))) != 1:
         _swap_sglang(site, sglang)
     state.write_text(kind + "\n")
-    log(f"{name}: drift {before} -> {kind}")
+    log(f"{name}: drift {before} -> {kind}" + (f" (reinstalled {', '.join(w.name for w in todo)})" if todo else ""))
     return before
 
 

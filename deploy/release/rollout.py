@@ -26,7 +26,7 @@ from ..remote import commands
 from ..remote.client import AgentError, LinkLost, Remote
 from ..remote.client import lock_holder as holder  # noqa: F401 (rollout.holder: tests use it)
 from ..ssh import open_checked, run_per_host
-from . import build, hybrid, render
+from . import build, hostfit, hybrid, render
 from . import router as routermod
 
 PROBE_DEADLINE = 120.0
@@ -473,7 +473,7 @@ def plan_host(conn, host: Host, plugin: build.Plugin, overlays: list[dict], rele
     state = probe(remote, host, instances=[s.instance for s in host.services], models=models,
                   overlays=[{k: o[k] for k in ("package", "version", "path", "sha256", "new_sha256")}
                             for o in overlays],
-                  facts={"budget": factsmod.PROBE_BUDGET, "import_torch": False})
+                  facts={"budget": factsmod.PROBE_BUDGET, "import_torch": False}, **hostfit.probe_args(host))
     check_lock(host, state, opts.break_lock)
     return make_plan(host, plugin, overlays, release, opts, state, rendered)
 
@@ -511,6 +511,9 @@ def make_plan(host, plugin, overlays, release, opts, state, rendered: tuple | No
     manifest = build.make_manifest(release, host, plugin, overlays, files, svc, opts.command, params)
     p = HostPlan(host, release, state.get("current"), manifest, files, {}, [], probe=state)
     p.refused, p.warnings, p.coherence = coherence_preflight(host, state, plugin.capabilities)
+    fit_refused, fit_warnings = hostfit.refusals(host, state)  # GPUs, ports, model paths vs the host
+    p.refused += fit_refused
+    p.warnings += fit_warnings
     if state.get("venv_trust") not in (None, "ok"):
         p.refused.append(f"venv {host.vars['venv']}: root will not run it: {state['venv_trust']}")
     p.refused += secrets_refusals(state, [host.vars.get("api_key_file")])

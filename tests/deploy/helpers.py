@@ -4,10 +4,10 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import subprocess
 from pathlib import Path
 
 import yaml
+from labstate import CLEAN, ssh  # noqa: F401 (re-exported for the deploy tests)
 
 ROOT = Path(__file__).resolve().parents[2]
 from deploy.lab.fleet import lab_inventory_path  # noqa: E402
@@ -30,17 +30,6 @@ def lab_inventory(tmp: Path, name: str = "lab.yaml", hosts: dict | None = None, 
     path = Path(tmp) / name
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
     return path
-
-
-def ssh(inv, host: str, command: str, check: bool = True) -> subprocess.CompletedProcess:
-    """Run a shell command on a lab host with the lab's key and known_hosts (host keys verified)."""
-    h = inv.hosts[host]
-    argv = ["ssh", "-i", inv.ssh_path("identity_file"), "-o", f"UserKnownHostsFile={inv.ssh_path('known_hosts')}",
-            "-o", "StrictHostKeyChecking=yes", "-o", "BatchMode=yes", f"{h.user}@{h.address}", command]
-    r = subprocess.run(argv, capture_output=True, text=True, timeout=120)
-    if check and r.returncode != 0:
-        raise AssertionError(f"{host}: {command}: {r.stdout}{r.stderr}")
-    return r
 
 
 def write_model(inv, host: str, path: str, config: dict) -> None:
@@ -69,14 +58,6 @@ def secret_file(d: Path, name: str, text: str, mode: int = 0o600) -> str:
 
 def strip_ansi(s: str) -> str:
     return re.sub(r"\x1b\[[0-9;]*m", "", s)
-
-
-# Leaves a lab host with no sglang-ddtree services, releases or unit (the lab is shared by test modules).
-CLEAN = ("systemctl stop 'sglang-ddtree@*' sglang-router 2>/dev/null; "
-         "systemctl reset-failed 'sglang-ddtree@*' sglang-router 2>/dev/null; "
-         "rm -f /etc/systemd/system/sglang-router.service /etc/systemd/system/multi-user.target.wants/sglang-router*; "
-         "rm -rf /opt/ddtree /etc/systemd/system/sglang-ddtree@.service /etc/systemd/system/sglang-ddtree@*.service.d "
-         "/etc/systemd/system/multi-user.target.wants/sglang-ddtree@*; systemctl daemon-reload")
 
 
 def agent_call(inv, host: str, op: str, args: dict, **kw) -> dict:

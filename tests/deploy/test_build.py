@@ -126,8 +126,17 @@ def test_same_inputs_same_service_digests_and_changes_are_per_gpu(tmp_path):
     assert rollout.batches(list("abcde"), 2) == [["a", "b"], ["c", "d"], ["e"]]
 
 
-# What a plan's probe reads of a coherent SGLang 0.5.17 host (real captured metadata), and a plugin for it.
-COHERENT = probe_raw()
+def _gpus(raw: dict, n: int) -> dict:
+    """`raw` with its nvidia-smi GPU row as GPUs 0..n-1 (the seed's hosts have 8; the capture is a 1-GPU H200)."""
+    q = raw["nvidia_smi_query"]
+    head, row = q["out"].strip().splitlines()[:2]
+    rows = [", ".join([str(i)] + row.split(", ")[1:]) for i in range(n)]
+    return dict(raw, nvidia_smi_query=dict(q, out="\n".join([head] + rows) + "\n"))
+
+
+# What a plan's probe reads of a coherent SGLang 0.5.17 host (real captured metadata; as many GPUs as the seed's
+# ct200), and a plugin for it.
+COHERENT = _gpus(probe_raw(), 8)
 CAPS = {"sglang_versions": ["0.5.17"]}
 
 

@@ -4,6 +4,8 @@ Every write goes through a new file created with its final mode (O_EXCL, O_NOFOL
 every path the agent owns is checked with lstat (loader.check_path). Nothing here follows a symbolic link
 that another user could have planted.
 """
+import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -50,9 +52,39 @@ def write_json(path, obj, mode=0o644):
 def append_jsonl(path, entry, mode=0o644):
     """Append one JSON line under an exclusive flock (concurrent writers never interleave)."""
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, mode)
-    with os.fdopen(fd, "a") as fh:
+    with naming(path), os.fdopen(fd, "a") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         fh.write(json.dumps(entry, sort_keys=True, default=str) + "\n")
+
+
+@contextlib.contextmanager
+def naming(path):
+    """An OSError raised inside names `path` when it names no file: a write's, flush's or fsync's ENOSPC, EDQUOT
+    or EIO carries no file name of its own ("[Errno 28] No space left on device" alone says not where)."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is not None or not exc.errno:
+            raise
+        raise OSError(exc.errno, exc.strerror, path)
+
+
+def size_text(n):
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return ("%d %s" % (n, unit)) if unit == "B" else ("%.1f %s" % (n, unit))
+        n /= 1024.0
+
+
+def describe(exc):
+    """`Type: message` of an exception for an error reply; a full file system also says how much is free where
+    it failed (the path is in the message: naming())."""
+    text = "%s: %s" % (type(exc).__name__, exc)
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT) and exc.filename:
+        free = free_bytes(os.path.dirname(str(exc.filename)) or "/")
+        if free:
+            text += " (%s free on the file system of %s)" % (size_text(free["free"]), free["path"])
+    return text
 
 
 def tail_jsonl(path, n):

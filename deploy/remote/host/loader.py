@@ -107,6 +107,10 @@ def atomic_write(path, data, mode=0o600):
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
+    except OSError as exc:  # a write's ENOSPC names no file: say which
+        if exc.filename is None and exc.errno:
+            raise OSError(exc.errno, exc.strerror, path)
+        raise
     finally:
         if os.path.lexists(tmp):
             os.unlink(tmp)

@@ -11,7 +11,7 @@ import signal
 import sys
 
 from . import locks
-from .fsutil import Unsafe
+from .fsutil import Unsafe, describe
 from .registry import OPS, Context, Failure
 
 # Which module registers the ops of each area ("facts.probe" -> probe.py). Only the module of the op asked
@@ -76,7 +76,7 @@ def handle(ctx):
         reply = {"type": "error", "kind": "timeout", "error": str(exc)}
     except Exception as exc:  # reported with the host's name by the client; never a bare traceback
         import traceback
-        reply = {"type": "error", "kind": "exception", "error": "%s: %s" % (type(exc).__name__, exc),
+        reply = {"type": "error", "kind": "exception", "error": describe(exc),
                  "trace": traceback.format_exc()[-2000:]}
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)

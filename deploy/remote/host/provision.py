@@ -17,7 +17,8 @@ import time
 import zipfile
 
 from . import venv as venvmod
-from .fsutil import (Unsafe, check_path, open_private, private_dir, read_json, sha256_file, write_json)
+from .fsutil import (Unsafe, check_path, describe, naming, open_private, private_dir, read_json, sha256_file,
+                     write_json)
 from .proc import run
 from .registry import Failure, op
 from .wheels import (WheelError, check_wheel, checked_filename, checked_sha256, installed_pth, normalize,
@@ -204,8 +205,9 @@ def _receive_one(ctx, w, note):
                 break
             h.update(view[:n])
             w_ = 0
-            while w_ < n:
-                w_ += os.write(fd, view[w_:n])
+            with naming(part):
+                while w_ < n:
+                    w_ += os.write(fd, view[w_:n])
             got += n
             note(n)
     finally:
@@ -401,7 +403,7 @@ def apply(ctx, a):
                 if r["rc"] != 0:
                     failure = "smoke import failed (exit %s)" % r["rc"]
     except Exception as exc:  # restore below, whatever went wrong (a lost lock included)
-        failure = "%s: %s" % (type(exc).__name__, exc)
+        failure = describe(exc)
     if failure is None:
         manifest.update(status="applied", after=now)  # nothing installs between the version check and here
         write_json(os.path.join(bdir, "manifest.json"), manifest, mode=0o600)

@@ -36,8 +36,9 @@ from . import gate as gatemod
 from . import locks
 from . import server_secrets
 from . import venv as venvmod
-from .fsutil import (Unsafe, append_jsonl, atomic_write, check_path, now_iso, read_json, sha256_file, tail_jsonl,
-                     trusted_dir, trusted_tree, write_json)
+from .fsutil import (Unsafe, append_jsonl, atomic_write, check_path, describe, free_bytes, naming, now_iso, read_json,
+                     size_text, sha256_file, tail_jsonl, trusted_dir, trusted_tree,
+                     write_json)
 from .proc import run
 from .registry import Failure, op
 from .systemd import journal_lines, named_states, unit, unit_states
@@ -190,8 +191,9 @@ def probe(ctx, a):
     tree-verify model's config.json (hybrid gate), the file-overlay guards, whether root may run the venv and
     the secrets files: the secrets env file and every API-key file the plan may restart with (those asked for and
     those of the manifests read), each "ok" or why the unit's start check would refuse it (never a key); with
-    `facts` (the facts probe's arguments), the venv's facts as facts.probe reads them (the deploy's coherence
-    preflight)."""
+    `listeners` (ports) and `model_dirs` (paths), who listens on each port and whether each path is a model
+    directory (fit.py); with `facts` (the facts probe's arguments), the venv's facts as facts.probe reads them
+    (the deploy's coherence preflight)."""
     out, _man, _insts = _state(ctx, a)
     out["configs"] = {}
     for m in a.get("models", []):
@@ -227,6 +229,11 @@ def probe(ctx, a):
             out["api_keys"][f] = str(exc)
     out["health"] = service_health(out["manifest"], out["units"])
     out["router_view"] = router_view(out["manifest"])
+    if a.get("listeners") is not None or a.get("model_dirs") is not None:
+        # what the plan checks the inventory against: who listens on its ports, are its model paths models
+        from . import fit
+        out["listeners"] = fit.listeners(a.get("listeners") or [])
+        out["model_dirs"] = dict((m, fit.model_dir(m)) for m in a.get("model_dirs") or [])
     if a.get("facts") is not None:
         # coherence before change: the facts probe's own reading of the venv (distributions with their
         # requirements, native extensions against torch for the GPU archs), in this call, under its deadline
@@ -331,9 +338,18 @@ class Host(object):
     def run(self, argv, step, timeout=600, check=True):
         r = run(argv, max(5.0, self.ctx.deadline.left(cap=timeout, floor=5)))
         if check and r["rc"] != 0:
-            raise RuntimeError("%s: %s exited %s: %s" % (step, " ".join(argv[:4]), r["rc"],
-                                                         (r["out"] + r["err"]).strip()[-1500:]))
+            text = (r["out"] + r["err"]).strip()
+            raise RuntimeError("%s: %s exited %s: %s%s" % (step, " ".join(argv[:4]), r["rc"], text[-1500:],
+                                                           self.space_note(text)))
         return r
+
+    def space_note(self, text):
+        """A command that ran out of space (pip's own OSError names no file): how much is free where this run
+        writes (the venv, the releases)."""
+        if "No space left on device" not in text and "Disk quota exceeded" not in text:
+            return ""
+        free = [f for f in (free_bytes(p) for p in (self.venv, self.root)) if f]
+        return " (free: %s)" % ", ".join("%s on %s" % (size_text(f["free"]), f["path"]) for f in free)
 
     # ---- stage
 
@@ -366,7 +382,7 @@ class Host(object):
                     mode = ENV_MODE if rel.startswith("env/") else FILE_MODE
                     fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
                     os.fchmod(fd, mode)
-                    with os.fdopen(fd, "wb") as fh:
+                    with naming(dst), os.fdopen(fd, "wb") as fh:
                         shutil.copyfileobj(tar.extractfile(m), fh)
             man = read_json(os.path.join(tmp, "manifest.json"))
             if not isinstance(man, dict) or man.get("release") != rid:
@@ -487,7 +503,7 @@ class Host(object):
                     fn()
                 except Exception as uexc:  # keep undoing the rest; say what could not be undone
                     errors.append("%s: %s: %s" % (name, type(uexc).__name__, uexc))
-            raise ActivationFailed(target, step, "%s: %s" % (type(exc).__name__, exc), errors)
+            raise ActivationFailed(target, step, describe(exc), errors)
         return {"previous": prev, "current": target, "steps": done, "seconds": round(time.monotonic() - t0, 2)}
 
     def build_router_venv(self, rv, rid):
@@ -779,7 +795,7 @@ class Host(object):
         except GateFailed as exc:
             ok, detail = False, str(exc)
         except Exception as exc:
-            ok, detail = False, "%s: %s" % (type(exc).__name__, exc)
+            ok, detail = False, describe(exc)
         res = {"ok": ok, "release": prev["release"], "seconds": round(time.monotonic() - t0, 2), "detail": detail}
         self.ctx.event("rollback", phase="done", **res)
         return res
@@ -899,7 +915,7 @@ def apply(ctx, a):
         lost = True
     except Exception as exc:
         res.update(ok=False, error=str(exc) if isinstance(exc, (GateFailed, ActivationFailed, Failure))
-                   else "%s: %s" % (type(exc).__name__, exc))
+                   else describe(exc))
         if isinstance(exc, GateFailed):
             res["failed"] = exc.failed
         if isinstance(exc, Failure):
