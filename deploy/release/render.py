@@ -59,7 +59,7 @@ RESERVED_ENV = {"CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "SGLANG_ARGS", "SGL
                 contract.PLUGIN_ALLOWLIST_ENV, "PYTHONPATH", MODE_ENV, BUDGET_ENV} | {k for k, _d in CACHE_ENV}
 # Flags only a unit passes (what is served is the same as a transient bench/smoke server's of the same service):
 # the name the router and clients use, and the /metrics the drain and `fab status` read.
-UNIT_FLAGS = ("--served-model-name", "--enable-metrics")
+UNIT_FLAGS = {"--served-model-name": 1, "--enable-metrics": 0}  # flag -> how many values follow it
 
 
 class RenderError(ValueError):

@@ -89,6 +89,7 @@ from typing import Dict, Iterable, List, Optional, Sequence
 
 from . import contract
 from .contract import BUDGETED_MODES as BUDGETED, DFLASH, OVERLAP_ENV, PLAIN, TREE_VERIFY
+from .paired import name_run, report_section, run_label, section_line  # noqa: F401 (run_label: bench's name)
 from .hostload import LevelWatch, cpu_speeds, host_line, sched_cpu_ms, speed_line
 from .spy import format_summary, spy_argv, summarize
 from .servers import (Server, ServerSpec, cpu_list, free_port, get, gpu_device_problem, gpu_memory_mib, gpu_name,
@@ -172,21 +173,7 @@ class RunSpec:
 
     @property
     def label(self) -> str:
-        part = {PLAIN: PLAIN, DFLASH: f"{DFLASH} blk={self.block}"}.get(self.mode, f"{self.mode} B={self.budget}")
-        # only the overlap scheduler is named: a DDTREE server without the word ran the synchronous one (the
-        # plugin's default), so reports from before --overlap and after it pool under one name
-        return f"{part}{' overlap' if self.overlap else ''} graphs={'on' if self.graphs else 'off'}"
-
-
-def run_label(run: dict) -> str:
-    """A report's run by name, as tables, plots and :mod:`sglang_ddtree.paired` show it: with ``overlap`` where a
-    DDTREE server ran SGLang's overlap scheduler (what the server's /server_info said; where it said nothing, what
-    was asked)."""
-    ran = run.get("overlap_schedule")
-    if not isinstance(ran, bool):
-        ran = run.get("overlap")
-    return RunSpec(run["mode"], run.get("budget"), run.get("block"), bool(run.get("graphs")),
-                   True if (run["mode"] in BUDGETED and ran is True) else None).label
+        return name_run(self.mode, self.budget, self.block, self.graphs, self.overlap)
 
 
 def plan_runs(modes: Sequence[str], budgets: Sequence[int], graphs: str, block: int,
@@ -1289,7 +1276,6 @@ def main(argv=None) -> int:
         signal.signal(signal.SIGTERM, old)
         shutil.rmtree(workdir, ignore_errors=True)
     if (doc.get("settings") or {}).get("rounds", 1) > 1 and doc["runs"]:
-        from .paired import report_section
         doc["paired"] = report_section(doc)
     bad = validate_report(doc)
     if bad:  # a bug here, not the host's: say so rather than write a report the control side will refuse
@@ -1299,7 +1285,6 @@ def main(argv=None) -> int:
     if doc["runs"]:
         print(format_table(doc), flush=True)
         if doc.get("paired"):
-            from .paired import section_line
             print("paired by round (each ratio: two servers one right after the other):\n"
                   + "\n".join(section_line(r) for r in doc["paired"]), flush=True)
     if a.plot and any(r.get("levels") for r in doc["runs"]):

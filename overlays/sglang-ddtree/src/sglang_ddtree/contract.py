@@ -117,11 +117,16 @@ def budget_problem(budget) -> str | None:
     return None
 
 
+def tree_width(budget: int) -> int:
+    """D = B + 1: the tokens of a tree of ``budget`` nodes with its bonus root (tree-verify's verify width)."""
+    return budget + 1
+
+
 def draft_tokens(mode: str, budget: int | None, block: int | None) -> int | None:
-    """``--speculative-num-draft-tokens`` D: B + 1 in tree-verify, the DFlash block in the chain modes, None for
-    plain."""
+    """``--speculative-num-draft-tokens`` D: :func:`tree_width` in tree-verify, the DFlash block in the chain modes,
+    None for plain."""
     if mode == TREE_VERIFY:
-        return budget + 1
+        return tree_width(budget)
     return None if mode == PLAIN else block
 
 

@@ -37,6 +37,12 @@ from .hostload import group_pids, stat_fields
 
 MODES = contract.SERVER_MODES  # linear = dflash: SGLang's own DFLASH chain
 DEFAULT_BLOCK = 8  # the chain modes' DFlash block where a spec gives none
+# Flags only a transient server passes (flag -> how many values follow it): its pools, sized to share a GPU, token
+# ids in and out, no grammar, eager prefill. They size and feed the server; what it serves is the contract's, the
+# same as a deployed unit's (tests/test_contract.py compares the two for every mode).
+HARNESS_FLAGS = {"--skip-tokenizer-init": 0, "--grammar-backend": 1, "--cuda-graph-backend-prefill": 1,
+                 "--cuda-graph-max-bs-decode": 1, "--context-length": 1, "--max-running-requests": 1,
+                 "--mem-fraction-static": 1, "--max-total-tokens": 1, "--max-mamba-cache-size": 1}
 
 __all__ = [
     "MODES", "ServerSpec", "server_argv", "server_env", "gpu_device_problem", "shared_gpu_fraction", "lost_port_race",
