@@ -583,8 +583,8 @@ def choose(results: list[dict], *, host: str, plugin_digest: str | None, model: 
     tied = [r for r in at if r[3] >= best_tps * (1 - TIE)]
     pick = min(tied, key=lambda r: (SIMPLER[r[0]], r[1] or 0))
     rest = [r for r in at if r is not pick]
-    runner = (f"{rest[0][0]}" + (f" B={rest[0][1]}" if contract.is_ddtree(rest[0][0]) else "") + f" {rest[0][3]:.1f} tok/s"
-              if rest else None)
+    runner = (f"{rest[0][0]}" + (f" B={rest[0][1]}" if contract.is_ddtree(rest[0][0]) else "")
+              + f" {rest[0][3]:.1f} tok/s" if rest else None)
     return Choice(mode=pick[0], budget=pick[1], tok_s=pick[3], concurrency=level, wanted=concurrency,
                   source=source, plain_tok_s=plain.get(level), runner_up=runner, overlap=overlap)
 
@@ -643,6 +643,13 @@ def auto_services(hosts: list[Host], kept: dict, plugin_digest: str | None, grap
         notes[h.name] = told + [f"bench results not used: {p}" for p in problems[:3]]
         out.append(replace(h, services=tuple(svcs)))
     return out, refused, notes
+
+
+# ----------------------------------------------------------------------------- showing it
+def failure_line(error) -> str:
+    """A failed run's reason on one line: its first line and the last (the server log's, which says why)."""
+    lines = [ln.strip() for ln in str(error or "failed").splitlines() if ln.strip()] or ["failed"]
+    return (lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}")[:300]
 
 
 def run_label(run: dict) -> str:
