@@ -67,7 +67,8 @@ EXIT_OK, EXIT_FAILED, EXIT_CANNOT_RUN = 0, 1, 2
 PROBE_DEADLINE = 60.0
 MAX_RUNS, MAX_LEVELS, MAX_TEXT = 256, 64, 4000
 PROMPTS_MAX, PROMPT_TOKENS_MAX, PROMPTS_BYTES_MAX = 4096, 32768, 4 << 20
-DEFAULTS = {"modes": (contract.PLAIN, contract.DFLASH, contract.TREE_VERIFY), "budgets": (15, 31, 63), "concurrency": (1, 4, 16),
+DEFAULTS = {"modes": (contract.PLAIN, contract.DFLASH, contract.TREE_VERIFY), "budgets": (15, 31, 63),
+            "concurrency": (1, 4, 16),
             "graphs": "both", "max_new_tokens": 128, "num_prompts": 32, "prompt_len": 64, "seed": 0}
 
 

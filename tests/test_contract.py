@@ -294,7 +294,8 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
-@pytest.mark.parametrize("where, pkg", [("deploy", "deploy"), ("overlays/sglang-ddtree/src/sglang_ddtree", "sglang_ddtree")])
+@pytest.mark.parametrize("where, pkg", [("deploy", "deploy"),
+                                        ("overlays/sglang-ddtree/src/sglang_ddtree", "sglang_ddtree")])
 def test_no_import_cycle(where, pkg):
     found = cycles(import_graph(ROOT / where, pkg))
     assert not found, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in found)

@@ -222,7 +222,8 @@ class Server:
     """A transient server: a ``systemd-run`` unit (runtime-capped, stopped on exit)
     where systemd runs, else a process session killed as a group."""
 
-    ENV_KEEP = ("CUDA_DEVICE_ORDER", "CUDA_VISIBLE_DEVICES", "PYTHONUNBUFFERED", PLUGIN_ALLOWLIST_ENV, MODE_ENV, BUDGET_ENV,
+    ENV_KEEP = ("CUDA_DEVICE_ORDER", "CUDA_VISIBLE_DEVICES", "PYTHONUNBUFFERED", PLUGIN_ALLOWLIST_ENV, MODE_ENV,
+                BUDGET_ENV,
                 "PATH", "HOME", "SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK", "PYTHONPATH",
                 # the JIT caches (bench --cold-warm points them at a run's own directories)
                 "TRITON_CACHE_DIR", "FLASHINFER_WORKSPACE_BASE", "SGLANG_CACHE_DIR", "SGLANG_DG_CACHE_DIR",
