@@ -46,7 +46,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from . import modes, values
+from . import contract, values
 from . import smoke as smokemod
 from . import tools
 from .tools import report as benchreport
@@ -55,14 +55,14 @@ from .release import hybrid
 
 REPORT_SCHEMA = benchreport.SCHEMA  # what the tools' bench module writes (sglang_ddtree_tools/report.py)
 RESULT_SCHEMA = "ddtree-bench-result/1"  # what is kept here
-BENCH_MODES = benchreport.BENCH_MODES
+BENCH_MODES = contract.BENCH_MODES
 # --overlap: the scheduler the bench asks of each tree-verify server (the plugin's bench --overlap); "default":
 # none asked, the plugin's own (the synchronous scheduler)
 OVERLAP_CHOICES = ("default", "off", "on", "both")
-OVERLAP_ENV = "SGLANG_DDTREE_OVERLAP"  # the plugin's switch (sglang_ddtree.config.OVERLAP_ENV)
-OVERLAP_ON = ("1", "on", "true", "yes")  # what the plugin reads as asked (config.overlap_decision)
-DEPLOY_MODE = {"dflash": "linear", "shadow-linear": "shadow-linear", "tree-verify": "tree-verify"}
-SIMPLER = {"linear": 0, "shadow-linear": 1, "tree-verify": 2}  # the tie order
+OVERLAP_ENV = contract.OVERLAP_ENV  # the plugin's switch
+OVERLAP_ON = contract.OVERLAP_ON  # what the plugin reads as asked (config.overlap_decision)
+DEPLOY_MODE = {m: contract.deploy_name(m) for m in BENCH_MODES if contract.deploy_name(m) in contract.MODES}
+SIMPLER = {m: i for i, m in enumerate(contract.MODES)}  # the tie order
 TIE = 0.01
 RELEASE_RE = re.compile(r"\d{8}T\d{6}Z-[0-9a-f]{6}\Z")
 DIGEST_RE = re.compile(r"[0-9a-f]{64}\Z")
@@ -70,7 +70,8 @@ EXIT_OK, EXIT_FAILED, EXIT_CANNOT_RUN = 0, 1, 2
 PROBE_DEADLINE = 60.0
 MAX_TEXT = benchreport.MAX_TEXT
 PROMPTS_MAX, PROMPT_TOKENS_MAX, PROMPTS_BYTES_MAX = 4096, 32768, 4 << 20
-DEFAULTS = {"modes": ("plain", "dflash", "tree-verify"), "budgets": (15, 31, 63), "concurrency": (1, 4, 16),
+DEFAULTS = {"modes": (contract.PLAIN, contract.DFLASH, contract.TREE_VERIFY), "budgets": (15, 31, 63),
+            "concurrency": (1, 4, 16),
             "graphs": "both", "max_new_tokens": 128, "num_prompts": 32, "prompt_len": 64, "seed": 0}
 
 
@@ -107,7 +108,7 @@ def int_list(text, what: str, lo: int, hi: int, most: int = 16) -> tuple[int, ..
 def mode_list(text) -> tuple[str, ...]:
     out: list[str] = []
     for w in (x.strip() for x in str(text).split(",")):
-        m = "dflash" if w == "linear" else w
+        m = contract.bench_name(w)
         if not w:
             continue
         if m not in BENCH_MODES:
@@ -222,7 +223,7 @@ def plan_bench(host: Host, probe: dict, *, gpu: int | None = None, modes_: tuple
         raise BenchRefused(f"--rounds {rounds!r}: 1 to 20")
     if overlap not in OVERLAP_CHOICES:
         raise BenchRefused(f"--overlap {str(overlap)[:40]!r}: {', '.join(OVERLAP_CHOICES)}")
-    if overlap != "default" and "tree-verify" not in modes_:
+    if overlap != "default" and contract.TREE_VERIFY not in modes_:
         raise BenchRefused(f"--overlap {overlap}: it sets tree-verify's scheduler, and --modes has no tree-verify")
     if family is not None and family not in ("hybrid", "dense"):
         raise BenchRefused(f"--family {family!r}: hybrid or dense")
@@ -267,7 +268,7 @@ def plan_bench(host: Host, probe: dict, *, gpu: int | None = None, modes_: tuple
             raise BenchRefused(f"{host.name}: GPU {gpu} has no service with a model: pass --tiny to bench the tiny "
                                "pair")
         model, draft = svc.model, svc.draft_model
-        if draft is None and modes_ != ("plain",):
+        if draft is None and modes_ != (contract.PLAIN,):
             raise BenchRefused(f"{host.name}: {svc.instance} has no draft_model: only --modes plain can run")
     if svc is not None and svc.enabled:
         warnings.append(f"GPU {gpu} serves {svc.instance}: the bench servers share its memory and compute with the "
@@ -380,8 +381,8 @@ class Choice:
     overlap: bool = False  # measured (and deployed) on SGLang's overlap scheduler: the service's env asks it
 
     def note(self) -> str:
-        b = f" B={self.budget}" if self.mode != "linear" else ""
-        b += " on the overlap scheduler" if self.overlap and self.mode == "tree-verify" else ""
+        b = f" B={self.budget}" if contract.is_ddtree(self.mode) else ""
+        b += " on the overlap scheduler" if self.overlap and self.mode == contract.TREE_VERIFY else ""
         at = f"concurrency {self.concurrency}" + ("" if self.concurrency == self.wanted else
                                                   f" (nearest measured to {self.wanted})")
         s = f"{self.mode}{b}: {self.tok_s:.1f} tok/s at {at}, bench {self.source}"
@@ -403,7 +404,7 @@ def nearest_level(levels, wanted: int) -> int:
 def service_overlap(env) -> bool:
     """Whether a service asks the plugin for SGLang's overlap scheduler: its ``env`` (Service.env, (name, value)
     pairs) sets SGLANG_DDTREE_OVERLAP to what the plugin reads as yes."""
-    return any(k == OVERLAP_ENV and str(v).strip().lower() in OVERLAP_ON for k, v in env or ())
+    return any(k == OVERLAP_ENV and contract.overlap_asked(v) for k, v in env or ())
 
 
 def choose(results: list[dict], *, host: str, plugin_digest: str | None, model: str | None,
@@ -429,15 +430,15 @@ def choose(results: list[dict], *, host: str, plugin_digest: str | None, model: 
         for lv in run["levels"]:
             if lv["errors"] or lv["requests"] == 0:
                 continue
-            if run["mode"] == "plain":
+            if run["mode"] == contract.PLAIN:
                 plain[lv["concurrency"]] = max(plain.get(lv["concurrency"], 0.0), lv["output_tok_s"])
                 continue
             mode = DEPLOY_MODE[run["mode"]]
             if run["graphs"] != graphs_for(mode):
                 continue
-            if mode in ("linear", "shadow-linear") and run["block"] != block_size:
+            if mode != contract.TREE_VERIFY and run["block"] != block_size:  # the chain modes' width
                 continue
-            if mode == "tree-verify" and ran_overlap(run) != overlap:  # measured on another scheduler
+            if mode == contract.TREE_VERIFY and ran_overlap(run) != overlap:  # measured on another scheduler
                 continue
             rows.append((mode, run["budget"], lv["concurrency"], lv["output_tok_s"]))
     if not rows:
@@ -450,43 +451,58 @@ def choose(results: list[dict], *, host: str, plugin_digest: str | None, model: 
     tied = [r for r in at if r[3] >= best_tps * (1 - TIE)]
     pick = min(tied, key=lambda r: (SIMPLER[r[0]], r[1] or 0))
     rest = [r for r in at if r is not pick]
-    runner = (f"{rest[0][0]}" + (f" B={rest[0][1]}" if rest[0][0] != "linear" else "") + f" {rest[0][3]:.1f} tok/s"
-              if rest else None)
+    runner = (f"{rest[0][0]}" + (f" B={rest[0][1]}" if contract.is_ddtree(rest[0][0]) else "")
+              + f" {rest[0][3]:.1f} tok/s" if rest else None)
     return Choice(mode=pick[0], budget=pick[1], tok_s=pick[3], concurrency=level, wanted=concurrency,
                   source=source, plain_tok_s=plain.get(level), runner_up=runner, overlap=overlap)
 
 
 def resolve_auto(inventory_path: str, hosts: list[Host], plugin_digest: str | None, graphs_for,
                  results_by_host: dict | None = None) -> tuple[list[Host], dict[str, list[str]], dict[str, list[str]]]:
-    """Hosts with every `mode: auto` service given its chosen mode and budget (Service.auto says why); the hosts
-    that could not be resolved ({host: refusals}) are left out; notes per host for the plan's output."""
+    """:func:`auto_services` with the results kept next to the inventory (:func:`load_results`) for every host
+    with a `mode: auto` service that `results_by_host` ({host: results}) does not give."""
+    kept = {}
+    for h in hosts:
+        if any(s.mode == contract.AUTO for s in h.services):
+            kept[h.name] = ((results_by_host[h.name], []) if results_by_host is not None and h.name in results_by_host
+                            else load_results(inventory_path, h.name))
+    return auto_services(hosts, kept, plugin_digest, graphs_for)
+
+
+def auto_services(hosts: list[Host], kept: dict, plugin_digest: str | None, graphs_for
+                  ) -> tuple[list[Host], dict[str, list[str]], dict[str, list[str]]]:
+    """Hosts with every `mode: auto` service given its chosen mode and budget (Service.auto says why), from
+    `kept` ({host: (results, problems reading them)}): a pure function. The choice is checked as a mode written
+    in the inventory is (a deployable mode, the budget within the contract's bounds). Returns the resolved hosts;
+    the hosts that could not be resolved ({host: refusals}), left out; notes per host for the plan's output."""
     out, refused, notes = [], {}, {}
     for h in hosts:
-        autos = [s for s in h.services if s.mode == modes.AUTO and s.enabled]
-        disabled = [s for s in h.services if s.mode == modes.AUTO and not s.enabled]
+        autos = [s for s in h.services if s.mode == contract.AUTO and s.enabled]
+        disabled = [s for s in h.services if s.mode == contract.AUTO and not s.enabled]
         if not autos and not disabled:
             out.append(h)
             continue
-        if results_by_host is not None and h.name in results_by_host:
-            results, problems = results_by_host[h.name], []
-        else:
-            results, problems = load_results(inventory_path, h.name)
+        results, problems = kept.get(h.name, ([], []))
         svcs, bad, told = [], [], []
         for s in h.services:
-            if s.mode != modes.AUTO:
+            if s.mode != contract.AUTO:
                 svcs.append(s)
                 continue
             try:
                 c = choose(results, host=h.name, plugin_digest=plugin_digest, model=s.model,
                            draft_model=s.draft_model, concurrency=s.concurrency or 1, block_size=s.block_size,
                            graphs_for=lambda m, s=s: graphs_for(s, m), overlap=service_overlap(s.env))
+                budget = c.budget if c.budget is not None else s.budget
+                if c.mode not in contract.MODES:
+                    raise NoChoice(f"the bench chose mode {c.mode!r}, not one of {', '.join(contract.MODES)}")
+                if contract.is_ddtree(c.mode) and (problem := contract.budget_problem(budget)):
+                    raise NoChoice(f"the bench chose {c.mode} B={budget!r}: the budget {problem}")
             except ValueError as exc:  # NoChoice, or a service the deploy could not render (its message)
                 if s.enabled:
                     bad.append(f"{s.instance}: mode auto: {exc}")
                     continue
-                svcs.append(replace(s, mode=modes.MODES[0], auto="disabled: not resolved"))
+                svcs.append(replace(s, mode=contract.MODES[0], auto="disabled: not resolved"))
                 continue
-            budget = c.budget if c.budget is not None else s.budget
             svcs.append(replace(s, mode=c.mode, budget=budget, auto=c.note()))
             told.append(f"{s.instance}: mode auto -> {c.note()}")
         if bad:
@@ -640,7 +656,7 @@ def run(inv: Inventory, host: Host, on_plan=None, dry_run: bool = False, **kw) -
     """Plan and run the benchmark on `host`: {plan, result, exit, line, record, saved} (plan None when refused
     or unreachable); a checked report is kept (save_result) even when some of its runs failed. `dry_run`: the
     read-only probe and the plan only (with the host's command line), nothing started."""
-    from .release.rollout import host_args
+    from .release.layout import host_args
     from .remote.client import Remote
     from .ssh import run_per_host
 

@@ -1,23 +1,16 @@
 """Speculative decoding modes the toolkit deploys, and the ranges of their parameters.
 
-One place for these so that inventory validation, unit rendering and the CLI agree.
+The modes, their SGLang algorithms, the linear = dflash alias, the plugin's environment names, the node budget's
+bounds and D = B + 1 are the plugin's contract (deploy.contract, the plugin's sglang_ddtree/contract.py, read by
+the control side, the host agent and the plugin alike); this module re-exports what the inventory and the CLI use
+and adds the toolkit's own ranges and defaults.
 """
 from __future__ import annotations
 
-# linear: SGLang's builtin DFLASH (one chain per step).
-# shadow-linear: DDTree builds the tree and reports what it would have accepted, but commits
-#                through the chain verifier (safe to run on any model).
-# tree-verify: DDTree verifies the whole tree in one target pass.
-MODES = ("linear", "shadow-linear", "tree-verify")
-# auto (inventory only): `fab deploy` gives the service the mode and budget that `fab bench` measured fastest on
-# its host, for the plugin being deployed and the service's model, at the service's `concurrency` (deploy/bench.py).
-AUTO = "auto"
-INVENTORY_MODES = MODES + (AUTO,)
-CONCURRENCY_MIN, CONCURRENCY_MAX = 1, 4096
+from .contract import AUTO, BUDGET_MAX, BUDGET_MIN, INVENTORY_MODES, MODES, TREE_VERIFY  # noqa: F401
 
-# DDTree node budget B (the tree has B nodes plus the bonus token: D = B + 1 draft tokens).
-BUDGET_MIN, BUDGET_MAX = 1, 512
+CONCURRENCY_MIN, CONCURRENCY_MAX = 1, 4096
 # DFlash block size (draft tokens per block) used by the drafter in every mode.
 BLOCK_SIZE_MIN, BLOCK_SIZE_MAX = 2, 64
 
-DEFAULTS = {"mode": "tree-verify", "budget": 64, "block_size": 16}
+DEFAULTS = {"mode": TREE_VERIFY, "budget": 64, "block_size": 16}

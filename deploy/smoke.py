@@ -15,10 +15,11 @@ from __future__ import annotations
 import secrets
 from dataclasses import asdict, dataclass
 
+from . import contract
 from .inventory import Host, Inventory
 from .release import hybrid
 
-SMOKE_MODES = ("tree-verify", "shadow-linear", "linear", "plain")
+SMOKE_MODES = contract.SMOKE_MODES
 MAX_SMOKE_BUDGET = 63  # a smoke test proves the path, not the production budget's speed
 EXIT_OK, EXIT_FAILED, EXIT_CANNOT_RUN = 0, 1, 2
 PROBE_DEADLINE = 60.0
@@ -72,7 +73,7 @@ def plan_smoke(host: Host, probe: dict, gpu: int | None = None, mode: str | None
     """The smoke run for `host` from its inventory entry and a `release.probe` result. Raises SmokeRefused."""
     gpu, svc = gpu_and_service(host, gpu, SmokeRefused, "pass --gpu and --mode")
     configured = svc.mode if svc else None
-    if configured == "auto":  # what the last deploy chose for it (mode auto is resolved at deploy from bench)
+    if configured == contract.AUTO:  # what the last deploy chose for it (mode auto is resolved at deploy from bench)
         man = probe.get("manifest") if isinstance(probe.get("manifest"), dict) else {}
         configured = ((man.get("services") or {}).get(svc.instance) or {}).get("mode")
         if not (mode or configured):
@@ -95,7 +96,7 @@ def plan_smoke(host: Host, probe: dict, gpu: int | None = None, mode: str | None
         why = hybrid.hybrid_reason(got["config"])
         family, reason = ("hybrid", f"{svc.model}: {why}") if why else ("dense", f"{svc.model}: no recurrent layers")
     b = budget if budget is not None else (svc.budget if svc else 15)
-    b = max(1, min(int(b), MAX_SMOKE_BUDGET))
+    b = max(contract.BUDGET_MIN, min(int(b), MAX_SMOKE_BUDGET))
     return SmokePlan(host=host.name, gpu=gpu, instance=svc.instance if svc else None, mode=mode, family=family,
                      family_reason=reason, budget=b, release=probe["current"], venv=host.vars["venv"],
                      user=host.vars["service_user"], prompts=int(prompts), tokens=int(tokens),
@@ -125,7 +126,7 @@ def outcome(res: dict) -> tuple[int, str]:
 def run(inv: Inventory, host: Host, gpu: int | None = None, mode: str | None = None, budget: int | None = None,
         prompts: int = 8, tokens: int = 32, deadline: float = 900.0, on_plan=None) -> dict:
     """Plan and run the smoke test on `host`: {plan, result, exit, line} (plan None when refused or unreachable)."""
-    from .release.rollout import host_args
+    from .release.layout import host_args
     from .remote.client import Remote
     from .ssh import run_per_host
 

@@ -22,7 +22,7 @@ from paramiko.ssh_exception import (AuthenticationException, BadHostKeyException
                                     SSHException)
 
 from .inventory import Host, Inventory
-from .remote.client import AgentError
+from .remote.errors import AgentError, LinkLost
 
 
 class HostError(RuntimeError):
@@ -204,7 +204,6 @@ def openssh_handshake_cut(returncode: int | None, stderr: str) -> bool:
 def retry_cut_streams(inv: Inventory, host: Host, attempt: Callable[[], Any]) -> Any:
     """retry_cut for an OpenSSH stream: a LinkLost whose stream sshd cut in its handshake (nothing ran on the host,
     no byte moved) is made again."""
-    from .remote.client import LinkLost
     return retry_cut(inv, host, attempt, lambda e: "OpenSSH: " + e.message.splitlines()[-1][-160:]
                      if isinstance(e, LinkLost) and e.handshake_cut else None)
 

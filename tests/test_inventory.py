@@ -5,6 +5,7 @@ import textwrap
 
 import pytest
 
+from deploy.contract import BUDGET_MAX
 from deploy.inventory import InventoryError, load_inventory
 
 GOOD = """\
@@ -66,7 +67,7 @@ def test_repo_inventories_load():
 @pytest.mark.parametrize("text,line,needle", [
     (GOOD.replace("    gpus: 2\n", "    gpus: 2\n    colour: red\n"), 15, "hosts.a.colour: unknown key"),
     (GOOD.replace("budget: 16", "budget: many"), 6, "vars.budget: must be an integer"),
-    (GOOD.replace("budget: 16", "budget: 100000"), 6, "vars.budget: must be an integer in [1, 512]"),
+    (GOOD.replace("budget: 16", "budget: 100000"), 6, f"vars.budget: must be an integer in [1, {BUDGET_MAX}]"),
     (GOOD.replace("mode: tree-verify", "mode: tree"), 5, "vars.mode: must be one of"),
     (GOOD.replace("reference: a", "reference: zz"), 2, "reference: 'zz' is not one of the listed hosts"),
     (GOOD.replace("gpus: [0, 1, 3]", "gpus: [0, 1, 1]"), 17, "GPU index 1 is listed twice"),

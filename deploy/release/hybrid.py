@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import re
 
+from .. import contract
+
 RECURRENT_LAYER_RE = re.compile(r"mamba|linear[_-]?attention|gated[_-]?delta|gdn|ssm|recurrent|rwkv|deltanet", re.I)
 HYBRID_MODEL_TYPES = {"qwen3_next", "qwen3_5", "qwen3_5_moe", "jamba", "nemotron_h", "falcon_h1", "granitemoehybrid",
                       "zamba", "zamba2", "bamba", "mamba", "mamba2", "lfm2", "plamo2", "minimax", "minimax_m1",
@@ -41,7 +43,7 @@ def hybrid_reason(config: dict) -> str | None:
 
 def decide(mode: str, reason: str | None, capabilities: dict, allow_unsafe: bool) -> tuple[str, str]:
     """('ok'|'unsafe'|'refuse', message) for one service."""
-    if mode != "tree-verify" or reason is None:
+    if mode != contract.TREE_VERIFY or reason is None:
         return "ok", ""
     if capabilities.get(CAPABILITY) is True:
         return "ok", f"hybrid model ({reason}); the plugin declares {CAPABILITY}"
@@ -57,6 +59,6 @@ def decide(mode: str, reason: str | None, capabilities: dict, allow_unsafe: bool
 def mode_supported(mode: str, capabilities: dict) -> bool:
     """A DDTree mode must be listed in the plugin's declared modes, when it declares any."""
     modes = capabilities.get("modes")
-    if mode == "linear" or not isinstance(modes, list):
+    if mode == contract.LINEAR or not isinstance(modes, list):
         return True
     return mode in modes

@@ -4,12 +4,12 @@ Nothing here touches the network or the host. Every command is an argv list; the
 `<launcher> $SGLANG_ARGS` and the per-GPU EnvironmentFile carries SGLANG_ARGS, so `service_argv()` is
 exactly the argv systemd will run (tests feed it to SGLang 0.5.23's own parser).
 
-The DDTree plugin's contract (overlays/sglang-ddtree/src/sglang_ddtree/plugin.py, names from its
-capabilities.json): the algorithm is `DDTREE`; the mode (tree-verify | shadow-linear) is the environment
-variable SGLANG_DDTREE_MODE and the node budget B is SGLANG_DDTREE_BUDGET. In tree-verify the verify width
-`--speculative-num-draft-tokens` is D = B + 1 (bonus + B nodes, must agree with the budget variable) and
-decode CUDA graphs are off; in shadow-linear D stays the DFlash block size. The plugin is allow-listed with
-SGLANG_PLUGINS. Tests run the rendered argv + env through SGLang's parser and the plugin's own resolver.
+What a service's SGLang server is given (its algorithm, verify width, attention backend, page size, the plugin's
+mode and budget variables) comes from the plugin's contract (deploy.contract, the plugin's
+sglang_ddtree/contract.py): `contract.sglang_args` and `contract.sglang_env` are the one builder of a server,
+shared with the plugin's transient smoke and bench servers. This module adds what only a unit has: the served
+model name, metrics, the inventory's extra_args and env, the JIT caches. Tests run the rendered argv + env through
+SGLang's parser and the plugin's own resolver.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import jinja2
 
-from .. import values
+from .. import contract, values
 from ..inventory import Host, Service
 
 REPO = Path(__file__).resolve().parents[2]
@@ -39,10 +39,10 @@ GPU_DROPIN = "50-ddtree-gpu.conf"
 NVIDIA_SHARED_DEVICES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
 
 # --- the plugin's contract (see module docstring) ---
-PLUGIN_NAME = "ddtree"            # entry-point name in group sglang.srt.plugins, allow-listed by SGLANG_PLUGINS
-MODE_ENV = "SGLANG_DDTREE_MODE"   # tree-verify | shadow-linear
-BUDGET_ENV = "SGLANG_DDTREE_BUDGET"  # the node budget B
-ALGORITHM = {"linear": "DFLASH", "shadow-linear": "DDTREE", "tree-verify": "DDTREE"}
+PLUGIN_NAME = contract.PLUGIN_NAME
+MODE_ENV = contract.MODE_ENV
+BUDGET_ENV = contract.BUDGET_ENV
+ALGORITHM = {m: contract.algorithm(m) for m in contract.MODES}
 
 SECRET_KEY_RE = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|CREDENTIAL|PRIVATE_KEY)", re.I)
 # JIT caches: under the unit's CacheDirectory (/var/cache/sglang-ddtree/gpuN, kept by systemd across restarts),
@@ -56,7 +56,10 @@ CACHE_ENV = (("TRITON_CACHE_DIR", "triton"), ("FLASHINFER_WORKSPACE_BASE", "flas
              ("SGLANG_CACHE_DIR", "sglang"), ("SGLANG_DG_CACHE_DIR", "deep_gemm"),
              ("TORCHINDUCTOR_CACHE_DIR", "inductor"))
 RESERVED_ENV = {"CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "SGLANG_ARGS", "SGLANG_HOST", "SGLANG_PORT",
-                "SGLANG_PLUGINS", "PYTHONPATH", MODE_ENV, BUDGET_ENV} | {k for k, _d in CACHE_ENV}
+                contract.PLUGIN_ALLOWLIST_ENV, "PYTHONPATH", MODE_ENV, BUDGET_ENV} | {k for k, _d in CACHE_ENV}
+# Flags only a unit passes (what is served is the same as a transient bench/smoke server's of the same service):
+# the name the router and clients use, and the /metrics the drain and `fab status` read.
+UNIT_FLAGS = {"--served-model-name": 1, "--enable-metrics": 0}  # flag -> how many values follow it
 
 
 class RenderError(ValueError):
@@ -94,23 +97,22 @@ def server_args(svc: Service) -> list[str]:
     where = f"{svc.host} gpu{svc.gpu}"
     if not svc.model:
         raise RenderError(f"{where}: no model path (set vars.model in the inventory)")
-    args = ["--model-path", svc.model]
+    if not svc.draft_model:
+        raise RenderError(f"{where}: mode {svc.mode} needs a draft model (vars.draft_model)")
+    if svc.mode not in contract.MODES:
+        raise RenderError(f"{where}: mode {svc.mode!r} is not one of {', '.join(contract.MODES)}")
+    if contract.is_ddtree(svc.mode) and (problem := contract.budget_problem(svc.budget)):
+        raise RenderError(f"{where}: budget {problem}")
+    # The contract's server (contract.sglang_args). Decode CUDA graphs in tree-verify: the plugin's SGLang 0.5.17
+    # adapter captures the target's verify graph with the tree mask (it ran so on an H200); with other versions it
+    # refuses graphs, and the plan refuses the host first (coherence.tree_graph_refusal) unless the service says
+    # cuda_graphs: false.
+    args = contract.sglang_args(svc.mode, svc.model, svc.draft_model, budget=svc.budget, block=svc.block_size,
+                                host=svc.listen, port=svc.port, decode_graphs=svc.cuda_graphs)
     if svc.served_model_name:
         args += ["--served-model-name", svc.served_model_name]
     # --enable-metrics: SGLang's Prometheus /metrics, which the drain and `fab status` read
-    args += ["--host", svc.listen, "--port", str(svc.port), "--enable-metrics"]
-    if not svc.draft_model:
-        raise RenderError(f"{where}: mode {svc.mode} needs a draft model (vars.draft_model)")
-    args += ["--speculative-algorithm", ALGORITHM[svc.mode], "--speculative-draft-model-path", svc.draft_model,
-             "--speculative-dflash-block-size", str(svc.block_size)]
-    if svc.mode == "tree-verify":
-        # D = B + 1 verify tokens. The plugin's SGLang 0.5.17 adapter captures the target's verify graph with the
-        # tree mask (it ran so on an H200); with other versions it refuses graphs, and the plan refuses the host
-        # first (coherence.tree_graph_refusal) unless the service says cuda_graphs: false.
-        args += ["--speculative-num-draft-tokens", str(svc.budget + 1)]
-    if not svc.cuda_graphs:
-        args += ["--cuda-graph-backend-decode", "disabled"]
-    # shadow-linear commits through the DFlash chain: D stays the block size; B travels in the budget env.
+    args += ["--enable-metrics"]
     for a in svc.extra_args:  # no secrets, no flag the deploy tool sets (the inventory loader says file:line)
         if problem := values.extra_arg(a):
             raise RenderError(f"{where}: extra_args: {problem}")
@@ -144,7 +146,7 @@ def plugin_contract(caps: dict | None) -> dict:
     """Names the plugin declares in its capabilities.json, with the defaults above where it declares none."""
     caps = caps or {}
     return {"plugin": (caps.get("entry_point") or {}).get("name") or PLUGIN_NAME,
-            "allowlist_env": caps.get("plugin_allowlist_env") or "SGLANG_PLUGINS",
+            "allowlist_env": caps.get("plugin_allowlist_env") or contract.PLUGIN_ALLOWLIST_ENV,
             "mode_env": caps.get("mode_env") or MODE_ENV, "budget_env": caps.get("budget_env") or BUDGET_ENV}
 
 
@@ -161,15 +163,18 @@ def service_env(svc: Service, caps: dict | None = None, cache_key: str | None = 
     `cache_key` (the payload digest) names the JIT cache folder."""
     where = f"{svc.host} gpu{svc.gpu}"
     c = plugin_contract(caps)
-    # PCI_BUS_ID: CUDA numbers GPUs as nvidia-smi does, so index N is /dev/nvidiaN (the unit's device drop-in)
-    env = [("CUDA_DEVICE_ORDER", "PCI_BUS_ID"), ("CUDA_VISIBLE_DEVICES", str(svc.gpu)),
-           ("SGLANG_HOST", svc.listen), ("SGLANG_PORT", str(svc.port)), ("SGLANG_ARGS", " ".join(server_args(svc)))]
+    # the contract's environment (contract.sglang_env: the GPU, as nvidia-smi numbers it so index N is /dev/nvidiaN
+    # of the unit's device drop-in, then DDTREE's allow-list, mode and budget), under the names the wheel declares
+    named = {contract.PLUGIN_ALLOWLIST_ENV: c["allowlist_env"], contract.MODE_ENV: c["mode_env"],
+             contract.BUDGET_ENV: c["budget_env"]}
+    base = contract.sglang_env(svc.mode, svc.budget, svc.gpu)
+    env = base[:2] + [("SGLANG_HOST", svc.listen), ("SGLANG_PORT", str(svc.port)),
+                      ("SGLANG_ARGS", " ".join(server_args(svc)))]
     if cache_key:
         env += cache_dirs(svc, cache_key)
-    if svc.mode != "linear":
-        env += [(c["allowlist_env"], c["plugin"]), (c["mode_env"], svc.mode)]
-        if c["budget_env"]:
-            env.append((c["budget_env"], str(svc.budget)))
+    for k, v in base[2:]:
+        if named.get(k, k):
+            env.append((named.get(k, k), c["plugin"] if k == contract.PLUGIN_ALLOWLIST_ENV else v))
     reserved = RESERVED_ENV | {c["allowlist_env"], c["mode_env"]} | ({c["budget_env"]} if c["budget_env"] else set())
     for k, v in svc.env:
         if values.env_key(k):

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from .. import contract
 from .. import facts as factsmod
 from ..inventory import Host, Inventory
 from ..remote import commands
@@ -28,6 +29,7 @@ from ..remote.client import lock_holder as holder  # noqa: F401 (rollout.holder:
 from ..ssh import open_checked, run_per_host
 from . import build, hostfit, hybrid, render
 from . import router as routermod
+from .layout import host_args  # noqa: F401 (rollout.host_args: callers and tests use it)
 
 PROBE_DEADLINE = 120.0
 SILENCE = 45.0          # heartbeats come every 10 s: this long without a word means the link is gone
@@ -36,11 +38,6 @@ SYSTEMCTL_RESET = commands.systemctl("reset-failed")
 SYSTEMCTL_STOP = commands.systemctl("stop")
 NO_DRAIN_WARNING = ("WARNING --no-drain: GPUs restart WITHOUT draining them out of the router: requests in flight on "
                     "a restarting GPU are cut")
-
-
-def host_args(host: Host) -> dict:
-    return {"root": host.vars["release_root"], "state_dir": render.state_dir(host), "venv": host.vars["venv"],
-            "secrets_file": render.SECRETS_FILE}
 
 
 def batches(items: list, size: int) -> list[list]:
@@ -469,7 +466,7 @@ def plan_host(conn, host: Host, plugin: build.Plugin, overlays: list[dict], rele
               rendered: tuple | None = None) -> HostPlan:
     """Read the host (no lock) and plan it (`rendered`: its build.host_files, when already made)."""
     remote = Remote(conn, host.name)
-    models = sorted({s.model for s in host.services if s.mode == "tree-verify" and s.enabled and s.model})
+    models = sorted({s.model for s in host.services if s.mode == contract.TREE_VERIFY and s.enabled and s.model})
     state = probe(remote, host, instances=[s.instance for s in host.services], models=models,
                   overlays=[{k: o[k] for k in ("package", "version", "path", "sha256", "new_sha256")}
                             for o in overlays],
@@ -491,7 +488,7 @@ def coherence_preflight(host: Host, state: dict, caps: dict) -> tuple[list[str],
     facts = factsmod.build_facts(host.name, raw)
     refused, warnings = coherence.deploy_refusals(facts.get("venv"), caps)
     refused += coherence.tree_graph_refusal(facts.get("venv"), caps,
-                                            [s for s in host.services if s.enabled and s.mode == "tree-verify"
+                                            [s for s in host.services if s.enabled and s.mode == contract.TREE_VERIFY
                                              and render.decode_cuda_graphs(s)])
     summary = {"refused": refused, "warnings": warnings, "pip_check": (facts.get("coherence") or {}).get("pip_check"),
                "sglang": (facts.get("packages") or {}).get("sglang"),
@@ -526,7 +523,7 @@ def make_plan(host, plugin, overlays, release, opts, state, rendered: tuple | No
         if not hybrid.mode_supported(s.mode, plugin.capabilities):
             p.refused.append(f"{s.instance}: the plugin declares modes {plugin.capabilities.get('modes')}, "
                              f"not {s.mode}")
-        if s.mode != "tree-verify":
+        if s.mode != contract.TREE_VERIFY:
             continue
         c = state["configs"].get(s.model, {})
         if "error" in c:

@@ -22,7 +22,9 @@ import uuid
 from pathlib import Path
 from typing import Callable
 
+from ..ssh import openssh_handshake_cut
 from . import zipapp
+from .errors import AgentError, LinkLost  # noqa: F401 (the client's errors: callers catch them from here)
 from .host import envelope
 
 ROOT_STATE = "/var/lib/ddtree"     # root-owned, 0700: the zipapp, the host lock, provision's staging and backups
@@ -30,23 +32,7 @@ USER_STATE = "~/.cache/ddtree"     # the SSH user's own, 0700: for the read-only
 REPLY_MARGIN = 2.0                 # the agent's own deadline ends this much before the client's
 
 
-class AgentError(RuntimeError):
-    """A failed agent call, with a short kind ('timeout', 'link-lost', 'locked', 'unsafe', 'sudo', ...)."""
-
-    def __init__(self, kind: str, message: str, reply: dict | None = None):
-        super().__init__(f"{kind}: {message}" if kind not in message[:len(kind) + 2] else message)
-        self.kind, self.message, self.reply = kind, message, reply or {}
-
-
-class LinkLost(AgentError):
-    """The link died. `handshake_cut`: OpenSSH's `ssh` said sshd ended the connection during its handshake, before
-    anything ran on the host or a byte moved (ssh.openssh_handshake_cut): a new stream may be made at once."""
-
-    handshake_cut = False
-
-
 def _lost(reason: str, returncode: int | None, err: str, moved: int) -> LinkLost:
-    from ..ssh import openssh_handshake_cut
     exc = LinkLost("link-lost", reason + ": " + err.strip()[-600:])
     exc.handshake_cut = moved == 0 and openssh_handshake_cut(returncode, err)
     return exc

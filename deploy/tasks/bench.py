@@ -44,7 +44,8 @@ def bench(c, host, gpu=None, modes=None, budgets=None, concurrency=None, graphs=
     try:
         kw = {"gpu": None if gpu in (None, "") else int(gpu),
               "modes_": lib.mode_list(modes) if modes else d["modes"],
-              "budgets": lib.int_list(budgets, "--budgets", 1, 1023) if budgets else d["budgets"],
+              "budgets": (lib.int_list(budgets, "--budgets", lib.contract.BUDGET_MIN, lib.contract.BUDGET_MAX)
+                          if budgets else d["budgets"]),
               "concurrency": lib.int_list(concurrency, "--concurrency", 1, 1024) if concurrency else d["concurrency"],
               "graphs": graphs or d["graphs"], "tiny": bool(tiny), "family": family or None,
               "max_new_tokens": int(tokens) if tokens else d["max_new_tokens"],

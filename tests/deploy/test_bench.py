@@ -468,6 +468,28 @@ def test_resolve_auto_gives_the_service_its_mode_or_refuses_the_host(tmp_path):
     assert hosts == [] and "plugin source cdcdcdcdcdcd" in refused["h"][0]
 
 
+def test_auto_choice_is_pure_and_checked_as_a_written_mode(tmp_path):
+    """auto_services decides from the results it is given (no file read) and refuses a choice the inventory would
+    refuse if it were written there: a budget outside the contract's bounds."""
+    from deploy import contract
+    inv = inventory(tmp_path)
+    h = inv.hosts["h"]
+    gf = lambda svc, mode: render.decode_cuda_graphs(svc.__class__(**{**svc.__dict__, "mode": mode}))  # noqa: E731
+    too_big = contract.BUDGET_MAX + 1
+    rec = record(report([("tree-verify", 63, None, True, [(1, 900), (4, 900), (16, 900)]),
+                         ("tree-verify", 15, None, True, [(1, 100), (4, 100), (16, 100)])]))
+    with pytest.raises(bench.BadReport, match="budget must be an integer"):  # a report cannot carry it ...
+        record(report([("tree-verify", too_big, None, True, [(1, 900)])]))
+    rec["report"]["runs"][0]["budget"] = too_big  # ... and a result handed in whole is checked again
+    hosts, refused, _ = bench.auto_services([h], {"h": ([rec], [])}, DIGEST, gf)
+    assert hosts == [] and f"tree-verify B={too_big}: the budget must be an integer in [1, {contract.BUDGET_MAX}]" \
+        in refused["h"][0]
+    ok = record(report([("tree-verify", 15, None, True, [(1, 100), (4, 100), (16, 100)])]))
+    hosts, refused, _ = bench.auto_services([h], {"h": ([ok], [])}, DIGEST, gf)
+    assert refused == {} and (hosts[0].services[1].mode, hosts[0].services[1].budget) == ("tree-verify", 15)
+    assert not list(tmp_path.glob("**/bench/**/*.json"))  # nothing was read or kept on disk
+
+
 def test_render_says_which_modes_run_decode_graphs(tmp_path):
     s = inventory(tmp_path).hosts["h"].services[0]
     rep = lambda **kw: s.__class__(**{**s.__dict__, **kw})  # noqa: E731

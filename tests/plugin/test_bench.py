@@ -92,8 +92,10 @@ def test_server_argv_of_each_run_parses_with_sglangs_real_parser(graphs):
         assert decode_off is (not graphs)
         if graphs:
             assert ns.cuda_graph_max_bs_decode == 16
-        want = {"plain": (None, None), "dflash": ("DFLASH", 16), "tree-verify": ("DDTREE", 32)}[run.mode]
-        assert (ns.speculative_algorithm, ns.speculative_num_draft_tokens) == want
+        want = {"plain": (None, None, None), "dflash": ("DFLASH", None, 16),
+                "tree-verify": ("DDTREE", 32, 16)}[run.mode]
+        # the chain's width is its block; tree-verify is given the block too, as a deployed unit is
+        assert (ns.speculative_algorithm, ns.speculative_num_draft_tokens, ns.speculative_dflash_block_size) == want
         env = servers.server_env(spec, 2, base={"PATH": "/bin"})
         assert env["CUDA_VISIBLE_DEVICES"] == "2"
         assert env.get("SGLANG_DDTREE_BUDGET") == ("31" if run.mode == "tree-verify" else None)
@@ -503,7 +505,8 @@ def test_a_whole_run_on_stand_in_servers_one_at_a_time(tmp_path, monkeypatch, ca
     assert len(argvs) == 6 and all(x[x.index("--chunked-prefill-size") + 1] == "256" for x in argvs)
     tv = argvs[2]
     assert tv[tv.index("--speculative-num-draft-tokens") + 1] == "8" and "--skip-tokenizer-init" in tv
-    assert argvs[1][argvs[1].index("--speculative-num-draft-tokens") + 1] == "4"  # the drafter's own block
+    assert argvs[1][argvs[1].index("--speculative-dflash-block-size") + 1] == "4"  # the drafter's own block
+    assert tv[tv.index("--speculative-dflash-block-size") + 1] == "4"  # tree-verify's drafter too
     assert "tree-verify B=7 graphs=on" in table and "FAILED" in table and "dflash blk=4 graphs=off" in table
     assert ("FAILED tree-verify B=7 graphs=on: RuntimeError: server exited during start-up: ... ValueError: DDTREE "
             "tree-verify needs --cuda-graph-backend-decode disabled") in table  # the server's own reason

@@ -56,7 +56,8 @@ def test_server_argv_parses_with_sglangs_real_parser(mode):
     assert (ns.max_total_tokens, ns.max_mamba_cache_size) == (65536, 48)
     want = {"plain": None, "dflash": ("DFLASH", 8), "linear": ("DFLASH", 8), "shadow-linear": ("DDTREE", 8),
             "tree-verify": ("DDTREE", 32)}[mode]
-    got = None if ns.speculative_algorithm is None else (ns.speculative_algorithm, ns.speculative_num_draft_tokens)
+    width = ns.speculative_num_draft_tokens if mode == "tree-verify" else ns.speculative_dflash_block_size
+    got = None if ns.speculative_algorithm is None else (ns.speculative_algorithm, width)
     assert got == want
     env = smoke.server_env(spec, 3, base={"PATH": "/bin", "SGLANG_DDTREE_BUDGET": "99"})
     assert env["CUDA_VISIBLE_DEVICES"] == "3"

@@ -12,12 +12,13 @@ again: the module's command line is built from them, never from a string.
 import json
 import re
 
+from . import contract
 from .registry import Failure, op
 from .smoke import TOOLS_MODULE, USER_RE, run_transient
 
 PREFIX_RE = re.compile(r"ddtree-bench-[0-9a-f]{8,32}\Z")
 CPUS_RE = re.compile(r"[0-9]{1,4}(-[0-9]{1,4})?(,[0-9]{1,4}(-[0-9]{1,4})?){0,63}\Z")  # 0-3,8 (AllowedCPUs=)
-MODES = ("plain", "dflash", "tree-verify", "shadow-linear")
+MODES = contract.BENCH_MODES
 FAMILIES = ("hybrid", "dense")
 PATH_RE = re.compile(r"/(?:[A-Za-z0-9_.+@=-]+/)*[A-Za-z0-9_.+@=-]+\Z")
 # one --server-args word: deploy/values.py's ARG_RE (no whitespace, quotes, '\\', '#', '$', '%', ';'), so that the
@@ -51,7 +52,7 @@ def check_args(a):
     _int(a, "gpu", 0, 63)
     if not (isinstance(a.get("modes"), list) and a["modes"] and all(m in MODES for m in a["modes"])):
         raise Failure("bad-args", "modes must be a list of %s" % (MODES,))
-    _ints(a, "budgets", 1, 1023, 16)
+    _ints(a, "budgets", contract.BUDGET_MIN, contract.BUDGET_MAX, 16)
     _ints(a, "concurrency", 1, 1024, 16)
     if a.get("graphs") not in ("on", "off", "both"):
         raise Failure("bad-args", "graphs must be on, off or both")
@@ -81,7 +82,7 @@ def check_args(a):
         _path(a.get("model"), "model")
         if a.get("draft_model") is not None:
             _path(a["draft_model"], "draft_model")
-        elif a["modes"] != ["plain"]:
+        elif a["modes"] != [contract.PLAIN]:
             raise Failure("bad-args", "every mode but plain needs draft_model")
     ps = a.get("prompts")
     if ps is not None:

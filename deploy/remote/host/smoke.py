@@ -19,13 +19,13 @@ import re
 import shutil
 import tempfile
 
-from . import proc
+from . import contract, proc
 from . import venv as venvmod
 from . import wheels
 from .fsutil import Unsafe
 from .registry import Failure, op
 
-MODES = ("tree-verify", "shadow-linear", "linear", "plain")
+MODES = contract.SMOKE_MODES
 FAMILIES = ("hybrid", "dense")
 USER_RE = re.compile(r"[a-z_][a-z0-9_-]{0,31}\Z")
 PREFIX_RE = re.compile(r"ddtree-smoke-[0-9a-f]{8,32}\Z")
@@ -51,7 +51,7 @@ def _check(a):
         raise Failure("bad-args", "gpu must be an integer index")
     if a.get("mode") not in MODES or a.get("family") not in FAMILIES:
         raise Failure("bad-args", "mode must be one of %s and family one of %s" % (MODES, FAMILIES))
-    for k, lo, hi in (("budget", 1, 1023), ("prompts", 1, 256), ("tokens", 1, 1024)):
+    for k, lo, hi in (("budget", contract.BUDGET_MIN, contract.BUDGET_MAX), ("prompts", 1, 256), ("tokens", 1, 1024)):
         if not (isinstance(a.get(k), int) and lo <= a[k] <= hi):
             raise Failure("bad-args", "%s must be an integer in [%d, %d]" % (k, lo, hi))
     if a.get("user") is not None and not USER_RE.match(a["user"]):

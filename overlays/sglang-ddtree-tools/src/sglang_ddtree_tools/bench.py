@@ -87,12 +87,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence
 
-from sglang_ddtree.config import OVERLAP_ENV
+from sglang_ddtree import contract
+from sglang_ddtree.contract import BUDGETED_MODES as BUDGETED, DFLASH, OVERLAP_ENV, PLAIN, TREE_VERIFY
 from .hostload import LevelWatch, cpu_speeds, host_line, sched_cpu_ms, speed_line
 from .spy import format_summary, spy_argv, summarize
 from .servers import (Server, ServerSpec, cpu_list, free_port, get, gpu_device_problem, gpu_memory_mib, gpu_name,
                       map_concurrent, parse_cpus, server_argv, server_env, server_mem_fraction, wait_healthy)
-from .report import (BENCH_MODES, BUDGETED, MODE_ALIASES, SCHEMA, failure_summary, run_label,  # noqa: F401
+from .paired import report_section, section_line
+from .report import (BENCH_MODES, BUDGETED, MODE_ALIASES, SCHEMA, failure_summary, name_run, run_label,  # noqa: F401
                      validate_report)
 
 GRAPHS = {"on": (True,), "off": (False,), "both": (False, True)}
@@ -166,16 +168,11 @@ class RunSpec:
 
     @property
     def draft_tokens(self) -> Optional[int]:
-        if self.mode == "plain":
-            return None
-        return self.budget + 1 if self.mode == "tree-verify" else self.block
+        return contract.draft_tokens(self.mode, self.budget, self.block)
 
     @property
     def label(self) -> str:
-        part = {"plain": "plain", "dflash": f"dflash blk={self.block}"}.get(self.mode, f"{self.mode} B={self.budget}")
-        # only the overlap scheduler is named: a DDTREE server without the word ran the synchronous one (the
-        # plugin's default), so reports from before --overlap and after it pool under one name
-        return f"{part}{' overlap' if self.overlap else ''} graphs={'on' if self.graphs else 'off'}"
+        return name_run(self.mode, self.budget, self.block, self.graphs, self.overlap)
 
 
 def plan_runs(modes: Sequence[str], budgets: Sequence[int], graphs: str, block: int,
@@ -189,12 +186,12 @@ def plan_runs(modes: Sequence[str], budgets: Sequence[int], graphs: str, block: 
     runs = []
     for g in GRAPHS[graphs]:
         for m in modes:
-            if m == "tree-verify":
-                runs += [RunSpec(m, b, None, g, ov) for b in budgets for ov in OVERLAP_CHOICES[overlap]]
+            if m == TREE_VERIFY:  # the drafter's block too: the server is given it, as a deployed unit is
+                runs += [RunSpec(m, b, block, g, ov) for b in budgets for ov in OVERLAP_CHOICES[overlap]]
             elif m in BUDGETED:
                 runs += [RunSpec(m, b, block, g) for b in budgets]
             else:
-                runs.append(RunSpec(m, None, block if m == "dflash" else None, g))
+                runs.append(RunSpec(m, None, block if m == DFLASH else None, g))
     return runs
 
 
@@ -334,8 +331,8 @@ def plan_sizing(prompts: Sequence[Sequence[int]], max_new: int, concurrency: Seq
 def spec_for(run: RunSpec, target: str, drafter: Optional[str], sizing: Sizing, mem_fraction: Optional[float],
              extra: Sequence[str] = ()) -> ServerSpec:
     """The server of one run (pools from ``sizing``; graphs captured up to the largest concurrency)."""
-    return ServerSpec(mode=run.mode, target=target, drafter=drafter if run.mode != "plain" else None,
-                      budget=run.budget if run.budget is not None else 15, block=run.block or 8,
+    return ServerSpec(mode=run.mode, target=target, drafter=drafter if run.mode != PLAIN else None,
+                      budget=run.budget if run.budget is not None else 15, block=run.block,
                       mem_fraction=mem_fraction, max_running=sizing.max_running,
                       max_total_tokens=sizing.max_total_tokens, max_mamba_cache=sizing.max_mamba_cache,
                       context_length=sizing.context_length, cuda_graph=run.graphs,
@@ -997,7 +994,7 @@ def parse_args(argv=None):
     a = ap.parse_args(argv)
     try:
         a.modes = parse_modes(a.modes)
-        a.budgets = parse_int_list(a.budgets, "--budgets", 1, 1023)
+        a.budgets = parse_int_list(a.budgets, "--budgets", contract.BUDGET_MIN, contract.BUDGET_MAX)
         a.concurrency = parse_int_list(a.concurrency, "--concurrency", 1, 1024)
         shlex.split(a.server_args or "")
     except ValueError as e:
@@ -1005,8 +1002,8 @@ def parse_args(argv=None):
     given = sum(bool(x) for x in (a.model, a.tiny, a.tiny_random, a.tiny_train))
     if given != 1:
         ap.error("give exactly one of --model, --tiny DIR, --tiny-random, --tiny-train")
-    if a.model and a.draft_model is None and a.modes != ["plain"]:
-        ap.error("--draft-model is needed by " + ", ".join(m for m in a.modes if m != "plain"))
+    if a.model and a.draft_model is None and a.modes != [PLAIN]:
+        ap.error("--draft-model is needed by " + ", ".join(m for m in a.modes if m != PLAIN))
     for k in ("num_prompts", "prompt_len", "max_new_tokens"):
         if getattr(a, k) < 1:
             ap.error(f"--{k.replace('_', '-')} must be at least 1")
@@ -1172,7 +1169,6 @@ def main(argv=None) -> int:
         signal.signal(signal.SIGTERM, old)
         shutil.rmtree(workdir, ignore_errors=True)
     if (doc.get("settings") or {}).get("rounds", 1) > 1 and doc["runs"]:
-        from .paired import report_section
         doc["paired"] = report_section(doc)
     bad = validate_report(doc)
     if bad:  # a bug here, not the host's: say so rather than write a report the control side will refuse
@@ -1182,7 +1178,6 @@ def main(argv=None) -> int:
     if doc["runs"]:
         print(format_table(doc), flush=True)
         if doc.get("paired"):
-            from .paired import section_line
             print("paired by round (each ratio: two servers one right after the other):\n"
                   + "\n".join(section_line(r) for r in doc["paired"]), flush=True)
     if a.plot and any(r.get("levels") for r in doc["runs"]):

@@ -7,7 +7,7 @@ ran one right after the other (``bench --rounds``), and their ratio is one paire
 reports (several calls, machines or days) pool; each report's rounds are paired only within that report, and
 reports pool only under the same conditions (target, prompts, tokens, requests, server arguments, server CPUs and
 the plugin's SGLANG_DDTREE_* switches as the report recorded them, but the scheduler's: a DDTREE run is named by the
-scheduler its server ran, ``bench.run_label``): other conditions are other rows.
+scheduler its server ran, :func:`run_label`): other conditions are other rows.
 
 For each (run, peer, concurrency): every round's ratio, their median, a distribution-free 95% interval of that
 median (order statistics of the sign test: with n pairs, the k-th smallest and k-th largest ratio, k the largest
@@ -30,7 +30,8 @@ import math
 import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from sglang_ddtree.config import OVERLAP_ENV
+from sglang_ddtree import contract  # noqa: F401
+from sglang_ddtree.contract import DFLASH, OVERLAP_ENV, PLAIN
 
 LEVEL = 0.95
 
@@ -112,7 +113,7 @@ def median_interval(xs: Sequence[float], level: float = LEVEL) -> Optional[Tuple
 def conditions(doc: dict) -> Dict[str, object]:
     """What must be the same for two reports' rounds to pool (as the report recorded it)."""
     s = doc.get("settings") or {}
-    # the scheduler a DDTREE server ran is in its name (bench.run_label), whether a switch here or --overlap asked
+    # the scheduler a DDTREE server ran is in its name (run_label), whether a switch here or --overlap asked
     # for it: reports that set it either way pool
     env = {k: v for k, v in (s.get("ddtree_env") or {}).items() if k != OVERLAP_ENV}
     return {"target": (doc.get("model") or {}).get("target"), "max_new_tokens": s.get("max_new_tokens"),
@@ -131,7 +132,7 @@ def conditions_text(cond: Dict[str, object]) -> str:
     return ", ".join(parts) or "defaults"
 
 
-def pairs(docs: Sequence[dict], peer: str = "dflash") -> List[dict]:
+def pairs(docs: Sequence[dict], peer: str = DFLASH) -> List[dict]:
     """Every run that is not `peer`, against the report's first `peer` run with the same graphs setting, per
     concurrency: the paired rounds of every report under the same conditions pooled (a run is known by its
     label)."""
@@ -194,7 +195,7 @@ def pairs(docs: Sequence[dict], peer: str = "dflash") -> List[dict]:
     return out
 
 
-PEERS = ("dflash", "plain")
+PEERS = (DFLASH, PLAIN)
 
 
 def report_section(doc: dict) -> List[dict]:
@@ -248,7 +249,7 @@ def format_pairs(rows: Sequence[dict]) -> str:
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m sglang_ddtree_tools.paired", description=__doc__.split("\n\n")[0])
     ap.add_argument("reports", nargs="+", help="bench JSON reports (schema ddtree-bench/1)")
-    ap.add_argument("--peer", default="dflash", help="the mode every other run is compared with (default dflash)")
+    ap.add_argument("--peer", default=DFLASH, help="the mode every other run is compared with (default dflash)")
     ap.add_argument("--json", action="store_true", help="print the comparisons as JSON")
     a = ap.parse_args(argv)
     docs = []

@@ -18,10 +18,21 @@ from __future__ import annotations
 import math
 from typing import List, Optional
 
+try:  # on a host: the serving plugin these tools depend on
+    from sglang_ddtree import contract
+except ImportError:  # the control side loads this file by path from a checkout: the contract beside it there
+    import importlib.util as _util
+    import os as _os
+    _spec = _util.spec_from_file_location("sglang_ddtree_contract", _os.path.join(
+        _os.path.dirname(_os.path.abspath(__file__)), "..", "..", "..", "sglang-ddtree", "src", "sglang_ddtree",
+        "contract.py"))
+    contract = _util.module_from_spec(_spec)
+    _spec.loader.exec_module(contract)
+
 SCHEMA = "ddtree-bench/1"
-BENCH_MODES = ("plain", "dflash", "tree-verify", "shadow-linear")
-MODE_ALIASES = {"linear": "dflash"}
-BUDGETED = ("tree-verify", "shadow-linear")
+BENCH_MODES = contract.BENCH_MODES
+MODE_ALIASES = contract.ALIASES
+BUDGETED = contract.BUDGETED_MODES
 MAX_RUNS, MAX_LEVELS, MAX_TEXT = 256, 64, 4000  # the control side's bounds on a host's report
 
 
@@ -38,9 +49,16 @@ def ran_overlap(run: dict) -> bool:
 def run_label(run: dict) -> str:
     """A report's run by name, as tables, plots and :mod:`sglang_ddtree_tools.paired` show it: with ``overlap`` where
     a DDTREE server ran SGLang's overlap scheduler (:func:`ran_overlap`)."""
-    part = {"plain": "plain", "dflash": f"dflash blk={run.get('block')}"}.get(run["mode"],
-                                                                               f"{run['mode']} B={run.get('budget')}")
-    return f"{part}{' overlap' if ran_overlap(run) else ''} graphs={'on' if run.get('graphs') else 'off'}"
+    return name_run(run["mode"], run.get("budget"), run.get("block"), bool(run.get("graphs")), ran_overlap(run))
+
+
+def name_run(mode: str, budget, block, graphs: bool, overlap) -> str:
+    """The one way a bench run is named (bench's table and plot, paired's rows): only the overlap scheduler is
+    named, so a DDTREE server without the word ran the synchronous one (the plugin's default) and reports from
+    before bench's --overlap and after it pool under one name."""
+    part = {contract.PLAIN: contract.PLAIN, contract.DFLASH: f"{contract.DFLASH} blk={block}"}.get(
+        mode, f"{mode} B={budget}")
+    return f"{part}{' overlap' if overlap else ''} graphs={'on' if graphs else 'off'}"
 
 
 def failure_summary(error) -> str:
@@ -190,8 +208,8 @@ def parse_report(doc) -> dict:
         mode, budget, block, graphs = r.get("mode"), r.get("budget"), r.get("block"), r.get("graphs")
         if mode not in BENCH_MODES:
             p.append(f"{w}.mode {clip(mode, 40)!r} is not one of {', '.join(BENCH_MODES)}")
-        if mode in BUDGETED and not (type(budget) is int and 1 <= budget <= 1023):
-            p.append(f"{w}.budget must be an integer in [1, 1023]")
+        if mode in BUDGETED and (problem := contract.budget_problem(budget)):
+            p.append(f"{w}.budget {problem}")
         if block is not None and not (type(block) is int and 1 <= block <= 1024):
             p.append(f"{w}.block must be an integer or null")
         if not isinstance(graphs, bool):

@@ -31,10 +31,18 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
-from sglang_ddtree.config import BUDGET_ENV, MODE_ENV, SHADOW_LINEAR, TREE_VERIFY
+from sglang_ddtree import contract
+from sglang_ddtree.contract import BUDGET_ENV, MODE_ENV, OVERLAP_ENV, PLAIN, PLUGIN_ALLOWLIST_ENV, TREE_VERIFY
 from .hostload import group_pids, stat_fields
 
-MODES = ("tree-verify", "shadow-linear", "linear", "dflash", "plain")  # linear = dflash: SGLang's own DFLASH chain
+MODES = contract.SERVER_MODES  # linear = dflash: SGLang's own DFLASH chain
+DEFAULT_BLOCK = 8  # the chain modes' DFlash block where a spec gives none
+# Flags only a transient server passes (flag -> how many values follow it): its pools, sized to share a GPU, token
+# ids in and out, no grammar, eager prefill. They size and feed the server; what it serves is the contract's, the
+# same as a deployed unit's (tests/test_contract.py compares the two for every mode).
+HARNESS_FLAGS = {"--skip-tokenizer-init": 0, "--grammar-backend": 1, "--cuda-graph-backend-prefill": 1,
+                 "--cuda-graph-max-bs-decode": 1, "--context-length": 1, "--max-running-requests": 1,
+                 "--mem-fraction-static": 1, "--max-total-tokens": 1, "--max-mamba-cache-size": 1}
 
 __all__ = [
     "MODES", "ServerSpec", "server_argv", "server_env", "gpu_device_problem", "shared_gpu_fraction", "lost_port_race",
@@ -51,8 +59,10 @@ class ServerSpec:
     mode: str  # one of MODES
     target: str
     drafter: Optional[str] = None
-    budget: int = 15  # B (tree-verify: D = B + 1; shadow-linear: the would-be tree's budget)
-    block: int = 8  # DFlash chain width (dflash, shadow-linear)
+    budget: int = 15  # B (tree-verify: its verify width is contract.draft_tokens; shadow-linear: the would-be tree's)
+    # --speculative-dflash-block-size: the chain width (dflash, shadow-linear; DEFAULT_BLOCK where None) and the
+    # drafter's block in tree-verify (None there: the drafter's own)
+    block: Optional[int] = None
     mem_fraction: Optional[float] = 0.12  # None: SGLang's own default
     max_running: int = 8
     # Pool caps: a transient server sizes its KV / recurrent-state pools by these, not by the memory it finds free,
@@ -67,55 +77,50 @@ class ServerSpec:
     extra_args: tuple = ()  # appended last: a flag given here wins over the one set above (argparse keeps the last)
 
     @property
-    def draft_tokens(self) -> Optional[int]:
-        """``--speculative-num-draft-tokens``: B + 1 in tree-verify, the chain block otherwise, None for plain."""
-        if self.mode == "plain":
+    def chain_block(self) -> Optional[int]:
+        """The DFlash block this server is given (None: plain, or tree-verify with the drafter's own)."""
+        if self.mode == PLAIN or (self.mode == TREE_VERIFY and self.block is None):
             return None
-        return self.budget + 1 if self.mode == TREE_VERIFY else self.block
+        return self.block if self.block is not None else DEFAULT_BLOCK
+
+    @property
+    def draft_tokens(self) -> Optional[int]:
+        """The verify width D (``contract.draft_tokens``): B + 1 in tree-verify, the chain block otherwise, None
+        for plain."""
+        return contract.draft_tokens(self.mode, self.budget, self.chain_block)
 
 
 def server_argv(python: str, spec: ServerSpec, port: int, host: str = "127.0.0.1") -> List[str]:
-    """``python -m sglang.launch_server ...`` for ``spec`` on ``host:port``."""
+    """``python -m sglang.launch_server ...`` for ``spec`` on ``host:port``: the contract's server
+    (:func:`sglang_ddtree.contract.sglang_args`, what a deployed unit runs) and this server's own pool caps."""
     if spec.mode not in MODES:
         raise ValueError(f"unknown mode {spec.mode!r}; choose one of {MODES}")
-    argv = [
-        python, "-m", "sglang.launch_server", "--model-path", spec.target, "--host", host, "--port", str(port),
-        "--skip-tokenizer-init", "--attention-backend", "triton", "--grammar-backend", "none",
-    ]
-    if spec.cuda_graph:
-        argv += ["--cuda-graph-backend-prefill", "disabled"]
-        if spec.cuda_graph_max_bs:
-            argv += ["--cuda-graph-max-bs-decode", str(spec.cuda_graph_max_bs)]
-    else:
-        argv += ["--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled"]
-    argv += ["--page-size", "1", "--context-length", str(spec.context_length),
-             "--max-running-requests", str(spec.max_running)]
+    if spec.mode != PLAIN and not spec.drafter:
+        raise ValueError(f"mode {spec.mode} needs a drafter")
+    argv = [python, "-m", "sglang.launch_server"] + contract.sglang_args(
+        spec.mode, spec.target, spec.drafter, budget=spec.budget, block=spec.chain_block, host=host, port=port,
+        decode_graphs=spec.cuda_graph)
+    argv += ["--skip-tokenizer-init", "--grammar-backend", "none", "--cuda-graph-backend-prefill", "disabled"]
+    if spec.cuda_graph and spec.cuda_graph_max_bs:
+        argv += ["--cuda-graph-max-bs-decode", str(spec.cuda_graph_max_bs)]
+    argv += ["--context-length", str(spec.context_length), "--max-running-requests", str(spec.max_running)]
     if spec.mem_fraction is not None:
         argv += ["--mem-fraction-static", str(spec.mem_fraction)]
     if spec.max_total_tokens:
         argv += ["--max-total-tokens", str(spec.max_total_tokens)]
     if spec.max_mamba_cache:
         argv += ["--max-mamba-cache-size", str(spec.max_mamba_cache)]
-    if spec.mode != "plain":
-        if not spec.drafter:
-            raise ValueError(f"mode {spec.mode} needs a drafter")
-        algo = "DFLASH" if spec.mode in ("dflash", "linear") else "DDTREE"
-        argv += ["--speculative-algorithm", algo, "--speculative-draft-model-path", spec.drafter,
-                 "--speculative-num-draft-tokens", str(spec.draft_tokens)]
     return argv + list(spec.extra_args)
 
 
 def server_env(spec: ServerSpec, gpu: int, base: Optional[Dict[str, str]] = None) -> Dict[str, str]:
-    """The server's environment: its one GPU, the plugin allow-list, DDTREE's mode and budget."""
+    """The server's environment: ``base`` (default: this process's) with the contract's
+    (:func:`sglang_ddtree.contract.sglang_env`: its one GPU, the plugin allow-list, DDTREE's mode and budget)."""
     env = dict(os.environ if base is None else base)
-    env["CUDA_VISIBLE_DEVICES"] = str(gpu)
     env["PYTHONUNBUFFERED"] = "1"
     for k in (MODE_ENV, BUDGET_ENV):
         env.pop(k, None)
-    if spec.mode in (TREE_VERIFY, SHADOW_LINEAR):
-        env["SGLANG_PLUGINS"] = "ddtree"
-        env[MODE_ENV] = spec.mode
-        env[BUDGET_ENV] = str(spec.budget)
+    env.update(contract.sglang_env(spec.mode, spec.budget, gpu))
     return env
 
 
@@ -217,11 +222,12 @@ class Server:
     """A transient server: a ``systemd-run`` unit (runtime-capped, stopped on exit)
     where systemd runs, else a process session killed as a group."""
 
-    ENV_KEEP = ("CUDA_VISIBLE_DEVICES", "PYTHONUNBUFFERED", "SGLANG_PLUGINS", MODE_ENV, BUDGET_ENV,
+    ENV_KEEP = ("CUDA_DEVICE_ORDER", "CUDA_VISIBLE_DEVICES", "PYTHONUNBUFFERED", PLUGIN_ALLOWLIST_ENV, MODE_ENV,
+                BUDGET_ENV,
                 "PATH", "HOME", "SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK", "PYTHONPATH",
                 # the JIT caches (bench --cold-warm points them at a run's own directories)
                 "TRITON_CACHE_DIR", "FLASHINFER_WORKSPACE_BASE", "SGLANG_CACHE_DIR", "SGLANG_DG_CACHE_DIR",
-                "TORCHINDUCTOR_CACHE_DIR", "XDG_CACHE_HOME", "SGLANG_DDTREE_GLUE_GRAPHS", "SGLANG_DDTREE_OVERLAP")
+                "TORCHINDUCTOR_CACHE_DIR", "XDG_CACHE_HOME", "SGLANG_DDTREE_GLUE_GRAPHS", OVERLAP_ENV)
 
     def __init__(self, argv, env, log_path, launcher="auto", runtime_max_s=1800, user=None, unit=None, cpus=None):
         """``cpus``: CPU ids every process of the server is pinned to (``AllowedCPUs=`` of the unit, or the

@@ -42,6 +42,9 @@ import urllib.error
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
+from . import contract
+from .contract import DFLASH, LINEAR, PLAIN, SHADOW_LINEAR, TREE_VERIFY
+
 # the transient servers (argv, environment, launch, health, teardown, GPU sizing) live in .servers, shared with
 # the benchmark; re-exported here because gpu_checks and older callers use them through this module
 from .servers import (MODES, Server, ServerSpec, free_port, gpu_device_problem, gpu_memory_mib,  # noqa: F401
@@ -149,14 +152,14 @@ def rescore(base: str, prompt: Sequence[int], output: Sequence[int]) -> List[tup
 
 
 UNSUPPORTED = {  # mode -> requests that mode cannot serve (rejected alone, the server keeps serving)
-    "tree-verify": [{"return_logprob": True}, {"sampling_params": {"frequency_penalty": 0.5}}],
-    "shadow-linear": [{"return_logprob": True}],
-    "dflash": [{"return_logprob": True}],
-    "linear": [{"return_logprob": True}],
+    TREE_VERIFY: [{"return_logprob": True}, {"sampling_params": {"frequency_penalty": 0.5}}],
+    SHADOW_LINEAR: [{"return_logprob": True}],
+    DFLASH: [{"return_logprob": True}],
+    LINEAR: [{"return_logprob": True}],
 }
 
 
-def unsupported_request_check(base: str, prompt: Sequence[int], mode: str = "tree-verify") -> dict:
+def unsupported_request_check(base: str, prompt: Sequence[int], mode: str = TREE_VERIFY) -> dict:
     """Each request ``mode`` cannot serve is rejected alone, and the server answers the next one."""
     cases = []
     for extra in UNSUPPORTED.get(mode, []):
@@ -200,8 +203,8 @@ def run_smoke(*, mode: str, family: str, gpu: int, python: str, workdir: str, pr
         used, total = gpu_memory_mib(gpu)
         caps = dict(mem_fraction=shared_gpu_fraction(used, total), max_total_tokens=65536,
                     max_mamba_cache=48 if family == "hybrid" else None)
-        plain = ServerSpec("plain", paths["target"], **caps)
-        specs = [plain] if mode == "plain" else [plain, ServerSpec(mode, paths["target"], paths["drafter"],
+        plain = ServerSpec(PLAIN, paths["target"], **caps)
+        specs = [plain] if mode == PLAIN else [plain, ServerSpec(mode, paths["target"], paths["drafter"],
                                                                      budget=budget, **caps)]
         log(f"GPU {gpu}: {used:.0f} of {total:.0f} MiB in use; servers capped (--mem-fraction-static "
             f"{caps['mem_fraction']}, --max-total-tokens 65536)")
@@ -222,7 +225,7 @@ def run_smoke(*, mode: str, family: str, gpu: int, python: str, workdir: str, pr
         got = generate(base, ps, tokens, concurrency=concurrency)
         wall = time.time() - t0
         outs = [g["output_ids"] for g in got]
-        ref = generate(plain_base, ps, tokens) if mode != "plain" else got
+        ref = generate(plain_base, ps, tokens) if mode != PLAIN else got
         stats = lossless_stats(outs, [rescore(plain_base, p, o) for p, o in zip(ps, outs)], margin)
         stats["exact_match_vs_plain"] = exact_match(outs, [g["output_ids"] for g in ref])
         stats["tokens_per_s"] = round(sum(len(o) for o in outs) / wall, 1)
@@ -231,15 +234,15 @@ def run_smoke(*, mode: str, family: str, gpu: int, python: str, workdir: str, pr
             res.ok = False
             res.problems.append(f"{stats['violations']} emitted tokens are not the target's argmax by more than "
                                 f"{margin} nats (worst {stats['worst_violation']})")
-        info = _get(base + "/server_info") if mode != "plain" else {}
+        info = _get(base + "/server_info") if mode != PLAIN else {}
         algo = (info.get("speculative_algorithm") or (info.get("server_args") or {}).get("speculative_algorithm"))
         accept = [g["meta_info"].get("spec_accept_length") for g in got]
         accept = [a for a in accept if a is not None]
         res.checks["reports"] = {"algorithm": algo, "mean_accept_length": round(sum(accept) / len(accept), 3)
                                  if accept else None,
                                  "spec_cap_length": [g["meta_info"].get("spec_cap_length") for g in got][:4]}
-        if mode != "plain":
-            want = "DFLASH" if mode in ("dflash", "linear") else "DDTREE"
+        if mode != PLAIN:
+            want = contract.algorithm(mode)
             if algo != want or not accept:
                 res.ok = False
                 res.problems.append(f"server reports algorithm {algo!r} (want {want}) and accept lengths {accept[:3]}")
@@ -256,7 +259,7 @@ def run_smoke(*, mode: str, family: str, gpu: int, python: str, workdir: str, pr
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m sglang_ddtree_tools.smoke", description=__doc__.split("\n")[0])
-    ap.add_argument("--mode", choices=MODES, default="tree-verify")
+    ap.add_argument("--mode", choices=MODES, default=TREE_VERIFY)
     ap.add_argument("--family", choices=("hybrid", "dense"), default="hybrid")
     ap.add_argument("--gpu", type=int, default=0)
     ap.add_argument("--budget", type=int, default=15)

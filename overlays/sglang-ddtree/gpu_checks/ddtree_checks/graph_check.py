@@ -22,6 +22,7 @@ import sys
 import time
 
 from sglang_ddtree_tools import smoke, tiny
+from sglang_ddtree.contract import DFLASH, PLAIN, TREE_VERIFY
 
 from .profile_step import profile_server
 
@@ -57,7 +58,7 @@ def run_family(family, a, log=print):
         [json.loads(l)["input_ids"] for l in open(a.prompts_file) if l.strip()][: a.prompts]
     caps = dict(mem_fraction=0.3, max_total_tokens=65536, max_mamba_cache=48 if family == "hybrid" else None)
     res = {"family": family, "models": paths, "servers": {}}
-    ref_spec = smoke.ServerSpec("plain", paths["target"], **caps)
+    ref_spec = smoke.ServerSpec(PLAIN, paths["target"], **caps)
     port = smoke.free_port()
     ref = smoke.Server(smoke.server_argv(sys.executable, ref_spec, port), smoke.server_env(ref_spec, a.gpu),
                        os.path.join(a.work, f"{family}-plain.log"), launcher="process")
@@ -66,11 +67,11 @@ def run_family(family, a, log=print):
     try:
         log(f"{family}: plain reference healthy after {smoke.wait_healthy(ref_base, ref, 400):.0f}s")
         plain_out = [g["output_ids"] for g in smoke.generate(ref_base, ps, a.tokens)]
-        runs = [("tree-verify B=%d graphs on" % a.budget, smoke.ServerSpec("tree-verify", paths["target"], paths["drafter"],
+        runs = [("tree-verify B=%d graphs on" % a.budget, smoke.ServerSpec(TREE_VERIFY, paths["target"], paths["drafter"],
                                                                           budget=a.budget, extra_args=GRAPHS_ON, **caps)),
-                ("tree-verify B=%d graphs off" % a.budget, smoke.ServerSpec("tree-verify", paths["target"], paths["drafter"],
+                ("tree-verify B=%d graphs off" % a.budget, smoke.ServerSpec(TREE_VERIFY, paths["target"], paths["drafter"],
                                                                            budget=a.budget, **caps)),
-                ("dflash graphs on", smoke.ServerSpec("dflash", paths["target"], paths["drafter"], block=a.block,
+                ("dflash graphs on", smoke.ServerSpec(DFLASH, paths["target"], paths["drafter"], block=a.block,
                                                       extra_args=GRAPHS_ON, **caps))]
         runs = [r for r in runs if not a.only or any(o in r[0] for o in a.only)]
         for name, spec in runs:
@@ -97,7 +98,7 @@ def run_family(family, a, log=print):
                     st["identical_to_plain"] = smoke.exact_match(outs, plain_out)
                     row[f"conc{conc}"] = st
                     log(f"{family} {name} conc {conc}: {json.dumps(st)}")
-                if a.profile_steps and "tree-verify" in name:
+                if a.profile_steps and TREE_VERIFY in name:
                     try:
                         row["profile"] = profile_server(base, os.path.join(a.work, "prof", family + name.replace(" ", "_")),
                                                         a.profile_steps, ps[0], max_new=256, concurrency=1)

@@ -38,6 +38,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from sglang_ddtree import contract
+
 # Stated tolerances (relative to the per-node max |reference|; see README of the
 # figures).  Chosen before the run from the arithmetic, not fitted to it:
 #  * conv window: the kernel only copies inputs into the window -> must be exact.
@@ -718,7 +720,7 @@ def evaluate_budget(
         "dtype": dtype_name,
         "backend": backend,
         "trees": n_trees,
-        "tokens_per_tree": budget + 1,
+        "tokens_per_tree": contract.tree_width(budget),
         "nodes_total": n_nodes,
         "max_tree_depth": max(agg["depth"]),
         "tree_builder": builder,

@@ -40,6 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from sglang_ddtree_tools import servers as servers_mod
 from sglang_ddtree_tools import smoke
+from sglang_ddtree.contract import DFLASH, PLAIN, SHADOW_LINEAR, TREE_VERIFY
 from sglang_ddtree_tools.bench import OVERLAP_CHOICES, level_prompts, overlap_env, server_overlap
 
 from .graph_check import GRAPHS_ON, _log_facts, _pair
@@ -56,9 +57,9 @@ def _specs(family: str, paths: dict, quick: bool, a=None):
     caps = dict(mem_fraction=a.mem_fraction, max_total_tokens=a.max_total_tokens,
                 max_mamba_cache=max(48, 4 * a.concurrency) if family == "hybrid" else None)
     specs = {
-        "plain": (smoke.ServerSpec("plain", t, extra_args=g, **caps), {}),
-        "dflash": (smoke.ServerSpec("dflash", t, d, block=blk, extra_args=g, **caps), {}),
-        "shadow-linear B=15": (smoke.ServerSpec("shadow-linear", t, d, budget=15, block=blk, extra_args=g, **caps),
+        PLAIN: (smoke.ServerSpec(PLAIN, t, extra_args=g, **caps), {}),
+        DFLASH: (smoke.ServerSpec(DFLASH, t, d, block=blk, extra_args=g, **caps), {}),
+        "shadow-linear B=15": (smoke.ServerSpec(SHADOW_LINEAR, t, d, budget=15, block=blk, extra_args=g, **caps),
                                {}),
     }
     # --overlap: the scheduler each tree-verify server runs (the plugin reads SGLANG_DDTREE_OVERLAP at start-up);
@@ -68,9 +69,9 @@ def _specs(family: str, paths: dict, quick: bool, a=None):
         for ov in scheds:
             suffix = " overlap" if ov and len(scheds) > 1 else ""
             specs[f"tree-verify B={b}{suffix}"] = (
-                smoke.ServerSpec("tree-verify", t, d, budget=b, extra_args=g, **caps), overlap_env(ov))
+                smoke.ServerSpec(TREE_VERIFY, t, d, budget=b, extra_args=g, **caps), overlap_env(ov))
     if family == "hybrid":
-        specs["LEAKY tree-verify B=15"] = (smoke.ServerSpec("tree-verify", t, d, budget=15, **caps),
+        specs["LEAKY tree-verify B=15"] = (smoke.ServerSpec(TREE_VERIFY, t, d, budget=15, **caps),
                                            {"SGLANG_DDTREE_UNSAFE_CHAIN_STATE": "1"})
     return specs
 
@@ -136,8 +137,8 @@ def run_family(family: str, out: str, a) -> dict:
             if err:
                 res["servers"][name]["error"] = err
                 print(f"[{family}] {name} FAILED to start:\n{err}", flush=True)
-        plain = bases["plain"]
-        if res["servers"]["plain"].get("error"):
+        plain = bases[PLAIN]
+        if res["servers"][PLAIN].get("error"):
             return res
         plain_seq = [g["output_ids"] for g in smoke.generate(plain, prompts, a.tokens)]
 
@@ -169,7 +170,7 @@ def run_family(family: str, out: str, a) -> dict:
                 r["sampling"] = {"requests": a.sampling_requests,
                                  "completed": sum(1 for g in samp if len(g["output_ids"]) == a.tokens),
                                  "seconds": round(time.time() - t1, 1)}
-                if name != "plain":
+                if name != PLAIN:
                     info = smoke._get(base + "/server_info")
                     r["algorithm"] = info.get("speculative_algorithm")
                     # the scheduler it ran (DDTREE: the plugin's decision, SGLANG_DDTREE_OVERLAP passed through)
@@ -177,7 +178,7 @@ def run_family(family: str, out: str, a) -> dict:
                     r["unsupported_request"] = smoke.unsupported_request_check(base, prompts[0], specs[name][0].mode)
             except Exception as e:  # noqa: BLE001
                 r["error"] = f"{type(e).__name__}: {e}"[-3000:] + "\n" + servers[name].log_tail(40)
-            if "tree-verify" in name:
+            if TREE_VERIFY in name:
                 r["log"] = _log_facts(logs[name])
             with open(os.path.join(out, f"partial-{family}.json"), "w") as fh:  # survives a timeout
                 json.dump(res, fh, indent=1)
@@ -255,7 +256,7 @@ def summary(doc: dict) -> str:
              f"{'acc_len':>7} {'shadow':>6} {'tok/s':>7}  sampling  unsupported  off-argmax gaps by bucket"]
     for fam, f in doc["families"].items():
         for name, r in f["servers"].items():
-            if "tree-verify" in name and r.get("overlap_schedule") is True and not name.endswith(" overlap"):
+            if TREE_VERIFY in name and r.get("overlap_schedule") is True and not name.endswith(" overlap"):
                 name += " ovl"  # the scheduler it ran, where not the default
             if r.get("error") and not any(k.startswith(("sequential", "concurrent")) for k in r):
                 lines.append(f"{fam:7} {name:24} ERROR: {r['error'].splitlines()[0][:120]}")

@@ -65,14 +65,11 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-from .capabilities import MODES
+from . import contract
+from .contract import BUDGET_ENV, MODE_ENV, OVERLAP_ENV, SHADOW_LINEAR, TREE_VERIFY  # noqa: F401 (re-exported)
 
-ALGORITHM_NAME = "DDTREE"
-MODE_ENV = "SGLANG_DDTREE_MODE"
-BUDGET_ENV = "SGLANG_DDTREE_BUDGET"
-OVERLAP_ENV = "SGLANG_DDTREE_OVERLAP"  # "1": tree-verify on SGLang's overlap scheduler where it can run (opt-in)
-TREE_VERIFY = "tree-verify"
-SHADOW_LINEAR = "shadow-linear"
+ALGORITHM_NAME = contract.ALGORITHM_DDTREE
+MODES = contract.PLUGIN_MODES
 DEFAULT_TOPK = 2
 DEFAULT_MAX_RUNNING_REQUESTS = 48  # what the builtin DFLASH handler defaults to
 TREE_VERIFY_ATTENTION_BACKENDS = ("triton",)
@@ -160,7 +157,7 @@ def resolve_ddtree_config(
     with the tree-mask buffer (SGLang 0.5.17); otherwise decode CUDA graphs are
     refused in tree-verify mode.  Raises :class:`DDTreeConfigError`."""
     env = os.environ if environ is None else environ
-    mode = (env.get(MODE_ENV) or TREE_VERIFY).strip().lower()
+    mode = (env.get(MODE_ENV) or contract.DEFAULT_PLUGIN_MODE).strip().lower()
     if mode not in MODES:
         raise DDTreeConfigError(f"{MODE_ENV}={mode!r} is not a DDTREE mode; choose one of {list(MODES)}.")
 
@@ -213,12 +210,12 @@ def resolve_ddtree_config(
                 "DDTREE tree-verify needs the node budget: set --speculative-num-draft-tokens D "
                 f"(B = D - 1 tree nodes plus the bonus root) or {BUDGET_ENV}=B."
             )
-        if d_arg is not None and b_env_i is not None and d_arg != b_env_i + 1:
+        if d_arg is not None and b_env_i is not None and d_arg != contract.draft_tokens(mode, b_env_i, block):
             raise DDTreeConfigError(
                 f"--speculative-num-draft-tokens {d_arg} and {BUDGET_ENV}={b_env_i} disagree: "
                 "DDTREE verifies D = B + 1 tokens (bonus + B nodes)."
             )
-        d = d_arg if d_arg is not None else b_env_i + 1
+        d = d_arg if d_arg is not None else contract.draft_tokens(mode, b_env_i, block)
         if d < 2:
             raise DDTreeConfigError(f"--speculative-num-draft-tokens must be >= 2 for DDTREE (B >= 1), got {d}.")
         topk_arg = _int_or_none(getattr(args, "speculative_eagle_topk", None))
@@ -246,7 +243,7 @@ def resolve_ddtree_config(
                 "attention_backend", "decode_attention_backend", "prefill_attention_backend",
                 "speculative_draft_attention_backend")}
         _check_backends(backends)
-        return DDTreeConfig(mode, d - 1, d, topk_arg or DEFAULT_TOPK, block)
+        return DDTreeConfig(mode, contract.budget_of(d), d, topk_arg or DEFAULT_TOPK, block)
 
     # shadow-linear: the chain verifier commits; D is the DFlash block width.
     d = d_arg if d_arg is not None else block
@@ -263,7 +260,7 @@ def resolve_ddtree_config(
     topk_arg = _int_or_none(getattr(args, "speculative_eagle_topk", None))
     if topk_arg not in (None, 1):
         raise DDTreeConfigError("DDTREE shadow-linear verifies a chain: --speculative-eagle-topk must be 1 or unset.")
-    return DDTreeConfig(mode, b_env_i if b_env_i is not None else d - 1, d, 1, block)
+    return DDTreeConfig(mode, b_env_i if b_env_i is not None else contract.budget_of(d), d, 1, block)
 
 
 def overlap_decision(cfg: DDTreeConfig, drafter_block: Optional[int], adapter_overlap: bool,
@@ -278,7 +275,7 @@ def overlap_decision(cfg: DDTreeConfig, drafter_block: Optional[int], adapter_ov
         return False, ("shadow-linear walks the tree on the host after every chain step (it reads that step's "
                        "result), which the synchronous scheduler serves without a lag")
     asked = (env.get(OVERLAP_ENV) or "").strip().lower()
-    if asked not in ("1", "on", "true", "yes"):
+    if not contract.overlap_asked(asked):
         return False, (f"opt-in with {OVERLAP_ENV}=1" + (f", got {OVERLAP_ENV}={env.get(OVERLAP_ENV)}" if asked else "")
                        + ": on the H200 the synchronous scheduler served tree-verify faster at 1 and 4 requests")
     if not adapter_overlap:

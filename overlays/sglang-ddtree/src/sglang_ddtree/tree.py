@@ -80,6 +80,8 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from . import contract
+
 __all__ = [
     "LOGPROB_FLOOR",
     "DraftTree",
@@ -217,8 +219,7 @@ def triton_available() -> bool:
 
 
 def _use_triton(t: torch.Tensor, k: int) -> bool:
-    from_kernels_max = 511
-    return t.is_cuda and 1 <= k <= from_kernels_max and triton_available()
+    return t.is_cuda and contract.BUDGET_MIN <= k <= contract.BUDGET_MAX and triton_available()  # the kernel's bound
 
 
 def rank_draft_tokens(draft_logprobs: torch.Tensor, k: int):
@@ -499,7 +500,7 @@ def stack_reference(trees: Sequence[DraftTree], budget: int) -> dict:
     """Pad reference trees to ``[N, B+1]`` lists (helper for comparisons)."""
     out = {"token_ids": [], "parents": [], "depths": [], "scores": []}
     for t in trees:
-        pad = budget + 1 - len(t.tokens)
+        pad = contract.tree_width(budget) - len(t.tokens)
         out["token_ids"].append(t.tokens + [-1] * pad)
         out["parents"].append(t.parents + [-1] * pad)
         out["depths"].append(t.depths + [0] * pad)

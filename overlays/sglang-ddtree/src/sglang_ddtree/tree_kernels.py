@@ -61,8 +61,10 @@ import os
 import triton
 import triton.language as tl
 
-#: Largest budget the Triton tree kernel supports (10-bit packed key fields).
-MAX_TRITON_BUDGET = 511
+from . import contract
+
+#: Largest budget the Triton tree kernel supports (10-bit packed key fields): the contract's bound, which says why.
+MAX_TRITON_BUDGET = contract.BUDGET_MAX
 
 _FLOOR = tl.constexpr(-1.0e30)  # == sglang_ddtree.tree.LOGPROB_FLOOR
 

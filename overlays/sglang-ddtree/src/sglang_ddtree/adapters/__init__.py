@@ -27,10 +27,13 @@ from typing import Optional
 
 from ..capabilities import SUPPORTED_SGLANG_VERSIONS, load_capabilities
 
-__all__ = ["UnsupportedSGLangVersion", "ADAPTER_MODULES", "check_sglang_version", "load_adapter"]
+__all__ = ["UnsupportedSGLangVersion", "ADAPTER_MODULES", "WORKER_MODULES", "check_sglang_version", "load_adapter",
+           "load_worker"]
 
 # version -> adapter module (one file per SGLang release the plugin supports), as capabilities.json declares them
 ADAPTER_MODULES = {v: d["adapter"] for v, d in load_capabilities()["per_version"].items()}
+# version -> its worker module (which imports its adapter module; the adapter never imports its worker)
+WORKER_MODULES = {v: d["worker"] for v, d in load_capabilities()["per_version"].items()}
 
 
 class UnsupportedSGLangVersion(RuntimeError):
@@ -57,3 +60,9 @@ def load_adapter(installed: Optional[str] = None) -> ModuleType:
     """The adapter module for the installed (or given) SGLang version."""
     v = check_sglang_version(installed)
     return importlib.import_module(ADAPTER_MODULES[v])
+
+
+def load_worker(installed: Optional[str] = None) -> ModuleType:
+    """The worker module (``DDTreeWorker``) for the installed (or given) SGLang version."""
+    v = check_sglang_version(installed)
+    return importlib.import_module(WORKER_MODULES[v])

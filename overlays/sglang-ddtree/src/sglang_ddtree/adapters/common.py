@@ -25,6 +25,7 @@ from typing import Callable, Optional
 
 from ..admission import rejection
 from ..config import ALGORITHM_NAME, TREE_VERIFY, overlap_decision, resolve_ddtree_config, server_arg_writes
+from . import load_worker
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +117,6 @@ def register(adapter: ModuleType) -> bool:
         supports_overlap=bool(getattr(adapter, "OVERLAP_SCHEDULE", False)),
         validate_server_args=make_validator(adapter),
         spec_class=adapter.make_spec_class(),
-    )(adapter.worker_factory)
+    )(lambda server_args: load_worker(adapter.VERSION).DDTreeWorker)  # SGLang's worker factory
     HookRegistry.register(ADMISSION_TARGET, admission_after_hook, HookType.AFTER)
     return True

@@ -85,9 +85,3 @@ def make_spec_class():
     return spec_class(CustomSpecAlgo, SpeculativeAlgorithm, {
         "handle_server_args": handle_server_args,
         "get_num_tokens_per_req_for_target_verify": num_tokens_per_req_for_target_verify})
-
-
-def worker_factory(server_args):
-    from .v0_5_17_worker import DDTreeWorker
-
-    return DDTreeWorker

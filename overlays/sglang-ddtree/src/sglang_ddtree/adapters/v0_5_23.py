@@ -61,9 +61,3 @@ def make_spec_class():
         "supports_prefill_shared_read_done": lambda self: True,
         "resolve_max_speculative_num_draft_tokens": _max_draft_tokens,
     })
-
-
-def worker_factory(server_args):
-    from .v0_5_23_worker import DDTreeWorker
-
-    return DDTreeWorker

@@ -4,7 +4,8 @@
 (``sglang.srt.speculative.dflash_worker_v2`` in 0.5.17 and 0.5.23 alike, so this
 import gives that release's own class).  Each version's worker is a thin
 subclass in its adapter's ``*_worker`` module (:mod:`.v0_5_17_worker`,
-:mod:`.v0_5_23_worker`) that the adapter's ``worker_factory`` returns; it sets
+:mod:`.v0_5_23_worker`, ``worker`` in ``capabilities.json``) that SGLang's worker
+factory returns (:func:`sglang_ddtree.adapters.load_worker`); it sets
 ``_ddtree_adapter`` (the adapter module: ``VERSION``, ``TREE_VERIFY_CUDA_GRAPHS``,
 ``attention_backends``) and supplies the ``_ddtree_*`` hooks, nothing else of
 the step.  Every name imported here sits at the same place in both releases

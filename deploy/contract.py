@@ -1,0 +1,1 @@
+../overlays/sglang-ddtree/src/sglang_ddtree/contract.py

@@ -1,0 +1,179 @@
+"""The DDTree serving contract: modes, their SGLang algorithms, the environment, the budget, and the server's
+command line. The one place each of these is written.
+
+Pure and stdlib-only (no SGLang, torch or package-relative import), so that the same file is imported by
+
+* the plugin (``sglang_ddtree.contract``: the validator, the transient servers of smoke and bench),
+* the control side (``deploy.contract``, a symbolic link to this file: the toolkit ships the plugin's source and
+  builds its wheel from it, so it reads the contract of the plugin it deploys, never the copy some venv has
+  installed),
+* the host agent (``ddtree_agent.contract``, the same link under ``deploy/remote/host``, carried in the zipapp),
+
+and none of them can disagree with another about a name or a bound. ``capabilities.json`` declares the same
+names to tools that read a wheel without importing it; a test holds it equal to this module.
+
+Modes
+-----
+``linear``: SGLang's builtin DFLASH (one draft chain per step). ``dflash`` is its name in the plugin's bench and
+smoke, where it is measured next to ``plain`` (no speculation; never deployed).
+``shadow-linear``: DDTREE builds the tree and reports what it would have accepted, but commits through the chain
+verifier (safe on any model). ``tree-verify``: DDTREE verifies the whole tree in one target forward.
+``auto`` (inventory only): `fab deploy` gives the service the mode and budget `fab bench` measured fastest.
+
+Budget
+------
+The node budget B is the number of tree nodes; tree-verify verifies ``D = B + 1`` tokens (the bonus root plus B
+nodes: ``--speculative-num-draft-tokens``). In shadow-linear D stays the DFlash block and B travels only in
+:data:`BUDGET_ENV`. The bound is ``1 <= B <= 511`` (:data:`BUDGET_MAX`): neither SGLang nor the plugin's
+validator caps D, but 511 is the largest budget whose per-step tree the plugin builds with its GPU kernel
+(``tree_kernels``: the best-first pop packs parent slot, rank, subtree size and preorder into 10-bit fields of one
+64-bit key, with 1000 as the unpopped sentinel). A larger budget falls back to the torch reference builder every
+step, which is not the path that was served or measured, so the toolkit does not deploy, smoke or bench it.
+
+Server command line
+-------------------
+:func:`sglang_args` and :func:`sglang_env` are the only builders of a DDTree/DFLASH server's SGLang arguments and
+environment: the systemd unit's (``deploy/release/render.py``) and the transient servers' of smoke, bench and
+serve_matrix (``sglang_ddtree.servers``). Every server passes ``--attention-backend triton --page-size 1``: DDTREE
+tree-verify needs Triton's per-forward tree mask and one KV slot per page (``config``), SGLang's Hopper default
+(FA3) is not in the trimmed sglang-kernel the fleet installs, and the servers that were measured ran so. An
+inventory can still override either with ``extra_args`` (argparse keeps the last value).
+"""
+
+from __future__ import annotations
+
+# ----------------------------------------------------------------------------- modes
+LINEAR = "linear"
+SHADOW_LINEAR = "shadow-linear"
+TREE_VERIFY = "tree-verify"
+AUTO = "auto"
+DFLASH = "dflash"  # the bench/smoke name of LINEAR
+PLAIN = "plain"  # no speculative decoding: measured, never deployed
+
+#: What the toolkit deploys, simplest first (`mode: auto`'s tie order).
+MODES = (LINEAR, SHADOW_LINEAR, TREE_VERIFY)
+#: What an inventory may write.
+INVENTORY_MODES = MODES + (AUTO,)
+#: What the plugin serves (``SGLANG_DDTREE_MODE``), its default first.
+PLUGIN_MODES = (TREE_VERIFY, SHADOW_LINEAR)
+DEFAULT_PLUGIN_MODE = TREE_VERIFY
+#: What the plugin's bench measures (``linear`` is accepted as ``dflash``).
+BENCH_MODES = (PLAIN, DFLASH, TREE_VERIFY, SHADOW_LINEAR)
+#: What the plugin's smoke test and its transient servers run.
+SMOKE_MODES = (TREE_VERIFY, SHADOW_LINEAR, LINEAR, PLAIN)
+SERVER_MODES = (TREE_VERIFY, SHADOW_LINEAR, LINEAR, DFLASH, PLAIN)
+#: The modes that take a node budget (the plugin's).
+BUDGETED_MODES = PLUGIN_MODES
+#: linear = dflash: the deploy's name and the bench's name of SGLang's own DFLASH chain.
+ALIASES = {LINEAR: DFLASH}
+
+# ----------------------------------------------------------------------------- SGLang and the plugin
+ALGORITHM_DDTREE = "DDTREE"
+ALGORITHM_DFLASH = "DFLASH"
+PLUGIN_NAME = "ddtree"  # entry point in group sglang.srt.plugins
+PLUGIN_ALLOWLIST_ENV = "SGLANG_PLUGINS"
+MODE_ENV = "SGLANG_DDTREE_MODE"
+BUDGET_ENV = "SGLANG_DDTREE_BUDGET"
+OVERLAP_ENV = "SGLANG_DDTREE_OVERLAP"  # "1": tree-verify on SGLang's overlap scheduler where it can run (opt-in)
+OVERLAP_ON = ("1", "on", "true", "yes")  # the values of OVERLAP_ENV read as asked
+ATTENTION_BACKEND = "triton"
+PAGE_SIZE = 1
+
+# ----------------------------------------------------------------------------- budget
+BUDGET_MIN = 1
+BUDGET_MAX = 511  # the plugin's GPU tree kernel's largest budget (module docstring)
+
+
+def bench_name(mode: str) -> str:
+    """The bench's name of a mode (``linear`` -> ``dflash``); other names unchanged."""
+    return ALIASES.get(mode, mode)
+
+
+def deploy_name(mode: str) -> str:
+    """The deploy's name of a bench mode (``dflash`` -> ``linear``); other names unchanged."""
+    return {v: k for k, v in ALIASES.items()}.get(mode, mode)
+
+
+def is_ddtree(mode: str) -> bool:
+    """Whether the plugin serves ``mode`` (and so reads a budget)."""
+    return mode in PLUGIN_MODES
+
+
+def algorithm(mode: str) -> str | None:
+    """``--speculative-algorithm`` of a mode (None: plain, no speculation)."""
+    if mode in PLUGIN_MODES:
+        return ALGORITHM_DDTREE
+    if mode in (LINEAR, DFLASH):
+        return ALGORITHM_DFLASH
+    if mode == PLAIN:
+        return None
+    raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(SERVER_MODES)}")
+
+
+def budget_problem(budget) -> str | None:
+    """Why ``budget`` is not a node budget the toolkit serves (None when it is)."""
+    if type(budget) is not int or not BUDGET_MIN <= budget <= BUDGET_MAX:
+        return f"must be an integer in [{BUDGET_MIN}, {BUDGET_MAX}]"
+    return None
+
+
+def tree_width(budget: int) -> int:
+    """D = B + 1: the tokens of a tree of ``budget`` nodes with its bonus root (tree-verify's verify width)."""
+    return budget + 1
+
+
+def draft_tokens(mode: str, budget: int | None, block: int | None) -> int | None:
+    """``--speculative-num-draft-tokens`` D: :func:`tree_width` in tree-verify, the DFlash block in the chain modes,
+    None for plain."""
+    if mode == TREE_VERIFY:
+        return tree_width(budget)
+    return None if mode == PLAIN else block
+
+
+def budget_of(num_draft_tokens: int) -> int:
+    """The node budget B of a tree-verify width D."""
+    return num_draft_tokens - 1
+
+
+def overlap_asked(value) -> bool:
+    """Whether an :data:`OVERLAP_ENV` value asks for the overlap scheduler."""
+    return str(value or "").strip().lower() in OVERLAP_ON
+
+
+# ----------------------------------------------------------------------------- the server
+#: Flags a server's place (not what it serves): the only words in which two servers of one service may differ.
+PLACE_FLAGS = ("--host", "--port")
+
+
+def sglang_args(mode: str, model: str, draft_model: str | None, *, budget: int | None, block: int | None,
+                host: str, port: int, decode_graphs: bool) -> list:
+    """SGLang's arguments (after ``python -m sglang.launch_server``) that decide what a server of ``mode`` serves
+    and where: the model, the speculative algorithm and its widths, the attention backend and page size, and the
+    decode CUDA graphs. A deployed unit and a transient bench/smoke server both start from these; each appends
+    its own (the unit: the served model name, metrics and the inventory's extra_args; the transient server: its
+    pool caps)."""
+    algo = algorithm(mode)
+    args = ["--model-path", model, "--host", host, "--port", str(port),
+            "--attention-backend", ATTENTION_BACKEND, "--page-size", str(PAGE_SIZE)]
+    if algo is not None:
+        if not draft_model:
+            raise ValueError(f"mode {mode} needs a draft model")
+        if is_ddtree(mode) and (problem := budget_problem(budget)):
+            raise ValueError(f"budget {budget!r} {problem}")
+        args += ["--speculative-algorithm", algo, "--speculative-draft-model-path", draft_model]
+        if block is not None:  # the chain modes' width D (SGLang's DFLASH and the plugin read D from it)
+            args += ["--speculative-dflash-block-size", str(block)]
+        if mode == TREE_VERIFY:
+            args += ["--speculative-num-draft-tokens", str(draft_tokens(mode, budget, block))]
+    if not decode_graphs:
+        args += ["--cuda-graph-backend-decode", "disabled"]
+    return args
+
+
+def sglang_env(mode: str, budget: int | None, gpu: int) -> list:
+    """The environment a server of ``mode`` needs on GPU ``gpu``, in order: the GPU (numbered as nvidia-smi
+    numbers it, so index N is /dev/nvidiaN) and, for DDTREE, the plugin allow-list, the mode and the budget."""
+    env = [("CUDA_DEVICE_ORDER", "PCI_BUS_ID"), ("CUDA_VISIBLE_DEVICES", str(gpu))]
+    if is_ddtree(mode):
+        env += [(PLUGIN_ALLOWLIST_ENV, PLUGIN_NAME), (MODE_ENV, mode), (BUDGET_ENV, str(budget))]
+    return env
