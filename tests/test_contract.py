@@ -14,6 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PLUGIN = ROOT / "overlays" / "sglang-ddtree" / "src" / "sglang_ddtree"
+TOOLS = ROOT / "overlays" / "sglang-ddtree-tools" / "src" / "sglang_ddtree_tools"
 CONTRACT = PLUGIN / "contract.py"
 
 
@@ -69,7 +70,7 @@ ENV_WORDS = {"SGLANG_DDTREE_MODE", "SGLANG_DDTREE_BUDGET", "SGLANG_DDTREE_OVERLA
 ALGO_WORDS = {"DDTREE", "DFLASH"}
 BOUNDS = {511, 512, 1023}
 # the control side (the inventory loader included), the host agent, the plugin and its GPU checks
-SCANNED = [ROOT / "deploy", PLUGIN, ROOT / "overlays" / "sglang-ddtree" / "gpu_checks"]
+SCANNED = [ROOT / "deploy", PLUGIN, TOOLS, ROOT / "overlays" / "sglang-ddtree" / "gpu_checks"]
 
 
 def _docstrings(tree) -> set[int]:
@@ -154,17 +155,23 @@ def test_the_scan_finds_what_it_is_for(tmp_path):
 
 # ----------------------------------------------------------------------------- one builder
 def _plugin():
-    """The plugin's bench and servers from this checkout's overlay source (the venv's installed copy may be
-    another checkout's)."""
+    """The plugin tools' bench and servers from this checkout's overlay sources (the venv's installed copies may
+    be another checkout's)."""
     import sys
-    src = str(PLUGIN.parent)
-    if src not in sys.path:
-        sys.path.insert(0, src)
+    for src in (str(TOOLS.parent), str(PLUGIN.parent)):
+        if src not in sys.path:
+            sys.path.insert(0, src)
     import sglang_ddtree
-    if Path(sglang_ddtree.__file__).resolve().parent != PLUGIN.resolve():
-        pytest.fail(f"sglang_ddtree comes from {sglang_ddtree.__file__}: run with PYTHONPATH={PLUGIN.parent}")
-    bench = pytest.importorskip("sglang_ddtree.bench")
-    from sglang_ddtree import servers
+    import sglang_ddtree_tools
+    for mod, want in ((sglang_ddtree, PLUGIN), (sglang_ddtree_tools, TOOLS)):
+        have = Path(mod.__file__).resolve().parent
+        stale = [f.name for f in want.glob("*.py") if not (have / f.name).is_file()
+                 or (have / f.name).read_bytes() != f.read_bytes()]
+        if stale:  # an installed copy (scripts/bootstrap's) that is not this checkout's
+            pytest.fail(f"{mod.__name__} comes from {have}, which differs from this checkout in {stale[:3]}: "
+                        f"run scripts/bootstrap or PYTHONPATH={want.parent}")
+    bench = pytest.importorskip("sglang_ddtree_tools.bench")
+    from sglang_ddtree_tools import servers
     return bench, servers
 
 
@@ -295,7 +302,9 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 @pytest.mark.parametrize("where, pkg", [("deploy", "deploy"),
-                                        ("overlays/sglang-ddtree/src/sglang_ddtree", "sglang_ddtree")])
+                                        ("overlays/sglang-ddtree/src/sglang_ddtree", "sglang_ddtree"),
+                                        ("overlays/sglang-ddtree-tools/src/sglang_ddtree_tools",
+                                         "sglang_ddtree_tools")])
 def test_no_import_cycle(where, pkg):
     found = cycles(import_graph(ROOT / where, pkg))
     assert not found, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in found)

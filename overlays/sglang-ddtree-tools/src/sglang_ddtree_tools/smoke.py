@@ -42,8 +42,8 @@ import urllib.error
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
-from . import contract
-from .contract import DFLASH, LINEAR, PLAIN, SHADOW_LINEAR, TREE_VERIFY
+from sglang_ddtree import contract
+from sglang_ddtree.contract import DFLASH, LINEAR, PLAIN, SHADOW_LINEAR, TREE_VERIFY
 
 # the transient servers (argv, environment, launch, health, teardown, GPU sizing) live in .servers, shared with
 # the benchmark; re-exported here because gpu_checks and older callers use them through this module
