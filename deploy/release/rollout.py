@@ -26,7 +26,7 @@ from ..remote import commands
 from ..remote.client import AgentError, LinkLost, Remote
 from ..remote.client import lock_holder as holder  # noqa: F401 (rollout.holder: tests use it)
 from ..ssh import open_checked, run_per_host
-from . import build, hybrid, render
+from . import build, gateplan, hybrid, render
 from . import router as routermod
 
 PROBE_DEADLINE = 120.0
@@ -227,8 +227,12 @@ def gate_line(inst: str, port: int, g: dict) -> str:
     if g.get("ok"):
         steps = g.get("steps", {})
         al = g.get("accept_length")
+        c = g.get("canary")
         return (f"{inst} :{port} gate ok in {g.get('seconds', 0):.1f}s (ready {steps.get('ready', 0):.1f}s, "
-                f"{g.get('algorithm')}" + (f", accept length {al}" if al is not None else "") + ")")
+                f"{g.get('algorithm')}" + (f", accept length {al}" if al is not None else "")
+                + (f", canary {c.get('tokens')} tokens within {c.get('max_gap')} nats of the argmax"
+                   + (f", floor {c['accept_floor']}" if c.get("accept_floor") is not None else "")
+                   if isinstance(c, dict) else "") + ")")
     out = f"{inst} :{port} gate FAILED at {g.get('step')}: {g.get('detail')}"
     tail = [ln for ln in g.get("journal", []) if ln.strip()][-3:]
     return out + "".join(f"\n      | {ln}" for ln in tail)
@@ -602,6 +606,8 @@ def _deploy(inv, hosts, opts, confirm, out, t0, release, plugin, overlays, build
         out(n, f"plan: release {what}; restart: {rs}" + (f"; stop: {', '.join(p.stop)}" if p.stop else ""))
         summary["hosts"].setdefault(n, {}).update(commands=[commands.shown(c) for c in p.commands],
                                                   coherence=p.coherence)
+    summary["expected_seconds"] = gateplan.plan(inv.path, go, plugin.source_digest, inv.settings["parallel"],
+                                                out)["seconds"]
     if go and confirm is not None and any(not p.unchanged or p.restart for p in go.values()):
         for n, p in go.items():
             for argv in p.commands:
