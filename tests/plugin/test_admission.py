@@ -9,10 +9,10 @@ from sglang_ddtree import admission
 from sglang_ddtree.adapters import common
 
 
-def _req(return_logprob=False, custom_logit_processor=None, **sp):
+def _req(return_logprob=False, custom_logit_processor=None, max_new_tokens=8, **sp):
     from sglang.srt.sampling.sampling_params import SamplingParams
 
-    params = SamplingParams(max_new_tokens=8, **sp)
+    params = SamplingParams(max_new_tokens=max_new_tokens, **sp)
     return types.SimpleNamespace(sampling_params=params, return_logprob=return_logprob,
                                  custom_logit_processor=custom_logit_processor, grammar=None,
                                  return_hidden_states=False)
@@ -59,6 +59,60 @@ def test_after_hook_keeps_sglangs_own_verdict():
         assert "frequency_penalty" in common.admission_after_hook(None, _req(frequency_penalty=1.0), False)
     finally:
         common.set_active_mode(None)
+
+
+DFLASH_NO = "DFLASH speculative decoding does not support return_logprob yet."
+
+
+def test_prefill_only_logprob_request_is_admitted_in_every_mode():
+    """max_new_tokens 0 with return_logprob (the gate canary's re-score: the target's own forward) is served;
+    logprobs with generation stay refused, in tree-verify by DDTREE and elsewhere by SGLang's DFLASH verdict."""
+    prefill = _req(return_logprob=True, max_new_tokens=0)
+    assert admission.prefill_only_logprob(prefill) and not admission.prefill_only_logprob(_req(return_logprob=True))
+    assert admission.tree_verify_rejection(prefill) is None
+    assert "return_logprob" in admission.tree_verify_rejection(_req(return_logprob=True))
+    assert "frequency_penalty" in admission.tree_verify_rejection(
+        _req(return_logprob=True, max_new_tokens=0, frequency_penalty=0.5))
+    for mode in ("tree-verify", "shadow-linear", None):
+        common.set_active_mode(mode)
+        try:
+            assert common.admission_after_hook(DFLASH_NO, prefill, False) is None, mode
+            assert common.admission_after_hook(DFLASH_NO, _req(return_logprob=True), False) is not None, mode
+        finally:
+            common.set_active_mode(None)
+    hidden = _req(return_logprob=True, max_new_tokens=0)
+    hidden.return_hidden_states = True  # SGLang's other refusal still holds under the overlap scheduler
+    assert admission.dflash_verdict(DFLASH_NO, hidden, True) == DFLASH_NO
+    assert admission.dflash_verdict(DFLASH_NO, hidden, False) is None
+
+
+@pytest.mark.sglang_api
+def test_hook_admits_the_prefill_only_logprob_request_through_sglangs_validator():
+    """Through SGLang's real validate_dflash_request (which refuses every return_logprob): with the hook, the
+    prefill-only request passes and logprobs with generation are still refused."""
+    import subprocess
+    import sys
+
+    code = (
+        "import types\n"
+        "from sglang_ddtree.adapters import common\n"
+        "from sglang.srt.plugins.hook_registry import HookRegistry, HookType\n"
+        "HookRegistry.register(common.ADMISSION_TARGET, common.admission_after_hook, HookType.AFTER)\n"
+        "HookRegistry.apply_hooks()\n"
+        "import sglang.srt.speculative.dflash_utils as du\n"
+        "from sglang.srt.sampling.sampling_params import SamplingParams\n"
+        "def req(n):\n"
+        "    return types.SimpleNamespace(sampling_params=SamplingParams(max_new_tokens=n), return_logprob=True,\n"
+        "                                 custom_logit_processor=None, grammar=None, return_hidden_states=False)\n"
+        "common.set_active_mode('tree-verify')\n"
+        "print('prefill', du.validate_dflash_request(req(0), False))\n"
+        "print('generate', du.validate_dflash_request(req(4), False))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if line.startswith(("prefill", "generate")))
+    assert lines["prefill"] == "None"
+    assert "return_logprob" in lines["generate"]
 
 
 @pytest.mark.sglang_api

@@ -13,6 +13,14 @@ constraints, frequency / presence / repetition penalties, ``min_new_tokens``,
 ``logit_bias`` and custom logit processors (they depend on the emitted history,
 which differs per tree branch).  Shadow-linear commits through SGLang's own
 DFlash chain step and admits what DFlash admits.
+
+One logprob request is served in every speculative mode: the prefill-only
+re-score (``max_new_tokens == 0`` with ``return_logprob``), whose input-token
+logprobs come from the target's own forward over the prompt -- no draft, no
+verify, nothing emitted.  The deploy gate's canary re-scores a server's greedy
+output with it (deploy/canary.py).  SGLang's DFLASH refuses every
+``return_logprob``; :func:`dflash_verdict` lifts exactly that refusal for
+exactly this request.  Logprobs with generation stay refused.
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ from typing import Any, Optional
 
 from .config import TREE_VERIFY
 
-__all__ = ["tree_verify_rejection", "rejection"]
+__all__ = ["tree_verify_rejection", "rejection", "prefill_only_logprob", "dflash_verdict"]
 
 
 def _nonzero(v, neutral: float) -> bool:
@@ -31,12 +39,33 @@ def _nonzero(v, neutral: float) -> bool:
         return True
 
 
+def prefill_only_logprob(req: Any) -> bool:
+    """``req`` asks input-token logprobs and generates nothing (``max_new_tokens == 0``)."""
+    sp = getattr(req, "sampling_params", None)
+    try:
+        return bool(getattr(req, "return_logprob", False)) and sp is not None and \
+            int(getattr(sp, "max_new_tokens", -1)) == 0
+    except (TypeError, ValueError):
+        return False
+
+
+def dflash_verdict(result: Optional[str], req: Any, enable_overlap: bool = False) -> Optional[str]:
+    """SGLang's ``validate_dflash_request`` verdict, except that the prefill-only
+    logprob request is admitted (SGLang checks ``return_logprob`` first, so its
+    other check, hidden states under overlap, is made again here)."""
+    if result is None or not prefill_only_logprob(req):
+        return result
+    if enable_overlap and getattr(req, "return_hidden_states", False):
+        return result
+    return None
+
+
 def tree_verify_rejection(req: Any) -> Optional[str]:
     """The reason a tree-verify DDTREE server cannot serve ``req`` (an SGLang
     ``Req``-like object with ``sampling_params``), or ``None``."""
     sp = getattr(req, "sampling_params", None)
     what = []
-    if getattr(req, "return_logprob", False):
+    if getattr(req, "return_logprob", False) and not prefill_only_logprob(req):
         what.append("return_logprob")
     if sp is not None:
         for name in ("json_schema", "regex", "ebnf", "structural_tag"):

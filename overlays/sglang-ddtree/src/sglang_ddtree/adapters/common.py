@@ -23,7 +23,7 @@ import os
 from types import ModuleType
 from typing import Callable, Optional
 
-from ..admission import rejection
+from ..admission import dflash_verdict, rejection
 from ..config import ALGORITHM_NAME, TREE_VERIFY, overlap_decision, resolve_ddtree_config, server_arg_writes
 
 logger = logging.getLogger(__name__)
@@ -42,7 +42,11 @@ def set_active_mode(mode: Optional[str]) -> None:
 
 def admission_after_hook(result, req, *args, **kwargs):
     """HookType.AFTER on ``validate_dflash_request(req, enable_overlap)``: keep
-    SGLang's own verdict, else DDTREE's (None on non-DDTREE servers)."""
+    SGLang's own verdict (but admit the prefill-only logprob request, the
+    target's own forward: admission.dflash_verdict), else DDTREE's (None on
+    non-DDTREE servers)."""
+    overlap = bool(args[0] if args else kwargs.get("enable_overlap", False))
+    result = dflash_verdict(result, req, overlap)
     if result is not None:
         return result
     return rejection(_ACTIVE_MODE, req)
