@@ -126,13 +126,19 @@ def bench_floor(results: list[dict], *, plugin_digest: str | None, model: str | 
     return round(FLOOR_FRACTION * float(best[0]), 3), f"{FLOOR_FRACTION} x {best[0]} ({best[1]})"
 
 
-def spec(cfg: dict, floor: float | None, floor_source: str) -> dict | None:
-    """What the host agent's gate runs for one service (None: no canary)."""
+# Modes whose server admits the prefill-only logprob request: the plugin's (its admission hook). `linear` is
+# SGLang's own DFLASH without the plugin loaded, which refuses every return_logprob: its canary checks the
+# accept length only.
+RESCORE_MODES = ("tree-verify", "shadow-linear")
+
+
+def spec(cfg: dict, floor: float | None, floor_source: str, rescore: bool = True) -> dict | None:
+    """What the host agent's gate runs for one service (None: no canary); `rescore`: the lossless check too."""
     if not cfg.get("enabled", True):
         return None
     prompts = cfg.get("prompts") or kit_prompts()
     return {"prompts": [{"input_ids": list(p)} if isinstance(p, list) else {"text": p} for p in prompts],
-            "tokens": int(cfg["tokens"]), "margin": float(cfg["margin"]),
+            "tokens": int(cfg["tokens"]), "margin": float(cfg["margin"]), "rescore": bool(rescore),
             "accept_floor": floor, "floor_source": floor_source}
 
 
@@ -153,10 +159,12 @@ def plan_host(host, results: list[dict], plugin_digest: str | None) -> tuple[dic
         else:
             floor, src = bench_floor(results, plugin_digest=plugin_digest, model=s.model, draft_model=s.draft_model,
                                      mode=s.mode, budget=s.budget)
-        specs[s.instance] = spec(cfg, floor, src)
-        notes[s.instance] = (f"canary {len(specs[s.instance]['prompts'])} prompts x {cfg['tokens']} tokens, margin "
-                             f"{cfg['margin']} nats, " + (f"accept floor {floor} ({src})" if floor is not None
-                                                          else f"no accept floor: {src}"))
+        rescore = s.mode in RESCORE_MODES
+        specs[s.instance] = spec(cfg, floor, src, rescore)
+        notes[s.instance] = (f"canary {len(specs[s.instance]['prompts'])} prompts x {cfg['tokens']} tokens, "
+                             + (f"margin {cfg['margin']} nats, " if rescore else
+                                f"no lossless re-score in {s.mode} mode (SGLang's DFLASH refuses logprobs), ")
+                             + (f"accept floor {floor} ({src})" if floor is not None else f"no accept floor: {src}"))
     return specs, notes
 
 

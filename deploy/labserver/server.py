@@ -68,8 +68,8 @@ Its "model" is a deterministic function of the token ids (`next_token`; text is 
 /generate (by `text` or `input_ids`) emits its argmax at every position, and a prefill-only request
 (`max_new_tokens: 0` with `return_logprob`, `logprob_start_len`, `top_logprobs_num`) returns SGLang's
 `input_token_logprobs` / `input_top_logprobs` of that same distribution, so a server re-scoring its own greedy
-output finds every token on the argmax. Like DFLASH and the DDTREE plugin, a speculative server answers
-`return_logprob` with generation (max_new_tokens > 0) with 400.
+output finds every token on the argmax. Like SGLang's DFLASH, a speculative server answers `return_logprob` with
+400, except the prefill-only request where the DDTREE plugin is loaded (SGLANG_PLUGINS set), which admits it.
 
 Stdlib only: it runs with the lab host's /usr/bin/python3.
 """
@@ -485,6 +485,10 @@ def make_handler(state):
                 by_ids = isinstance(ids, list) and ids and all(isinstance(x, int) for x in ids)
                 if not by_ids:
                     ids = [word_id(w) for w in str(req.get("text") or "").split()] or [1]
+                plugin = bool(os.environ.get("SGLANG_PLUGINS"))  # the DDTREE plugin loaded (allow-listed)
+                if req.get("return_logprob") and state.algorithm and not (plugin and sp.get("max_new_tokens") == 0):
+                    return self.send(400, {"error": {"message": "%s speculative decoding does not support "
+                                                                "return_logprob yet." % state.algorithm}})
                 if sp.get("max_new_tokens") == 0:  # prefill only: the target's own forward, logprobs if asked
                     meta = {"id": rid, "finish_reason": {"type": "length", "length": 0}, "prompt_tokens": len(ids),
                             "completion_tokens": 0, "cached_tokens": 0, "e2e_latency": round(time.time() - t0, 6)}
@@ -492,9 +496,6 @@ def make_handler(state):
                         meta["input_token_logprobs"], meta["input_top_logprobs"] = input_logprobs(
                             ids, req.get("logprob_start_len") or 0, req.get("top_logprobs_num"))
                     return self.send(200, {"text": "", "output_ids": [], "meta_info": meta})
-                if req.get("return_logprob") and state.algorithm:
-                    return self.send(400, {"error": {"message": "%s speculative decoding does not support "
-                                                                "return_logprob yet." % state.algorithm}})
                 pieces = self._complete(req.get("text"), sp.get("max_new_tokens"))
                 n, ptoks = len(pieces), len(ids) if by_ids else len(str(req.get("text") or "").split())
                 gen_ids = greedy(ids, n)

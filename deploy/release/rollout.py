@@ -223,16 +223,22 @@ class Printer:
                 print(line, flush=True)
 
 
+def canary_text(c: dict | None) -> str:
+    """What a passed canary showed, for the gate's line."""
+    if not isinstance(c, dict):
+        return ""
+    return (f", canary {c.get('tokens')} tokens"
+            + (f" within {c['max_gap']} nats of the argmax" if c.get("max_gap") is not None else "")
+            + (f", floor {c['accept_floor']}" if c.get("accept_floor") is not None else ""))
+
+
 def gate_line(inst: str, port: int, g: dict) -> str:
     if g.get("ok"):
         steps = g.get("steps", {})
         al = g.get("accept_length")
-        c = g.get("canary")
         return (f"{inst} :{port} gate ok in {g.get('seconds', 0):.1f}s (ready {steps.get('ready', 0):.1f}s, "
                 f"{g.get('algorithm')}" + (f", accept length {al}" if al is not None else "")
-                + (f", canary {c.get('tokens')} tokens within {c.get('max_gap')} nats of the argmax"
-                   + (f", floor {c['accept_floor']}" if c.get("accept_floor") is not None else "")
-                   if isinstance(c, dict) else "") + ")")
+                + canary_text(g.get("canary")) + ")")
     out = f"{inst} :{port} gate FAILED at {g.get('step')}: {g.get('detail')}"
     tail = [ln for ln in g.get("journal", []) if ln.strip()][-3:]
     return out + "".join(f"\n      | {ln}" for ln in tail)

@@ -143,12 +143,13 @@ def test_attach_gives_each_gate_its_canary_and_start_timeout():
 
 # ---------------------------------------------------------------- the agent's canary against the stand-in
 
+PLUGIN = {"SGLANG_PLUGINS": "ddtree"}  # as the unit of a DDTREE service sets it: the plugin loaded
 SPEC = {"prompts": [{"input_ids": p} for p in canary.kit_prompts(2)] + [{"text": "The capital of France is"}],
         "tokens": 8, "margin": 0.125, "accept_floor": 2.0, "floor_source": "test"}
 
 
 def test_a_lossless_paying_server_passes_the_canary(labserver):  # noqa: F811
-    _, port = labserver({"LABSERVER_TOKEN_SECONDS": "0"})
+    _, port = labserver({**PLUGIN, "LABSERVER_TOKEN_SECONDS": "0"})
     g = agent.gate(port, EXPECT, start_timeout=10, gate_timeout=10, canary_spec=SPEC)
     assert g["ok"], g
     assert "canary" in g["steps"] and g["canary"]["tokens"] == 3 * 8 and g["canary"]["max_gap"] <= 0.125
@@ -156,7 +157,7 @@ def test_a_lossless_paying_server_passes_the_canary(labserver):  # noqa: F811
 
 
 def test_a_lossy_server_fails_the_canary_naming_prompt_position_and_gap(labserver):  # noqa: F811
-    _, port = labserver({"LABSERVER_TOKEN_SECONDS": "0", "LABSERVER_OFF_ARGMAX": "5"})
+    _, port = labserver({**PLUGIN, "LABSERVER_TOKEN_SECONDS": "0", "LABSERVER_OFF_ARGMAX": "5"})
     g = agent.gate(port, EXPECT, start_timeout=10, gate_timeout=10, canary_spec=SPEC)
     assert not g["ok"] and g["step"] == "canary", g
     assert g["detail"].startswith("prompt 0 (12 token ids) position 5: emitted token ")
@@ -164,7 +165,7 @@ def test_a_lossy_server_fails_the_canary_naming_prompt_position_and_gap(labserve
 
 
 def test_a_collapsed_acceptance_fails_the_floor(labserver):  # noqa: F811
-    _, port = labserver({"LABSERVER_TOKEN_SECONDS": "0", "LABSERVER_ACCEPT_LENGTH": "1.0"})
+    _, port = labserver({**PLUGIN, "LABSERVER_TOKEN_SECONDS": "0", "LABSERVER_ACCEPT_LENGTH": "1.0"})
     g = agent.gate(port, EXPECT, start_timeout=10, gate_timeout=10, canary_spec=SPEC)
     assert not g["ok"] and g["step"] == "canary", g
     assert g["detail"] == "accept length 1.000 over 3 prompts is below the floor 2.0 (test)"
@@ -174,7 +175,7 @@ def test_a_collapsed_acceptance_fails_the_floor(labserver):  # noqa: F811
 
 
 def test_the_stand_in_refuses_logprobs_with_generation_like_dflash(labserver):  # noqa: F811
-    _, port = labserver({"LABSERVER_TOKEN_SECONDS": "0"})
+    _, port = labserver({**PLUGIN, "LABSERVER_TOKEN_SECONDS": "0"})
     assert agent.gate(port, EXPECT, start_timeout=10, gate_timeout=10)["ok"]
     req = urllib.request.Request(f"http://127.0.0.1:{port}/generate", data=json.dumps(
         {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 4}, "return_logprob": True}).encode(),
@@ -182,3 +183,20 @@ def test_the_stand_in_refuses_logprobs_with_generation_like_dflash(labserver):  
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(req, timeout=5)
     assert e.value.code == 400 and b"return_logprob" in e.value.read()
+
+
+def test_linear_mode_canary_checks_the_accept_length_only(tmp_path, labserver):  # noqa: F811
+    """`linear` is SGLang's DFLASH without the plugin, which refuses every logprob request: its canary does not
+    re-score (a re-score there fails, refused), and still holds the accept floor."""
+    i = inv(tmp_path, """\
+        mode: linear
+        canary: {accept_floor: 2.0}
+        """)
+    specs, notes = canary.plan_host(i.hosts["a"], [], "d")
+    assert specs["gpu0"]["rescore"] is False and "no lossless re-score in linear mode" in notes["gpu0"]
+    _, port = labserver({"LABSERVER_TOKEN_SECONDS": "0"}, algorithm="DFLASH")
+    expect = dict(EXPECT, algorithm="DFLASH")
+    g = agent.gate(port, expect, start_timeout=10, gate_timeout=10, canary_spec=dict(SPEC, rescore=False))
+    assert g["ok"] and g["canary"]["max_gap"] is None and g["canary"]["accept_length"] >= 2.0, g
+    g = agent.gate(port, expect, start_timeout=10, gate_timeout=10, canary_spec=SPEC)
+    assert not g["ok"] and g["step"] == "canary" and "does not support return_logprob" in g["detail"], g

@@ -189,12 +189,24 @@ def canary(port, spec, left, address="127.0.0.1", api_key=None):
     """Run a canary spec (deploy/canary.py) against one server. `left()`: seconds left of the gate's deadline.
     Returns (ok, detail, info); a failure's detail names the prompt, the position and the gap."""
     margin = float(spec["margin"])
-    info = {"prompts": len(spec["prompts"]), "tokens": 0, "max_gap": 0.0, "accept_length": None,
+    info = {"prompts": len(spec["prompts"]), "tokens": 0, "max_gap": 0.0 if spec.get("rescore", True) else None,
+            "accept_length": None,
             "accept_floor": spec.get("accept_floor"), "floor_source": spec.get("floor_source")}
     accepts = []
     for k, p in enumerate(spec["prompts"]):
         name = _name(k, p)
         ids = p.get("input_ids")
+        if not spec.get("rescore", True):  # accept length only (a server that admits no logprob request)
+            out, err = _post_json(port, dict({"text": p["text"]} if ids is None else {"input_ids": list(ids)},
+                                             sampling_params={"max_new_tokens": int(spec["tokens"]), "temperature": 0,
+                                                              "ignore_eos": True}), left, address, api_key)
+            if err:
+                return False, "%s: greedy /generate: %s" % (name, err), info
+            al = (out.get("meta_info") or {}).get("spec_accept_length")
+            if isinstance(al, (int, float)) and not isinstance(al, bool):
+                accepts.append(float(al))
+            info["tokens"] += len(out.get("output_ids") or [])
+            continue
         if ids is None:  # the prompt's token ids, from the server's own tokenizer, by the same prefill request
             out, err = _post_json(port, {"text": p["text"], "sampling_params": {"max_new_tokens": 0, "temperature": 0},
                                          "return_logprob": True, "logprob_start_len": 0}, left, address, api_key)
