@@ -22,6 +22,19 @@ def expectations(host, configs: dict) -> dict[str, float]:
             for s in host.services if s.enabled}
 
 
+def timed_gates(gates: dict, host, manifest: dict | None) -> dict:
+    """`gates` (instance -> gate) each with the start timeout of its service in `manifest` (its mode and budget;
+    the family is not known here: the slower family's expectation). What restart and rollback send; a deploy's
+    plan refines it with the family its probe read (`plan`)."""
+    svcs = (manifest or {}).get("services") or {}
+    for inst, g in gates.items():
+        s = svcs.get(inst) or {}
+        exp = startup.expected_start(str(s.get("mode")), int(s.get("budget") or 0), None,
+                                     host.vars.get("start_seconds"))
+        g["start_timeout"] = startup.start_timeout(exp, host.vars["start_timeout"])
+    return gates
+
+
 def plan(inventory_path: str, plans: dict, plugin_digest: str | None, parallel: int, out) -> dict:
     """Give every restart batch's gates of `plans` ({host: HostPlan}) their start timeout and canary, print what
     each canary checks (and where its accept floor came from, or that it has none) and the expected rollout

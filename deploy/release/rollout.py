@@ -91,7 +91,10 @@ def gate(svc: dict) -> dict:
 
 def restart_batches(host: Host, manifest: dict, insts: list[str], drain: bool = True) -> list[dict]:
     """`insts` in batches of the host's max_unavailable (what deploy, rollback and restart send)."""
-    return [restart_batch(manifest, b, drain) for b in batches(insts, host.vars["max_unavailable"])]
+    out = [restart_batch(manifest, b, drain) for b in batches(insts, host.vars["max_unavailable"])]
+    for b in out:  # each gate's start timeout from its service's expected start (deploy/startup.py)
+        gateplan.timed_gates(b["gates"], host, manifest)
+    return out
 
 
 def router_spec(manifest: dict | None) -> dict | None:
@@ -170,7 +173,8 @@ def rollback_spec(host: Host, previous: dict | None, current: dict) -> dict:
     return {"activate": activation(host, previous, current) if previous else None, "stop": SYSTEMCTL_STOP,
             "reset_failed": SYSTEMCTL_RESET, "restart": SYSTEMCTL_RESTART,
             "max_unavailable": host.vars["max_unavailable"],
-            "gates": {i: gate(s) for i, s in (previous or {}).get("services", {}).items()},
+            "gates": gateplan.timed_gates({i: gate(s) for i, s in (previous or {}).get("services", {}).items()},
+                                          host, previous),
             "drain": routermod.drain_spec(previous) if previous else None, "router": router_spec(previous)}
 
 

@@ -200,3 +200,43 @@ def test_linear_mode_canary_checks_the_accept_length_only(tmp_path, labserver): 
     assert g["ok"] and g["canary"]["max_gap"] is None and g["canary"]["accept_length"] >= 2.0, g
     g = agent.gate(port, expect, start_timeout=10, gate_timeout=10, canary_spec=SPEC)
     assert not g["ok"] and g["step"] == "canary" and "does not support return_logprob" in g["detail"], g
+
+
+def test_gate_plan_gives_each_gate_a_timeout_from_its_family_and_prints_the_estimate(tmp_path):
+    import types
+
+    from deploy.release import gateplan
+    i = inv(tmp_path, """\
+        mode: tree-verify
+        budget: 127
+        model: /m/t
+        start_timeout: 7200
+        """)
+    h = i.hosts["a"]
+    payload = {"batches": [{"instances": ["gpu0"], "gates": {"gpu0": {"port": 30000}}}]}
+    timeouts = {}
+    for fam, config in (("hybrid", {"model_type": "qwen3_next"}), ("dense", {"model_type": "qwen3"})):
+        p = types.SimpleNamespace(host=h, probe={"configs": {"/m/t": {"config": config}}},
+                                  payload=json.loads(json.dumps(payload)))
+        lines = []
+        est = gateplan.plan(str(tmp_path / "inv.yaml"), {"a": p}, "d", 16, lambda n, m: lines.append((n, m)))
+        g = p.payload["batches"][0]["gates"]["gpu0"]
+        timeouts[fam] = g["start_timeout"]
+        assert g["canary"]["rescore"] is True and g["canary"]["accept_floor"] is None
+        assert g["start_timeout"] == startup.start_timeout(startup.expected_start("tree-verify", 127, fam), 7200)
+        assert ("local", startup.estimate_line(est)) == lines[-1] and est["gpus"] == 1
+        assert any("no accept floor: no bench result" in m for _, m in lines), lines
+    assert timeouts["hybrid"] > timeouts["dense"]
+
+
+def test_restart_gates_get_the_start_timeout_of_their_mode_and_budget(tmp_path):
+    from deploy.release import rollout
+    h = inv(tmp_path, "start_timeout: 7200\n").hosts["a"]
+    svc = {"port": 30000, "digest": "x", "served_model_name": "m", "model": "/m", "algorithm": "DDTREE",
+           "address": "127.0.0.1", "api_key_file": None, "enabled": True, "gpu": 0}
+    man = {"services": {"gpu0": dict(svc, mode="tree-verify", budget=127)}}
+    small = {"services": {"gpu0": dict(svc, mode="tree-verify", budget=15)}}
+    [b] = rollout.restart_batches(h, man, ["gpu0"], drain=False)
+    [s] = rollout.restart_batches(h, small, ["gpu0"], drain=False)
+    assert b["gates"]["gpu0"]["start_timeout"] == startup.start_timeout(
+        startup.expected_start("tree-verify", 127, None), 7200) > s["gates"]["gpu0"]["start_timeout"]
