@@ -240,3 +240,10 @@ def test_restart_gates_get_the_start_timeout_of_their_mode_and_budget(tmp_path):
     [s] = rollout.restart_batches(h, small, ["gpu0"], drain=False)
     assert b["gates"]["gpu0"]["start_timeout"] == startup.start_timeout(
         startup.expected_start("tree-verify", 127, None), 7200) > s["gates"]["gpu0"]["start_timeout"]
+
+
+def test_the_canary_stops_at_the_gates_deadline(labserver):  # noqa: F811
+    _, port = labserver({**PLUGIN, "LABSERVER_TOKEN_SECONDS": "0"})
+    assert agent.gate(port, EXPECT, start_timeout=10, gate_timeout=10)["ok"]
+    ok, detail, info = agent.canary(port, SPEC, lambda: 1.0)
+    assert not ok and detail == "prompt 0 (12 token ids): the gate's deadline (gate_timeout) passed after 0 of 3 prompts"

@@ -2,10 +2,10 @@
 model, a short greedy /generate and /server_info with the expected speculative algorithm, each within the
 deadlines, while its unit neither fails nor restarts; then, when the plan gives one, the canary (`canary`): held
 prompts generated greedy and re-scored by the server's own prefill, every emitted token within the margin of the
-target's argmax, and the accept length at or above the floor (deploy/canary.py says what and why). Read-only; runs on the host against the address the
-service listens on (the manifest's "address": loopback unless the inventory says otherwise), with the host's API
-key in the Authorization header when the service has one (read by the caller from the root-only key file; never
-printed or returned)."""
+target's argmax, and the accept length at or above the floor (deploy/canary.py says what and why). Read-only;
+runs on the host against the address the service listens on (the manifest's "address": loopback unless the
+inventory says otherwise), with the host's API key in the Authorization header when the service has one (read by
+the caller from the root-only key file; never printed or returned)."""
 import json
 import time
 import urllib.error
@@ -195,6 +195,9 @@ def canary(port, spec, left, address="127.0.0.1", api_key=None):
     accepts = []
     for k, p in enumerate(spec["prompts"]):
         name = _name(k, p)
+        if left() <= 1.0:
+            return False, "%s: the gate's deadline (gate_timeout) passed after %d of %d prompts" % (
+                name, k, len(spec["prompts"])), info
         ids = p.get("input_ids")
         if not spec.get("rescore", True):  # accept length only (a server that admits no logprob request)
             out, err = _post_json(port, dict({"text": p["text"]} if ids is None else {"input_ids": list(ids)},
