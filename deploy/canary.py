@@ -7,8 +7,9 @@ speculation; the plugin admits exactly that request in its speculative modes). E
 `margin` nats of the target's argmax at its position (0.125 nats by default: the bf16 step of the logits measured
 in benchmarks/results/ddtree_issue12_h200.md, where ties within it are not a fault of the speculation).
 
-Paying: the mean accept length of the canary's generations (each request's `spec_accept_length`, as
-serve_matrix computed it on the H200; else the server's /metrics `sglang:spec_accept_length`) must be at or above
+Paying: the accept length of the canary's generations (SGLang's own per-request figures summed as `fab bench`
+sums them: completion tokens over `spec_verify_ct`; else the mean of each request's `spec_accept_length`, as
+serve_matrix averaged it on the H200; else the server's /metrics `sglang:spec_accept_length`) must be at or above
 a floor: the inventory's `accept_floor`, else FLOOR_FRACTION x the accept length `fab bench` measured on this host
 for the plugin being deployed (its source digest: each deploy is a new release id, the plugin source is what was
 measured), in this mode and budget, at its lowest measured concurrency (the canary sends one request at a time).

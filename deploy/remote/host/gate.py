@@ -168,6 +168,20 @@ def _prefill(ids, start):
             "return_logprob": True, "logprob_start_len": start, "top_logprobs_num": 1}
 
 
+def _num(v):
+    return v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def _accept(out, accepts):
+    """One generation's (spec_accept_length, completion_tokens, spec_verify_ct) from its meta_info, where it
+    reports an accept length (the last two None where it does not count them)."""
+    meta = out.get("meta_info") or {}
+    al, n, ct = _num(meta.get("spec_accept_length")), _num(meta.get("completion_tokens")), \
+        _num(meta.get("spec_verify_ct"))
+    if al is not None:
+        accepts.append((float(al), n, ct) if n is not None and ct else (float(al), None, None))
+
+
 def _metric(text, name):
     for line in text.splitlines():
         if line.startswith(name + "{") or line.startswith(name + " "):
@@ -205,9 +219,7 @@ def canary(port, spec, left, address="127.0.0.1", api_key=None):
                                                               "ignore_eos": True}), left, address, api_key)
             if err:
                 return False, "%s: greedy /generate: %s" % (name, err), info
-            al = (out.get("meta_info") or {}).get("spec_accept_length")
-            if isinstance(al, (int, float)) and not isinstance(al, bool):
-                accepts.append(float(al))
+            _accept(out, accepts)
             info["tokens"] += len(out.get("output_ids") or [])
             continue
         if ids is None:  # the prompt's token ids, from the server's own tokenizer, by the same prefill request
@@ -229,9 +241,7 @@ def canary(port, spec, left, address="127.0.0.1", api_key=None):
         gen = out.get("output_ids")
         if not isinstance(gen, list) or not gen or not all(isinstance(x, int) for x in gen):
             return False, "%s: greedy /generate returned no output_ids" % name, info
-        al = (out.get("meta_info") or {}).get("spec_accept_length")
-        if isinstance(al, (int, float)) and not isinstance(al, bool):
-            accepts.append(float(al))
+        _accept(out, accepts)
         # the same server's own prefill of prompt + output: the target's distribution at each emitted position
         # (entry 0 is the last prompt token, whose predicting distribution is not returned)
         out, err = _post_json(port, _prefill(ids + gen, len(ids) - 1), left, address, api_key)
@@ -258,8 +268,10 @@ def canary(port, spec, left, address="127.0.0.1", api_key=None):
                 return False, ("%s position %d: emitted token %d is %.3f nats below the target's argmax %d "
                                "(margin %s nats)" % (name, j, gen[j], gap, best_id, margin)), info
         info["tokens"] += len(gen)
-    if accepts:
-        info["accept_length"] = round(sum(accepts) / len(accepts), 3)
+    if accepts:  # as fab bench sums it: tokens over verify steps, else the mean of the requests' own figures
+        counted = [a for a in accepts if a[1] is not None]
+        info["accept_length"] = round(sum(a[1] for a in counted) / sum(a[2] for a in counted), 3) \
+            if len(counted) == len(accepts) else round(sum(a[0] for a in accepts) / len(accepts), 3)
         info["accept_from"] = "requests"
     else:  # the server's own gauge, where requests do not report theirs
         code, raw = http(port, "GET", "/metrics", timeout=min(5.0, left()), address=address)
