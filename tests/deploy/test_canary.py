@@ -247,3 +247,20 @@ def test_the_canary_stops_at_the_gates_deadline(labserver):  # noqa: F811
     assert agent.gate(port, EXPECT, start_timeout=10, gate_timeout=10)["ok"]
     ok, detail, info = agent.canary(port, SPEC, lambda: 1.0)
     assert not ok and detail == "prompt 0 (12 token ids): the gate's deadline (gate_timeout) passed after 0 of 3 prompts"
+
+
+def test_canary_settings_merge_key_by_key_across_scopes(tmp_path):
+    p = tmp_path / "inv.yaml"
+    p.write_text(textwrap.dedent("""\
+        reference: a
+        vars:
+          canary: {margin: 0.5, tokens: 8}
+        hosts:
+          a:
+            address: 10.0.0.1
+            gpus: 1
+            vars:
+              canary: {accept_floor: 4}
+        """))
+    cfg = canary.settings(parse_inventory(load_yaml(str(p)), str(p)).hosts["a"].vars)
+    assert (cfg["margin"], cfg["tokens"], cfg["accept_floor"]) == (0.5, 8, 4)
