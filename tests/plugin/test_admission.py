@@ -88,8 +88,8 @@ def test_prefill_only_logprob_request_is_admitted_in_every_mode():
 
 @pytest.mark.sglang_api
 def test_hook_admits_the_prefill_only_logprob_request_through_sglangs_validator():
-    """Through SGLang's real validate_dflash_request (which refuses every return_logprob): with the hook, the
-    prefill-only request passes and logprobs with generation are still refused."""
+    """Through SGLang's real validate_dflash_request (0.5.17's refuses every return_logprob) with the hook
+    `register` installs: the prefill-only request passes, logprobs with generation are refused in tree-verify."""
     import subprocess
     import sys
 
@@ -97,7 +97,7 @@ def test_hook_admits_the_prefill_only_logprob_request_through_sglangs_validator(
         "import types\n"
         "from sglang_ddtree.adapters import common\n"
         "from sglang.srt.plugins.hook_registry import HookRegistry, HookType\n"
-        "HookRegistry.register(common.ADMISSION_TARGET, common.admission_after_hook, HookType.AFTER)\n"
+        "HookRegistry.register(common.ADMISSION_TARGET, common.admission_around_hook, HookType.AROUND)\n"
         "HookRegistry.apply_hooks()\n"
         "import sglang.srt.speculative.dflash_utils as du\n"
         "from sglang.srt.sampling.sampling_params import SamplingParams\n"
