@@ -141,3 +141,72 @@ def test_hook_patches_the_function_the_scheduler_calls():
     lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if line.startswith(("before", "after")))
     assert lines["before"] == "None"
     assert "DDTREE tree-verify does not support frequency_penalty" in lines["after"]
+
+
+class _Target:
+    def __init__(self):
+        self.seen = []
+
+    def forward_batch_generation(self, batch, *args, **kwargs):
+        self.seen.append(batch.return_logprob)
+        return "target out"
+
+
+def _dflash_prefill(batch, target):
+    """SGLang 0.5.17's DFlashWorkerV2.forward_batch_generation of a prefill, reduced to what matters here."""
+    if getattr(batch, "return_logprob", False):
+        raise ValueError("DFLASH speculative decoding does not support return_logprob yet.")
+    return target.forward_batch_generation(batch, capture_hidden_mode="FULL")
+
+
+def test_a_prefill_with_logprobs_reaches_the_targets_forward_past_dflashs_check():
+    target = _Target()
+    batch = types.SimpleNamespace(return_logprob=True)
+    with pytest.raises(ValueError):
+        _dflash_prefill(batch, target)
+    with admission.logprobs_past_dflash(batch, target):
+        assert _dflash_prefill(batch, target) == "target out"
+    assert target.seen == [True] and batch.return_logprob is True  # the target computed the logprobs
+    assert "forward_batch_generation" not in vars(target)  # the method is the class's again
+    plain = types.SimpleNamespace(return_logprob=False)
+    with admission.logprobs_past_dflash(plain, target):
+        _dflash_prefill(plain, target)
+    assert target.seen == [True, False] and plain.return_logprob is False
+    with pytest.raises(RuntimeError):  # an error inside still puts everything back
+        with admission.logprobs_past_dflash(batch, target):
+            raise RuntimeError("boom")
+    assert batch.return_logprob is True and "forward_batch_generation" not in vars(target)
+
+
+def test_sglangs_own_dflash_prefill_reaches_the_target_with_logprobs():
+    """SGLang's real DFlashWorkerV2.forward_batch_generation (0.5.17's raises on return_logprob), run on a stand-in
+    worker and batch up to the target's forward: under logprobs_past_dflash the target gets the batch with
+    return_logprob set (what happens after the target's forward needs a GPU)."""
+    try:
+        from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
+    except Exception as exc:  # noqa: BLE001 - 0.5.23's worker does not import on a CPU host
+        pytest.skip(f"SGLang's DFlash worker does not import here: {type(exc).__name__}")
+
+    class Stop(Exception):
+        pass
+
+    class Target:
+        seen = []
+
+        def forward_batch_generation(self, batch, *args, **kwargs):
+            self.seen.append(batch.return_logprob)
+            raise Stop
+
+    mode = types.SimpleNamespace(is_extend=lambda: True, is_idle=lambda: False)
+    batch = types.SimpleNamespace(return_logprob=True, forward_mode=mode, is_extend_in_batch=True)
+    worker = types.SimpleNamespace(target_worker=Target(), _validate_phase1_sampling_support=lambda b: None)
+    try:
+        DFlashWorkerV2.forward_batch_generation(worker, batch)
+    except ValueError as exc:
+        assert "return_logprob" in str(exc)
+    except Exception:  # noqa: BLE001 - a DFlash worker that does not refuse logprobs (0.5.23) goes on
+        pytest.skip("this SGLang's DFlash worker does not refuse logprobs")
+    with pytest.raises(Stop):
+        with admission.logprobs_past_dflash(batch, worker.target_worker):
+            DFlashWorkerV2.forward_batch_generation(worker, batch)
+    assert Target.seen == [True] and batch.return_logprob is True

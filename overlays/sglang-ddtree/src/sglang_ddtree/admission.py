@@ -20,16 +20,20 @@ logprobs come from the target's own forward over the prompt -- no draft, no
 verify, nothing emitted.  The deploy gate's canary re-scores a server's greedy
 output with it (deploy/canary.py).  SGLang's DFLASH refuses every
 ``return_logprob``; :func:`dflash_verdict` lifts exactly that refusal for
-exactly this request.  Logprobs with generation stay refused.
+exactly this request, and :func:`logprobs_past_dflash` takes it past 0.5.17's
+DFlash worker, which checks again on every batch.  Logprobs with generation
+stay refused.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
 
 from .config import TREE_VERIFY
 
-__all__ = ["tree_verify_rejection", "rejection", "prefill_only_logprob", "dflash_verdict"]
+__all__ = ["tree_verify_rejection", "rejection", "prefill_only_logprob", "dflash_verdict",
+           "logprobs_past_dflash"]
 
 
 def _nonzero(v, neutral: float) -> bool:
@@ -96,3 +100,33 @@ def tree_verify_rejection(req: Any) -> Optional[str]:
 def rejection(mode: Optional[str], req: Any) -> Optional[str]:
     """Admission decision for the active DDTREE mode (``None``: not a DDTREE server)."""
     return tree_verify_rejection(req) if mode == TREE_VERIFY else None
+
+
+@contextmanager
+def logprobs_past_dflash(batch: Any, target_worker: Any) -> Iterator[None]:
+    """Around DFlash's own ``forward_batch_generation`` of a prefill batch:
+    SGLang 0.5.17's DFlash worker raises on any batch with ``return_logprob``
+    (inside the scheduler loop: the server would go down), while admission lets
+    the prefill-only logprob request through.  The flag is hidden from DFlash's
+    check and handed back to the target's own forward (``target_worker``'s
+    ``forward_batch_generation``, which computes the input-token logprobs), then
+    restored.  A batch without logprobs passes untouched."""
+    if not getattr(batch, "return_logprob", False):
+        yield
+        return
+    original = target_worker.forward_batch_generation
+
+    def target_forward(b, *args, **kwargs):
+        b.return_logprob = True
+        return original(b, *args, **kwargs)
+
+    batch.return_logprob = False
+    target_worker.forward_batch_generation = target_forward
+    try:
+        yield
+    finally:
+        try:
+            del target_worker.forward_batch_generation  # the instance attribute: the method shows again
+        except AttributeError:
+            target_worker.forward_batch_generation = original
+        batch.return_logprob = True
