@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import modes, values
+from . import canary, modes, values
 from .yamlpos import PosDict, PosList, YamlPosError, load_yaml
 
 DEFAULT_INVENTORY = "inventory/hosts.yaml"
@@ -137,6 +137,11 @@ VARS: dict[str, tuple] = {
     "api_key_file": (_api_key_file, "an absolute path or null"),
     # the host's one endpoint: sglang-router on listen_address in front of its GPU services (then on loopback)
     "router": (_router_map, "a mapping"),
+    # the rollout gate's canary (deploy/canary.py): held prompts, tokens, margin, accept_floor, enabled
+    "canary": (canary.check, "a mapping"),
+    # expected seconds from a restart to /health 200, instead of deploy/startup.py's table (the gate's start
+    # timeout and the rollout estimate follow it)
+    "start_seconds": (_in_range(1, 7200), "seconds, an integer in [1, 7200]"),
 }
 SERVICE_KEYS = {"port": (_is_port, "a TCP port (1-65535)"), "enabled": (lambda v: isinstance(v, bool), "true or false")}
 SERVICE_VARS = ("model", "draft_model", "served_model_name", "mode", "budget", "block_size", "extra_args", "env",
@@ -476,11 +481,13 @@ def _check_exposure(c: _Checker, resolved: dict, scopes: list, hline: int, hname
 
 
 def _merged(resolved: dict, scope: dict) -> dict:
-    """`scope`'s variables over `resolved`'s; `router` key by key (a host's `router: {port: 8001}` keeps the
-    fleet's other router settings)."""
+    """`scope`'s variables over `resolved`'s; `router` and `canary` key by key (a host's `router: {port: 8001}`
+    keeps the fleet's other router settings)."""
     out = resolved | scope
     if "router" in scope:
         out["router"] = dict(resolved.get("router") or {}) | scope["router"]
+    if "canary" in scope:
+        out["canary"] = dict(resolved.get("canary") or {}) | scope["canary"]
     return out
 
 

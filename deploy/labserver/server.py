@@ -58,6 +58,18 @@ Misbehaviour on request, from the unit's EnvironmentFile (so gates and automatic
     LABSERVER_TOKEN_SECONDS=S        seconds per generated token (default 0.02)
     LABSERVER_NEVER_DRAINS=1         /metrics always counts one more running request than there is (a stuck
                                      request: the drain never sees 0 and must give up at its deadline)
+    LABSERVER_OFF_ARGMAX=N           greedy generation emits, at generated position N, the runner-up token: 2.95
+                                     nats below the argmax of the stand-in's own distribution (a lossy server:
+                                     the gate's canary must refuse it)
+    LABSERVER_ACCEPT_LENGTH=X        every request, /server_info and /metrics report accept length X (X=1: the
+                                     acceptance collapsed; the canary's accept floor must refuse it)
+
+Its "model" is a deterministic function of the token ids (`next_token`; text is one id per word): greedy
+/generate (by `text` or `input_ids`) emits its argmax at every position, and a prefill-only request
+(`max_new_tokens: 0` with `return_logprob`, `logprob_start_len`, `top_logprobs_num`) returns SGLang's
+`input_token_logprobs` / `input_top_logprobs` of that same distribution, so a server re-scoring its own greedy
+output finds every token on the argmax. Like SGLang's DFLASH, a speculative server answers `return_logprob` with
+400, except the prefill-only request where the DDTREE plugin is loaded (SGLANG_PLUGINS set), which admits it.
 
 Stdlib only: it runs with the lab host's /usr/bin/python3.
 """
@@ -273,7 +285,10 @@ class State:
                     os._exit(70)
 
     def accept_length(self):
-        """A deterministic stand-in for the average accept length (tree modes accept more than linear)."""
+        """A deterministic stand-in for the average accept length (tree modes accept more than linear), or
+        LABSERVER_ACCEPT_LENGTH."""
+        if os.environ.get("LABSERVER_ACCEPT_LENGTH"):
+            return float(os.environ["LABSERVER_ACCEPT_LENGTH"])
         n = self.args.get("speculative_num_draft_tokens") or self.args.get("speculative_dflash_block_size") or 1
         return round(1.0 + min(6.0, n ** 0.5) * (1.2 if self.algorithm == "DDTREE" else 0.8), 3)
 
@@ -287,6 +302,52 @@ class State:
                                       "memory_usage": {}}] if self.algorithm else [{}],
                     labserver="stand-in: not SGLang")
         return info
+
+
+VOCAB = 32000
+TOP_LP, RUNNER_UP_LP, REST_LP = -0.05, -3.0, -12.0   # the stand-in's distribution at every position
+
+
+def word_id(word):
+    """The stand-in's tokenizer: one id per whitespace-separated word (stable across runs)."""
+    return 100 + sum((i + 1) * ord(c) for i, c in enumerate(word)) % (VOCAB - 200)
+
+
+def next_token(ids):
+    """The stand-in model's argmax after `ids` (its runner-up is the next id)."""
+    n, last = len(ids), ids[-1] if ids else 0
+    return 100 + (last * 7919 + n * 104729 + 17) % (VOCAB - 200)
+
+
+def logprob_of(prefix, tok):
+    best = next_token(prefix)
+    return TOP_LP if tok == best else RUNNER_UP_LP if tok == best + 1 else REST_LP
+
+
+def greedy(ids, n):
+    """`n` tokens after `ids`: the argmax at each position, except at LABSERVER_OFF_ARGMAX's."""
+    off = os.environ.get("LABSERVER_OFF_ARGMAX")
+    out = []
+    for i in range(n):
+        t = next_token(list(ids) + out)
+        out.append(t + 1 if off not in (None, "") and i == int(off) else t)
+    return out
+
+
+def input_logprobs(ids, start, top_n):
+    """SGLang's meta_info input_token_logprobs / input_top_logprobs of `ids` from `start` (entry 0: no
+    predicting distribution)."""
+    start = max(0, min(int(start), len(ids) - 1)) if ids else 0
+    tok, top = [], []
+    for k in range(start, len(ids)):
+        if k == start:
+            tok.append([None, ids[k], None])
+            top.append(None)
+            continue
+        best = next_token(ids[:k])
+        tok.append([logprob_of(ids[:k], ids[k]), ids[k], None])
+        top.append([[TOP_LP, best, None], [RUNNER_UP_LP, best + 1, None]][:max(0, int(top_n or 0))])
+    return tok, top
 
 
 def make_handler(state):
@@ -420,8 +481,24 @@ def make_handler(state):
             stream = bool(req.get("stream"))
             if p == "/generate":
                 sp = req.get("sampling_params") or {}
+                ids = req.get("input_ids")
+                by_ids = isinstance(ids, list) and ids and all(isinstance(x, int) for x in ids)
+                if not by_ids:
+                    ids = [word_id(w) for w in str(req.get("text") or "").split()] or [1]
+                plugin = bool(os.environ.get("SGLANG_PLUGINS"))  # the DDTREE plugin loaded (allow-listed)
+                if req.get("return_logprob") and state.algorithm and not (plugin and sp.get("max_new_tokens") == 0):
+                    return self.send(400, {"error": {"message": "%s speculative decoding does not support "
+                                                                "return_logprob yet." % state.algorithm}})
+                if sp.get("max_new_tokens") == 0:  # prefill only: the target's own forward, logprobs if asked
+                    meta = {"id": rid, "finish_reason": {"type": "length", "length": 0}, "prompt_tokens": len(ids),
+                            "completion_tokens": 0, "cached_tokens": 0, "e2e_latency": round(time.time() - t0, 6)}
+                    if req.get("return_logprob"):
+                        meta["input_token_logprobs"], meta["input_top_logprobs"] = input_logprobs(
+                            ids, req.get("logprob_start_len") or 0, req.get("top_logprobs_num"))
+                    return self.send(200, {"text": "", "output_ids": [], "meta_info": meta})
                 pieces = self._complete(req.get("text"), sp.get("max_new_tokens"))
-                n, ptoks = len(pieces), len(str(req.get("text") or "").split())
+                n, ptoks = len(pieces), len(ids) if by_ids else len(str(req.get("text") or "").split())
+                gen_ids = greedy(ids, n)
 
                 def meta(k, al):
                     m = {"id": rid, "finish_reason": {"type": "length", "length": k} if k == n else None,
@@ -436,11 +513,11 @@ def make_handler(state):
                     self.start_stream()
                     al0 = state.accept_length() if state.algorithm else None
                     self.generate(pieces, True, ptoks, lambda i: self.chunk(
-                        {"text": "".join(pieces[:i + 1]), "output_ids": list(range(100, 101 + i)),
+                        {"text": "".join(pieces[:i + 1]), "output_ids": gen_ids[:i + 1],
                          "meta_info": meta(i + 1, al0)}))
                     return self.end_stream()
                 al = self.generate(pieces, False, ptoks, lambda i: None)
-                return self.send(200, {"text": "".join(pieces), "output_ids": list(range(100, 100 + n)),
+                return self.send(200, {"text": "".join(pieces), "output_ids": gen_ids,
                                        "meta_info": meta(n, al)})
             if p == "/v1/completions":
                 if req.get("model") not in (None, state.served):

@@ -27,7 +27,7 @@ from ..remote import commands
 from ..remote.client import AgentError, LinkLost, Remote
 from ..remote.client import lock_holder as holder  # noqa: F401 (rollout.holder: tests use it)
 from ..ssh import open_checked, run_per_host
-from . import build, hostfit, hybrid, render
+from . import build, gateplan, hostfit, hybrid, render
 from . import router as routermod
 from .layout import host_args  # noqa: F401 (rollout.host_args: callers and tests use it)
 
@@ -118,7 +118,10 @@ def gate(svc: dict) -> dict:
 def restart_batches(host: Host, manifest: dict, insts: list[str], drain: bool = True,
                     previous: dict | None = None) -> list[dict]:
     """`insts` in batches of the host's max_unavailable (what deploy, rollback and restart send)."""
-    return [restart_batch(manifest, b, drain, previous) for b in batches(insts, host.vars["max_unavailable"])]
+    out = [restart_batch(manifest, b, drain, previous) for b in batches(insts, host.vars["max_unavailable"])]
+    for b in out:  # each gate's start timeout from its service's expected start (deploy/startup.py)
+        gateplan.timed_gates(b["gates"], host, manifest)
+    return out
 
 
 def router_spec(manifest: dict | None) -> dict | None:
@@ -197,7 +200,8 @@ def rollback_spec(host: Host, previous: dict | None, current: dict) -> dict:
     return {"activate": activation(host, previous, current) if previous else None, "stop": SYSTEMCTL_STOP,
             "reset_failed": SYSTEMCTL_RESET, "restart": SYSTEMCTL_RESTART,
             "max_unavailable": host.vars["max_unavailable"],
-            "gates": {i: gate(s) for i, s in (previous or {}).get("services", {}).items()},
+            "gates": gateplan.timed_gates({i: gate(s) for i, s in (previous or {}).get("services", {}).items()},
+                                          host, previous),
             "drain": routermod.drain_spec(previous, previous=current) if previous else None,
             "router": router_spec(previous)}
 
@@ -251,12 +255,22 @@ class Printer:
                 print(line, flush=True)
 
 
+def canary_text(c: dict | None) -> str:
+    """What a passed canary showed, for the gate's line."""
+    if not isinstance(c, dict):
+        return ""
+    return (f", canary {c.get('tokens')} tokens"
+            + (f" within {c['max_gap']} nats of the argmax" if c.get("max_gap") is not None else "")
+            + (f", floor {c['accept_floor']}" if c.get("accept_floor") is not None else ""))
+
+
 def gate_line(inst: str, port: int, g: dict) -> str:
     if g.get("ok"):
         steps = g.get("steps", {})
         al = g.get("accept_length")
         return (f"{inst} :{port} gate ok in {g.get('seconds', 0):.1f}s (ready {steps.get('ready', 0):.1f}s, "
-                f"{g.get('algorithm')}" + (f", accept length {al}" if al is not None else "") + ")")
+                f"{g.get('algorithm')}" + (f", accept length {al}" if al is not None else "")
+                + canary_text(g.get("canary")) + ")")
     out = f"{inst} :{port} gate FAILED at {g.get('step')}: {g.get('detail')}"
     tail = [ln for ln in g.get("journal", []) if ln.strip()][-3:]
     return out + "".join(f"\n      | {ln}" for ln in tail)
@@ -670,6 +684,8 @@ def _deploy(inv, hosts, opts, confirm, out, t0, release, plugin, overlays, build
         out(n, f"plan: release {what}; restart: {rs}" + (f"; stop: {', '.join(p.stop)}" if p.stop else ""))
         summary["hosts"].setdefault(n, {}).update(commands=[commands.shown(c) for c in p.commands],
                                                   coherence=p.coherence)
+    summary["expected_seconds"] = gateplan.plan(inv.path, go, plugin.source_digest, inv.settings["parallel"],
+                                                out)["seconds"]
     if go and confirm is not None and any(not p.unchanged or p.restart for p in go.values()):
         for n, p in go.items():
             for argv in p.commands:

@@ -740,10 +740,13 @@ class Host(object):
             results = {}
             for i in insts:
                 g = batch["gates"][i]
-                results[i] = gatemod.gate(g["port"], g["expect"], self.a["start_timeout"], self.a["gate_timeout"],
+                # the start timeout the plan derived from the mode and budget (deploy/startup.py), and the canary
+                results[i] = gatemod.gate(g["port"], g["expect"], g.get("start_timeout") or self.a["start_timeout"],
+                                          self.a["gate_timeout"],
                                           inst=i, restarts_before=int(before[i].get("NRestarts") or 0),
                                           old_invocation=before[i].get("InvocationID", ""),
-                                          address=g.get("address") or "127.0.0.1", api_key=keys.get(i))
+                                          address=g.get("address") or "127.0.0.1", api_key=keys.get(i),
+                                          canary_spec=g.get("canary"))
                 results[i]["restart_seconds"] = round(time.monotonic() - t0, 2)
         return results
 

@@ -13,15 +13,27 @@ constraints, frequency / presence / repetition penalties, ``min_new_tokens``,
 ``logit_bias`` and custom logit processors (they depend on the emitted history,
 which differs per tree branch).  Shadow-linear commits through SGLang's own
 DFlash chain step and admits what DFlash admits.
+
+One logprob request is served in every speculative mode: the prefill-only
+re-score (``max_new_tokens == 0`` with ``return_logprob``), whose input-token
+logprobs come from the target's own forward over the prompt -- no draft, no
+verify, nothing emitted.  The deploy gate's canary re-scores a server's greedy
+output with it (deploy/canary.py).  SGLang's DFLASH refuses every
+``return_logprob``; :func:`dflash_verdict` lifts exactly that refusal for
+exactly this request, and :func:`logprobs_past_dflash` takes it past 0.5.17's
+DFlash worker, which checks again on every batch.  Logprobs with generation
+stay refused.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
 
 from .config import TREE_VERIFY
 
-__all__ = ["tree_verify_rejection", "rejection"]
+__all__ = ["tree_verify_rejection", "rejection", "prefill_only_logprob", "dflash_verdict",
+           "logprobs_past_dflash"]
 
 
 def _nonzero(v, neutral: float) -> bool:
@@ -31,12 +43,33 @@ def _nonzero(v, neutral: float) -> bool:
         return True
 
 
+def prefill_only_logprob(req: Any) -> bool:
+    """``req`` asks input-token logprobs and generates nothing (``max_new_tokens == 0``)."""
+    sp = getattr(req, "sampling_params", None)
+    try:
+        return bool(getattr(req, "return_logprob", False)) and sp is not None and \
+            int(getattr(sp, "max_new_tokens", -1)) == 0
+    except (TypeError, ValueError):
+        return False
+
+
+def dflash_verdict(result: Optional[str], req: Any, enable_overlap: bool = False) -> Optional[str]:
+    """SGLang's ``validate_dflash_request`` verdict, except that the prefill-only
+    logprob request is admitted (SGLang checks ``return_logprob`` first, so its
+    other check, hidden states under overlap, is made again here)."""
+    if result is None or not prefill_only_logprob(req):
+        return result
+    if enable_overlap and getattr(req, "return_hidden_states", False):
+        return result
+    return None
+
+
 def tree_verify_rejection(req: Any) -> Optional[str]:
     """The reason a tree-verify DDTREE server cannot serve ``req`` (an SGLang
     ``Req``-like object with ``sampling_params``), or ``None``."""
     sp = getattr(req, "sampling_params", None)
     what = []
-    if getattr(req, "return_logprob", False):
+    if getattr(req, "return_logprob", False) and not prefill_only_logprob(req):
         what.append("return_logprob")
     if sp is not None:
         for name in ("json_schema", "regex", "ebnf", "structural_tag"):
@@ -67,3 +100,33 @@ def tree_verify_rejection(req: Any) -> Optional[str]:
 def rejection(mode: Optional[str], req: Any) -> Optional[str]:
     """Admission decision for the active DDTREE mode (``None``: not a DDTREE server)."""
     return tree_verify_rejection(req) if mode == TREE_VERIFY else None
+
+
+@contextmanager
+def logprobs_past_dflash(batch: Any, target_worker: Any) -> Iterator[None]:
+    """Around DFlash's own ``forward_batch_generation`` of a prefill batch:
+    SGLang 0.5.17's DFlash worker raises on any batch with ``return_logprob``
+    (inside the scheduler loop: the server would go down), while admission lets
+    the prefill-only logprob request through.  The flag is hidden from DFlash's
+    check and handed back to the target's own forward (``target_worker``'s
+    ``forward_batch_generation``, which computes the input-token logprobs), then
+    restored.  A batch without logprobs passes untouched."""
+    if not getattr(batch, "return_logprob", False):
+        yield
+        return
+    original = target_worker.forward_batch_generation
+
+    def target_forward(b, *args, **kwargs):
+        b.return_logprob = True
+        return original(b, *args, **kwargs)
+
+    batch.return_logprob = False
+    target_worker.forward_batch_generation = target_forward
+    try:
+        yield
+    finally:
+        try:
+            del target_worker.forward_batch_generation  # the instance attribute: the method shows again
+        except AttributeError:
+            target_worker.forward_batch_generation = original
+        batch.return_logprob = True

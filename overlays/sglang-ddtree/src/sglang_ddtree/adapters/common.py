@@ -10,10 +10,11 @@
   the builtin's own methods, evaluated on DDTREE's ``is_*()`` answers, so they
   give what they give for DFLASH.
 * :func:`make_validator` - the ``validate_server_args`` hook.
-* admission - an AFTER hook on SGLang's ``validate_dflash_request`` (the check
+* admission - an AROUND hook on SGLang's ``validate_dflash_request`` (the check
   the scheduler runs on every new request of a DFLASH-family server) that adds
   DDTREE's rules (:mod:`sglang_ddtree.admission`), so a request tree-verify
-  cannot serve is finished alone with an error before it joins a batch.
+  cannot serve is finished alone with an error before it joins a batch, and
+  admits the prefill-only logprob request SGLang 0.5.17's DFLASH refuses.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import os
 from types import ModuleType
 from typing import Callable, Optional
 
-from ..admission import rejection
+from ..admission import dflash_verdict, rejection
 from ..config import ALGORITHM_NAME, TREE_VERIFY, overlap_decision, resolve_ddtree_config, server_arg_writes
 from . import load_worker
 
@@ -43,10 +44,21 @@ def set_active_mode(mode: Optional[str]) -> None:
 
 def admission_after_hook(result, req, *args, **kwargs):
     """HookType.AFTER on ``validate_dflash_request(req, enable_overlap)``: keep
-    SGLang's own verdict, else DDTREE's (None on non-DDTREE servers)."""
+    SGLang's own verdict (but admit the prefill-only logprob request, the
+    target's own forward: admission.dflash_verdict), else DDTREE's (None on
+    non-DDTREE servers)."""
+    overlap = bool(args[0] if args else kwargs.get("enable_overlap", False))
+    result = dflash_verdict(result, req, overlap)
     if result is not None:
         return result
     return rejection(_ACTIVE_MODE, req)
+
+
+def admission_around_hook(original, req, *args, **kwargs):
+    """HookType.AROUND on ``validate_dflash_request`` (what ``register`` installs): SGLang's verdict through
+    ``admission_after_hook``. AROUND, not AFTER: SGLang keeps the original result where an AFTER hook returns
+    None, so an AFTER hook cannot lift SGLang 0.5.17's refusal of the prefill-only logprob request."""
+    return admission_after_hook(original(req, *args, **kwargs), req, *args, **kwargs)
 
 
 def missing_enum_methods(custom_cls: type, enum_cls: type) -> list[str]:
@@ -118,5 +130,5 @@ def register(adapter: ModuleType) -> bool:
         validate_server_args=make_validator(adapter),
         spec_class=adapter.make_spec_class(),
     )(lambda server_args: load_worker(adapter.VERSION).DDTreeWorker)  # SGLang's worker factory
-    HookRegistry.register(ADMISSION_TARGET, admission_after_hook, HookType.AFTER)
+    HookRegistry.register(ADMISSION_TARGET, admission_around_hook, HookType.AROUND)
     return True

@@ -124,7 +124,7 @@ from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
 from sglang.srt.speculative.draft_worker_common import build_block_pos_offsets, make_draft_block_spec_info
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-from ..admission import tree_verify_rejection
+from ..admission import logprobs_past_dflash, tree_verify_rejection
 from ..compile import with_full_mask
 from ..config import SHADOW_LINEAR, TREE_VERIFY, resolve_ddtree_config
 from ..indexing import recurrent_state_step
@@ -316,7 +316,9 @@ class DDTreeWorkerBase(DFlashWorkerV2):
         signature and passes its other arguments through): prefill, idle and mixed batches are
         DFlash's; a decode batch is shadow-linear's or tree-verify's."""
         if batch.forward_mode.is_extend() or batch.is_extend_in_batch or batch.forward_mode.is_idle():
-            return super().forward_batch_generation(batch, on_publish=on_publish, **passthrough)
+            # the prefill-only logprob request admission lets through: the target's own forward scores it
+            with logprobs_past_dflash(batch, self.target_worker):
+                return super().forward_batch_generation(batch, on_publish=on_publish, **passthrough)
         if self.ddtree.mode == SHADOW_LINEAR:
             return self._forward_shadow(batch, on_publish, **passthrough)
         return self._forward_tree_verify(batch, on_publish)

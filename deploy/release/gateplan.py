@@ -1,0 +1,62 @@
+"""What each restarted GPU's gate is given at `fab deploy`, planned on the control side before the confirmation:
+its start timeout (from the expected start of its mode, budget and model family: deploy/startup.py) and its canary
+(deploy/canary.py), and the rollout's expected wall time, printed before anything changes."""
+from __future__ import annotations
+
+from .. import bench, canary, startup
+from . import hybrid
+
+
+def family(configs: dict, model: str | None) -> str | None:
+    """"hybrid" or "dense" from the model's config.json as the plan's probe read it; None when not read."""
+    c = (configs.get(model) or {}).get("config") if model else None
+    if not isinstance(c, dict):
+        return None
+    return "hybrid" if hybrid.hybrid_reason(c) else "dense"
+
+
+def expectations(host, configs: dict) -> dict[str, float]:
+    """{instance: expected start seconds} of a host's enabled services (the inventory's start_seconds wins)."""
+    override = host.vars.get("start_seconds")
+    return {s.instance: startup.expected_start(s.mode, s.budget, family(configs, s.model), override)
+            for s in host.services if s.enabled}
+
+
+def timed_gates(gates: dict, host, manifest: dict | None) -> dict:
+    """`gates` (instance -> gate) each with the start timeout of its service in `manifest` (its mode and budget;
+    the family is not known here: the slower family's expectation). What restart and rollback send; a deploy's
+    plan refines it with the family its probe read (`plan`)."""
+    svcs = (manifest or {}).get("services") or {}
+    for inst, g in gates.items():
+        s = svcs.get(inst) or {}
+        exp = startup.expected_start(str(s.get("mode")), int(s.get("budget") or 0), None,
+                                     host.vars.get("start_seconds"))
+        g["start_timeout"] = startup.start_timeout(exp, host.vars["start_timeout"])
+    return gates
+
+
+def plan(inventory_path: str, plans: dict, plugin_digest: str | None, parallel: int, out) -> dict:
+    """Give every restart batch's gates of `plans` ({host: HostPlan}) their start timeout and canary, print what
+    each canary checks (and where its accept floor came from, or that it has none) and the expected rollout
+    time. Returns the estimate (startup.rollout_estimate)."""
+    per_host = []
+    for n, p in plans.items():
+        host = p.host
+        results, _problems = bench.load_results(inventory_path, n)
+        specs, notes = canary.plan_host(host, results, plugin_digest)
+        expected = expectations(host, (p.probe or {}).get("configs") or {})
+        timeouts = {i: startup.start_timeout(e, host.vars["start_timeout"]) for i, e in expected.items()}
+        canary.attach(p.payload, specs, timeouts)
+        batches = p.payload.get("batches") or []
+        restarting = [i for b in batches for i in b["instances"]]
+        grouped: dict[str, list[str]] = {}
+        for i in restarting:
+            grouped.setdefault(f"{notes.get(i, 'no canary')}; start timeout {timeouts.get(i)} s "
+                               f"(expected start ~{round(expected.get(i, 0))} s)", []).append(i)
+        for line, insts in grouped.items():
+            out(n, f"gate of {', '.join(insts)}: {line}")
+        per_host.append([[expected.get(i, startup.COLD_START_S) for i in b["instances"]] for b in batches])
+    est = startup.rollout_estimate(per_host, parallel)
+    if est["gpus"]:
+        out("local", startup.estimate_line(est))
+    return est
