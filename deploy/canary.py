@@ -105,8 +105,7 @@ def bench_floor(results: list[dict], *, plugin_digest: str | None, model: str | 
                 mode: str, budget: int | None) -> tuple[float | None, str]:
     """(FLOOR_FRACTION x the accept length bench measured, where it came from) or (None, why there is none).
     `results`: deploy.bench.load_results of the host."""
-    from .bench import DEPLOY_MODE
-    want = f"mode {mode}" + (f" B={budget}" if mode != "linear" else "")
+    want = f"mode {mode}" + (f" B={budget}" if contract.is_ddtree(mode) else "")
     if not plugin_digest:
         return None, "the plugin has no source digest to match bench results against"
     mine = [r for r in results if (r.get("plugin") or {}).get("source_digest") == plugin_digest
@@ -114,7 +113,8 @@ def bench_floor(results: list[dict], *, plugin_digest: str | None, model: str | 
     best = None
     for rec in sorted(mine, key=lambda r: (str(r.get("created")), str(r.get("release"))), reverse=True):
         for run in (rec.get("report") or {}).get("runs") or []:
-            if DEPLOY_MODE.get(run.get("mode")) != mode or (mode != "linear" and run.get("budget") != budget):
+            ran = contract.deploy_name(run.get("mode"))
+            if ran not in contract.MODES or ran != mode or (contract.is_ddtree(mode) and run.get("budget") != budget):
                 continue
             lvs = [lv for lv in run.get("levels") or [] if not lv.get("errors") and lv.get("accept_length")]
             if lvs:

@@ -102,7 +102,7 @@ def test_inventory_canary_settings_and_defaults(tmp_path):
 
 
 def test_default_prompts_are_the_tiny_kits():
-    smoke = pytest.importorskip("sglang_ddtree.smoke")
+    smoke = pytest.importorskip("sglang_ddtree_tools.smoke")
     assert canary.kit_prompts() == smoke.make_prompts(4)
 
 
