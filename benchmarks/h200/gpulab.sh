@@ -12,7 +12,8 @@
 #                      gpu-ref's managed venv (/opt/torch/.venv, the machine's own torch) through its sshd, the
 #                      reference's SGLang 0.5.17; gpu-drift keeps the machine's venv as it is (no SGLang,
 #                      transformers 5.17, which SGLang 0.5.17's model configs fail on: a real drift).
-#   fab ARGS...        there: `fab ARGS` inside the control chroot against inventory/gpulab.yaml; its output is
+#   fab ARGS...        there: `fab ARGS` inside the control chroot against inventory/gpulab.yaml (INV=FILE: another
+#                      inventory, e.g. inventory/gpulab-leaky.yaml); its output is
 #                      kept under $OUT/fab-<n>.txt.
 #   kit / kitwait [S]  there: trains the kit's hybrid pair on the GPU in the background (FAMILY, SEED), gives its
 #                      models a tokenizer (kit_tokenizer.py) and puts them, readable by the service user, in $KIT;
@@ -28,7 +29,7 @@ step=${1:?step: prepare, up, kit, kitwait, sglang, fab or down}; shift
 
 in_chroot() {  # command line run inside the control chroot, from /src, with the GPU lab's environment
   chroot "$B" /usr/bin/env -i PATH=/opt/ddtree-control/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LANG=C.UTF-8 \
-    COLUMNS="${COLUMNS:-100}" PYTHONUNBUFFERED=1 DEPLOY_INVENTORY=inventory/gpulab.yaml \
+    COLUMNS="${COLUMNS:-100}" PYTHONUNBUFFERED=1 DEPLOY_INVENTORY="${INV:-inventory/gpulab.yaml}" \
     DDTREE_GPULAB_MACHINE=/machine DDTREE_GPULAB_MODELS=/kit /bin/sh -c "cd /src && $*"
 }
 
