@@ -9,17 +9,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/agenthelpers.py for every test folder
+# tests/helpers.py, agenthelpers.py, provhelpers.py, labstate.py for every test folder. No test folder is a package
+# named like a product package: `deploy` is always this checkout's (its root first, before an installed copy).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(ROOT))
 # inventory/lab.yaml, or for a second lab on this machine (DDTREE_LAB_ID) its own copy of it
-try:
-    from deploy.lab.fleet import lab_inventory_path
-except ImportError:
-    # An interpreter without the toolkit installed (the SGLang 0.5.17 venv runs tests/plugin only): there
-    # `deploy` resolved to the test package tests/deploy, which pytest's path insertion puts first.
-    for _m in [m for m in sys.modules if m == "deploy" or m.startswith("deploy.")]:
-        del sys.modules[_m]
-    sys.path.insert(0, str(ROOT))
-    from deploy.lab.fleet import lab_inventory_path
+from deploy.lab.fleet import lab_inventory_path  # noqa: E402
 
 LAB_INVENTORY = lab_inventory_path()
 

@@ -1,6 +1,6 @@
 """A bounded streaming load generator for the lab: N clients per endpoint (a host's router), each sending streaming
 `/generate` requests one after another until a fixed total of requests has been sent or a time cap passed; it
-stops by itself. Used by tests/deploy/test_lab_router.py and benchmarks/rollout_under_load.py.
+stops by itself. Used by tests/lab/test_lab_router.py and benchmarks/rollout_under_load.py.
 
 Lab addresses only: every endpoint must be in this lab's subnet (deploy/lab/fleet.SUBNET) or loopback, so it can
 never be pointed at a real fleet. Stdlib HTTP (urllib), one thread per client.

@@ -6,7 +6,7 @@ then listen on loopback only). Pure rendering and the drain's spec; nothing here
   none); `wheel()` finds it and checks its sha256 against the pin. It travels in a release bundle only to a host
   that has no router venv for it yet; the agent builds `<state_dir>/router/<name>-<version>-<sha12>/` from it once
   (`python3 -m venv`, pip --no-index --no-deps), atomically, and every release using that wheel shares it.
-- The arguments (sglang-router 0.3.2's flags, verified against its own parser in tests/deploy/test_router.py):
+- The arguments (sglang-router 0.3.2's flags, verified against its own parser in tests/toolkit/test_router.py):
   `--host/--port` the host's endpoint, `--worker-urls` every enabled GPU service on loopback (so a router that
   restarts comes back with every worker), `--prometheus-host 127.0.0.1` (its default is 0.0.0.0), health checks
   every 1 s with 2 failures to drop a worker (a killed server stops receiving within ~3 s; the router's default

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from .helpers import CLEAN, agent_call, host_lock, lab_inventory, ssh
+from helpers import CLEAN, agent_call, host_lock, lab_inventory, ssh
 
 pytestmark = pytest.mark.lab
 ROOT = Path(__file__).resolve().parents[2]

@@ -9,7 +9,7 @@ import pytest
 from deploy.inventory import load_inventory
 from deploy.smoke import SmokeRefused, plan_smoke
 
-from .helpers import CLEAN, lab_inventory, ssh
+from helpers import CLEAN, lab_inventory, ssh
 
 pytestmark = pytest.mark.lab
 HOST = "h200"

@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from .helpers import CLEAN, lab_inventory, ssh, strip_ansi
+from helpers import CLEAN, lab_inventory, ssh, strip_ansi
 
 pytestmark = pytest.mark.lab
 HOST = "h200"

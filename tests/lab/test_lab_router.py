@@ -16,7 +16,7 @@ import pytest
 
 from deploy.lab import loadgen
 
-from .helpers import CLEAN, lab_inventory, ssh, strip_ansi
+from helpers import CLEAN, lab_inventory, ssh, strip_ansi
 
 pytestmark = pytest.mark.lab
 KEY = "Kr7uTq2LmZ7wP4sR8vB1nY6hRouterLab"

@@ -30,7 +30,7 @@ import pytest
 
 from deploy.lab import loadgen
 
-from .helpers import CLEAN, lab_inventory, ssh, strip_ansi
+from helpers import CLEAN, lab_inventory, ssh, strip_ansi
 
 pytestmark = pytest.mark.lab
 ROOT = Path(__file__).resolve().parents[2]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-from .helpers import KEY  # noqa: E402
+from helpers import KEY  # noqa: E402
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import pytest
 
 from deploy.release import build
 
-from .helpers import CLEAN, lab_inventory, ssh
+from helpers import CLEAN, lab_inventory, ssh
 
 pytestmark = pytest.mark.lab
 HOST = "h200"
@@ -122,7 +122,7 @@ def hand_made_result(release: str, digest: str) -> dict:
     run = lambda mode, b, blk, g, pts: {"mode": mode, "budget": b, "block": blk, "graphs": g, "status": "ok",  # noqa: E731
                                         "error": None, "levels": [lv(c, t) for c, t in pts]}
     report = {"schema": "ddtree-bench/1", "created": "2026-12-02T00:00:00Z", "ok": True,
-              "note": "HAND-MADE by tests/deploy/test_lab_bench.py: not a measurement",
+              "note": "HAND-MADE by tests/lab/test_lab_bench.py: not a measurement",
               "gpu": {"name": "HAND-MADE", "memory_total_mib": 1, "memory_used_mib_at_start": 0},
               "versions": {}, "settings": {"max_new_tokens": 128}, "model": {},
               "runs": [run("plain", None, None, True, [(1, 100.0), (4, 300.0)]),

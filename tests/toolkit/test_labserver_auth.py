@@ -19,7 +19,7 @@ from deploy.remote.host import gate as agent
 ROOT = Path(__file__).resolve().parents[2]
 SERVER = ROOT / "deploy" / "labserver" / "server.py"
 EXPECT = {"model": "qwen3-8b", "algorithm": "DDTREE"}
-from .helpers import KEY  # noqa: E402
+from helpers import KEY  # noqa: E402
 sys.path.insert(0, str(SERVER.parent))
 import server as labserver_module  # noqa: E402  (the stand-in's pure helpers)
 

@@ -19,7 +19,7 @@ import pytest
 
 from labstate import as_built
 
-from .helpers import CLEAN, lab_inventory, ssh
+from helpers import CLEAN, lab_inventory, ssh
 
 pytestmark = pytest.mark.lab
 HOST = "h200"   # one GPU (nvidia-smi replays a real H200's output)

@@ -20,7 +20,7 @@ from deploy.release import rollout
 from deploy.remote.host import release as hostrel
 from deploy.remote.host.registry import Context
 
-from .helpers import KEY, public_dir, secret_file
+from helpers import KEY, public_dir, secret_file
 
 
 @pytest.fixture

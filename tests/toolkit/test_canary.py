@@ -15,7 +15,7 @@ from deploy.inventory import InventoryError, parse_inventory
 from deploy.remote.host import gate as agent
 from deploy.yamlpos import load_yaml
 
-from .test_gate_local import EXPECT, labserver  # noqa: F401 (the fixture)
+from test_gate_local import EXPECT, labserver  # noqa: F401 (the fixture)
 
 
 # ---------------------------------------------------------------- start-time expectation

@@ -9,7 +9,7 @@ from pathlib import Path
 import yaml
 from labstate import CLEAN, ssh  # noqa: F401 (re-exported for the deploy tests)
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 from deploy.lab.fleet import lab_inventory_path  # noqa: E402
 
 LAB_YAML = lab_inventory_path()  # inventory/lab.yaml, or this lab id's copy (DDTREE_LAB_ID)

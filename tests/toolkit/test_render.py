@@ -17,7 +17,7 @@ import pytest
 from deploy.inventory import load_inventory
 from deploy.release import render
 
-from .helpers import KEY
+from helpers import KEY
 
 ROOT = Path(__file__).resolve().parents[2]
 CAPS = json.loads((ROOT / "overlays/sglang-ddtree/src/sglang_ddtree/capabilities.json").read_text()) \
@@ -177,7 +177,7 @@ def exposure(unit_text: str, dropin: str, tmp: Path) -> tuple[float, str]:
 @pytest.mark.skipif(not shutil.which("systemd-analyze"), reason="systemd-analyze not installed")
 @pytest.mark.parametrize("listen", ["127.0.0.1", "0.0.0.0"])
 def test_exposure_score_offline_is_at_most_3(seed, tmp_path, listen):
-    """The score the lab test measures on a deployed unit (tests/deploy/test_lab_unit.py), here offline on the
+    """The score the lab test measures on a deployed unit (tests/lab/test_lab_unit.py), here offline on the
     rendered files; the unit of the previous releases scored 6.4 MEDIUM offline (6.2 deployed)."""
     host = seed.hosts["ct129"] if listen == "127.0.0.1" else keyed(seed.hosts["ct129"], listen)
     score, out = exposure(render.render_unit(host), render.render_dropin(host.services[0]), tmp_path)

@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from .helpers import CLEAN, lab_inventory, ssh, strip_ansi
+from helpers import CLEAN, lab_inventory, ssh, strip_ansi
 
 pytestmark = pytest.mark.lab
 HOSTS = ["ct129", "ct200", "h200"]

@@ -18,7 +18,7 @@ import pytest
 from deploy.remote.client import Remote
 from deploy.ssh import open_checked
 
-from .helpers import CLEAN, lab_inventory, ssh, strip_ansi, write_model
+from helpers import CLEAN, lab_inventory, ssh, strip_ansi, write_model
 
 pytestmark = pytest.mark.lab
 ROOT = Path(__file__).resolve().parents[2]

@@ -17,7 +17,7 @@ import time
 import pytest
 import yaml
 
-from .helpers import agent_call, lab_inventory, ssh, strip_ansi
+from helpers import agent_call, lab_inventory, ssh, strip_ansi
 
 pytestmark = pytest.mark.lab
 HOST = "h200"
@@ -38,7 +38,7 @@ def env(lab, tmp_path_factory):
     ssh(lab, HOST, CLEAN)
     address = lab.hosts[HOST].address
     yield {"tmp": tmp, "lab": lab, "inv": lab_inventory(tmp, keep=[HOST]),
-           # the GPU server itself on the host's address (no router in front: tests/deploy/test_lab_router.py
+           # the GPU server itself on the host's address (no router in front: tests/lab/test_lab_router.py
            # covers the router's own unit, key and endpoint)
            "keyed": lab_inventory(tmp, "keyed.yaml", keep=[HOST], hosts={HOST: {"vars": {
                "listen_address": address, "api_key_file": KEY_FILE, "router": {"enabled": False}}}}),

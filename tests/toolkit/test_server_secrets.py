@@ -12,7 +12,7 @@ import yaml
 
 from deploy.remote.host import server_secrets as ss
 
-from .helpers import KEY, public_dir, secret_file
+from helpers import KEY, public_dir, secret_file
 
 
 @pytest.fixture
