@@ -127,7 +127,17 @@ def _figures(r: dict) -> list:
     return [cell("-" if r.get("tokens_per_s") is None else f"{r['tokens_per_s']:.1f}"),
             cell("-" if r.get("running") is None else r["running"]),
             cell("-" if r.get("queued") is None else r["queued"]),
-            cell("-" if r.get("accept_length") is None else r["accept_length"])]
+            cell(_accept(r.get("accept_length")))]
+
+
+def _accept(v) -> str:
+    """An accept length for the table: two decimals (the JSON keeps the server's figure as it is)."""
+    if v is None:
+        return "-"
+    try:
+        return f"{float(v):.2f}"
+    except (TypeError, ValueError):
+        return str(v)
 
 
 def _router(r: dict):

@@ -105,3 +105,11 @@ def test_status_names_the_workers_the_inventory_does_not():
     assert (r["workers"], r["healthy"], r["stray"]) == (3, 2, ["http://127.0.0.1:30000"])
     [r] = st.routers([{"host": "h", "ok": True, "state": {"router_view": view}}])
     assert r["stray"] is None                                                # no inventory given: not judged
+
+
+def test_the_status_table_shows_an_accept_length_with_two_decimals():
+    """SGLang reports the accept length as a ratio of counters (1.1428571428571428 on the H200): the table shows it
+    to two decimals, so the 100-column table keeps its other columns; a missing one is '-'."""
+    from deploy.release import status
+    assert status._accept(1.1428571428571428) == "1.14" and status._accept(8) == "8.00"
+    assert status._accept(None) == "-" and status._accept("n/a") == "n/a"
