@@ -3,6 +3,8 @@ undo), all with real setuptools wheels, real venvs and real pip -- run through t
 system python3, the zipapp, a private state directory), no hosts."""
 from __future__ import annotations
 
+import hashlib
+
 import os
 import zipfile
 from pathlib import Path
@@ -66,6 +68,21 @@ def test_repack_reproduces_the_original_wheel(world, tmp_path):
     assert _record_rows(world["wheels"]["a1"]) == _record_rows(r["path"])
     # deterministic: the same installed files give the same bytes
     assert build(ref, tmp_path / "s2", "provtest-alpha")["provtest-alpha"]["sha256"] == r["sha256"]
+
+
+def test_a_file_of_exactly_32_bytes_is_hashed_not_taken_for_a_digest(world, tmp_path):
+    """A 32-byte file is data like any other (jedi 0.20.1 ships one: a typeshed stub): its RECORD hash is its
+    sha256, and the rebuilt wheel passes its own check (a provision on the GPU lab once refused jedi for this)."""
+    data = b"def read_chart(chartspace): ...\n"
+    assert len(data) == 32
+    assert W.record_hash(data) == W.record_digest(hashlib.sha256(data).digest())
+    ref = world["ref"]
+    whl = build_wheel(make_project(tmp_path, "provtest-gamma", "1.0", body="X = 1\n"), tmp_path / "w")
+    whl = rewrite_wheel(whl, {}, tmp_path / "w2", extra={"provtest_gamma/stub32.pyi": data})
+    pip(ref, "install", "--no-index", "--no-deps", "--force-reinstall", str(whl))
+    r = build(ref, tmp_path / "s", "provtest-gamma")["provtest-gamma"]
+    assert r["drift"] == []
+    check_wheel(r["path"])  # raises on a member that does not match its RECORD
 
 
 def test_rebuilt_wheel_installs_and_verifies_clean(world, tmp_path):

@@ -58,11 +58,14 @@ def checked_sha256(sha):
     return sha
 
 
-def record_hash(data_or_digest):
-    """sha256 in RECORD form: 'sha256=' + urlsafe base64 without padding."""
-    digest = data_or_digest if isinstance(data_or_digest, bytes) and len(data_or_digest) == 32 else None
-    if digest is None:
-        digest = hashlib.sha256(data_or_digest).digest()
+def record_hash(data):
+    """A file's sha256 in RECORD form: 'sha256=' + urlsafe base64 without padding."""
+    return record_digest(hashlib.sha256(data).digest())
+
+
+def record_digest(digest):
+    """A sha256 digest (32 bytes, already computed) in RECORD form. Kept apart from record_hash: a file of exactly
+    32 bytes is data to hash, never its own digest (a typeshed stub in jedi 0.20.1 is one)."""
     return "sha256=" + base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
 
 
@@ -176,7 +179,7 @@ def check_wheel(path, allow_pth=(), name=None):
                 for block in iter(lambda: fh.read(1 << 20), b""):
                     digest.update(block)
                     got += len(block)
-            if h != record_hash(digest.digest()) or (size is not None and size != got):
+            if h != record_digest(digest.digest()) or (size is not None and size != got):
                 raise WheelError("%s: %s does not match its RECORD hash/size" % (base, n))
         absent = [p for p in rows if p not in names]
         if absent:
@@ -277,7 +280,7 @@ def _hash_and_size(path):
         for block in iter(lambda: fh.read(1 << 20), b""):
             h.update(block)
             n += len(block)
-    return record_hash(h.digest()), n
+    return record_digest(h.digest()), n
 
 
 def verify_record(dist_info, layout):
