@@ -106,18 +106,11 @@ def int_list(text, what: str, lo: int, hi: int, most: int = 16) -> tuple[int, ..
 
 
 def mode_list(text) -> tuple[str, ...]:
-    out: list[str] = []
-    for w in (x.strip() for x in str(text).split(",")):
-        m = contract.bench_name(w)
-        if not w:
-            continue
-        if m not in BENCH_MODES:
-            raise BenchRefused(f"mode {w!r}: choose from {', '.join(BENCH_MODES)} (linear = dflash)")
-        if m not in out:
-            out.append(m)
-    if not out:
-        raise BenchRefused("--modes: give at least one")
-    return tuple(out)
+    """`--modes` as the tools' bench reads them (the report module's parser), refused with BenchRefused."""
+    try:
+        return tuple(benchreport.parse_modes(text, "--modes"))
+    except ValueError as exc:
+        raise BenchRefused(str(exc)) from None
 
 
 def load_prompt_file(path: str) -> list[list[int]]:

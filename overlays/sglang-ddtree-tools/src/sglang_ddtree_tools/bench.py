@@ -94,8 +94,8 @@ from .spy import format_summary, spy_argv, summarize
 from .servers import (Server, ServerSpec, cpu_list, free_port, get, gpu_device_problem, gpu_memory_mib, gpu_name,
                       map_concurrent, parse_cpus, server_argv, server_env, server_mem_fraction, wait_healthy)
 from .paired import report_section, section_line
-from .report import (BENCH_MODES, BUDGETED, MODE_ALIASES, SCHEMA, failure_summary, name_run, run_label,  # noqa: F401
-                     validate_report)
+from .report import (BENCH_MODES, BUDGETED, MODE_ALIASES, SCHEMA, failure_summary, name_run, parse_modes,  # noqa: F401
+                     run_label, validate_report)
 
 GRAPHS = {"on": (True,), "off": (False,), "both": (False, True)}
 # --overlap: the scheduler each tree-verify server is asked for (SGLANG_DDTREE_OVERLAP in its own environment);
@@ -137,23 +137,6 @@ def parse_int_list(text: str, what: str, lo: int = 1, hi: int = 4096) -> List[in
     if not out:
         raise ValueError(f"{what}: give at least one value")
     return sorted(set(out))
-
-
-def parse_modes(text: str) -> List[str]:
-    """``"plain,dflash,tree-verify"`` -> modes in the order given (``linear`` is ``dflash``), unique."""
-    out: List[str] = []
-    for word in str(text).split(","):
-        word = word.strip()
-        if not word:
-            continue
-        mode = MODE_ALIASES.get(word, word)
-        if mode not in BENCH_MODES:
-            raise ValueError(f"mode {word!r}: choose from {', '.join(BENCH_MODES)} (linear = dflash)")
-        if mode not in out:
-            out.append(mode)
-    if not out:
-        raise ValueError("modes: give at least one")
-    return out
 
 
 @dataclass(frozen=True)

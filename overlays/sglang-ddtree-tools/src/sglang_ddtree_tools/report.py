@@ -61,6 +61,23 @@ def name_run(mode: str, budget, block, graphs: bool, overlap) -> str:
     return f"{part}{' overlap' if overlap else ''} graphs={'on' if graphs else 'off'}"
 
 
+def parse_modes(text, what: str = "modes") -> List[str]:
+    """``"plain,dflash,tree-verify"`` -> modes in the order given (``linear`` is ``dflash``), unique; ValueError
+    names the word. One parser for the tools' bench and `fab bench` (`what`: the option's name in the message)."""
+    out: List[str] = []
+    for word in (w.strip() for w in str(text).split(",")):
+        if not word:
+            continue
+        mode = contract.bench_name(word)
+        if mode not in BENCH_MODES:
+            raise ValueError(f"mode {word!r}: choose from {', '.join(BENCH_MODES)} (linear = dflash)")
+        if mode not in out:
+            out.append(mode)
+    if not out:
+        raise ValueError(f"{what}: give at least one")
+    return out
+
+
 def failure_summary(error) -> str:
     """A failed run's reason on one line: its first line and, when the server's log follows, the log's last line
     (where SGLang or the plugin says why it refused to start)."""
