@@ -13,8 +13,8 @@
 #                      reference's SGLang 0.5.17; gpu-drift keeps the machine's venv as it is (no SGLang,
 #                      transformers 5.17, which SGLang 0.5.17's model configs fail on: a real drift).
 #   fab ARGS...        there: `fab ARGS` inside the control chroot against inventory/gpulab.yaml (INV=FILE: another
-#                      inventory, e.g. inventory/gpulab-leaky.yaml; BUDGET=N: that inventory with the node budget
-#                      N); its output is kept under $OUT/fab-<n>.txt.
+#                      inventory, e.g. inventory/gpulab-leaky.yaml; BUDGET=N, MODE=M [CONCURRENCY=N]: that inventory
+#                      with the fleet's budget or mode changed); its output is kept under $OUT/fab-<n>.txt.
 #   load ARGS...       there: benchmarks/load_during.py ARGS in the control chroot (streaming load through the
 #                      hosts' routers while a `fab` command runs; same INV and BUDGET); output $OUT/load-<n>.txt.
 #   host NAME CMD...   there: CMD on lab host NAME (gpu-ref, gpu-drift) over its sshd, as root; output
@@ -31,13 +31,21 @@ B=$G/base
 OUT=${OUT:-/tmp/out}
 step=${1:?step: prepare, up, kit, kitwait, sglang, fab, load, diag or down}; shift
 
-inventory() {  # the inventory the chroot's fab reads: INV (default inventory/gpulab.yaml), with BUDGET=N its copy
+inventory() {  # the inventory the chroot's fab reads: INV (default inventory/gpulab.yaml), or its copy with the
+  # fleet's node budget BUDGET=N and/or mode MODE=M (MODE=auto needs CONCURRENCY=N: what fab bench's result is for)
   local inv=${INV:-inventory/gpulab.yaml}
-  if [ -n "${BUDGET:-}" ]; then
-    mkdir -p "$B/tmp"
-    sed "s/^  budget: [0-9]*\( *#.*\)\?$/  budget: $BUDGET/" "$inv" > "$B/tmp/inventory-b$BUDGET.yaml"
-    grep -q "^  budget: $BUDGET$" "$B/tmp/inventory-b$BUDGET.yaml" || { echo "no budget line in $inv" >&2; return 1; }
-    inv=/tmp/inventory-b$BUDGET.yaml
+  if [ -n "${BUDGET:-}${MODE:-}" ]; then
+    local out=$B/tmp/inventory-${BUDGET:-x}-${MODE:-x}.yaml
+    mkdir -p "$B/tmp"; cp "$inv" "$out"
+    if [ -n "${BUDGET:-}" ]; then
+      sed -i "s/^  budget: [0-9]*\( *#.*\)\?$/  budget: $BUDGET/" "$out"
+      grep -q "^  budget: $BUDGET$" "$out" || { echo "no budget line in $inv" >&2; return 1; }
+    fi
+    if [ -n "${MODE:-}" ]; then
+      sed -i "s/^  mode: [a-z-]*\( *#.*\)\?$/  mode: $MODE${CONCURRENCY:+\\n  concurrency: $CONCURRENCY}/" "$out"
+      grep -q "^  mode: $MODE$" "$out" || { echo "no mode line in $inv" >&2; return 1; }
+    fi
+    inv=${out#"$B"}
   fi
   echo "$inv"
 }
