@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from agenthelpers import call, once, result
-from deploy.release import rollout
+from deploy.release import changes
 from deploy.remote.host import release as hostrel
 from deploy.remote.host.registry import Context
 
@@ -58,11 +58,11 @@ def test_probe_judges_secrets_and_key_files_as_the_unit_will_and_never_returns_a
     assert out["secrets"] == "absent"
     # the plan: refused (with the reason) for the inventory's key file, and for a restart's key files
     state = {"secrets": "absent", "api_keys": keys}
-    assert rollout.secrets_refusals(state, [good, None]) == []
-    assert rollout.secrets_refusals(state, [loose]) == [f"API key file: {keys[loose]}"]
-    assert rollout.secrets_refusals({"secrets": "absent"}, [good]) == [f"API key file: {good}: not checked by "
+    assert changes.secrets_refusals(state, [good, None]) == []
+    assert changes.secrets_refusals(state, [loose]) == [f"API key file: {keys[loose]}"]
+    assert changes.secrets_refusals({"secrets": "absent"}, [good]) == [f"API key file: {good}: not checked by "
                                                                        "the host"]
-    assert rollout.secrets_refusals({"secrets": "x: has mode 0644"}, []) == ["secrets file: x: has mode 0644"]
+    assert changes.secrets_refusals({"secrets": "x: has mode 0644"}, []) == ["secrets file: x: has mode 0644"]
 
 
 def test_a_directory_others_can_write_is_refused_for_a_key_file(host, tmp_path):
