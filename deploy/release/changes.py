@@ -76,7 +76,6 @@ def router_refusal(state: dict, restarting: bool, no_drain: bool) -> str | None:
             "again with --no-drain to restart without draining (requests in flight are cut)")
 
 
-
 def secrets_refusals(state: dict, key_files) -> list[str]:
     """Why a plan refuses a host for its secrets: the secrets env file or an API-key file the change would
     start services with is one the unit's own start check (ExecStartPre) would refuse -- found before anything
@@ -92,12 +91,10 @@ def secrets_refusals(state: dict, key_files) -> list[str]:
     return out
 
 
-
 def out_first(insts: list[str], why: dict) -> list[str]:
     """The GPUs already out of the router first: restarting them costs no capacity (as a rollback does)."""
     return [i for i in insts if why.get(i) == "out of the router"] + \
         [i for i in insts if why.get(i) != "out of the router"]
-
 
 
 def rollback_target(current: str | None, releases: list[str], failed: list[str], to: str | None, host: str) -> str:

@@ -60,7 +60,6 @@ def router_spec(manifest: dict | None) -> dict | None:
             "reset_failed": SYSTEMCTL_RESET + [r["unit"]], "restart": commands.systemctl("restart", [r["unit"]])}
 
 
-
 def stop_spec(insts: list[str], manifest: dict | None = None, old: dict | None = None, drain: bool = True) -> dict:
     """Stop services a release no longer runs; with the new release's router, drained out of it first (their
     ports are the `old` release's)."""
@@ -206,7 +205,6 @@ def rollback_payload(host: Host, state: dict, to: str | None, out: Printer, no_d
     if rs := router_spec(man):
         payload["router"] = rs
     return payload
-
 
 
 def restart_payload(host: Host, state: dict, gpus: list[int] | None, no_drain: bool = False) -> dict:
