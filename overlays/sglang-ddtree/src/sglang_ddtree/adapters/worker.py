@@ -124,6 +124,7 @@ from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
 from sglang.srt.speculative.draft_worker_common import build_block_pos_offsets, make_draft_block_spec_info
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
+from .. import contract
 from ..admission import logprobs_past_dflash, tree_verify_rejection
 from ..compile import with_full_mask
 from ..config import SHADOW_LINEAR, TREE_VERIFY, resolve_ddtree_config
@@ -504,7 +505,7 @@ class DDTreeWorkerBase(DFlashWorkerV2):
 
     def _step_width(self, bs: int) -> int:
         """The verify width D of a step of ``bs`` requests (the server's D without a schedule)."""
-        return self._step_budget(bs)[0] + 1
+        return contract.tree_width(self._step_budget(bs)[0])
 
     def _glue_commit_fn(self, target_predict, candidates, retrieve_index, retrieve_next_token,
                         retrieve_next_sibling, ranks, prefix, window, draft_window_ids, req_pool_indices):
