@@ -279,8 +279,10 @@ def plan_bench(host: Host, probe: dict, *, gpu: int | None = None, modes_: tuple
                      family_reason=reason, model=model, draft_model=draft, release=probe["current"], plugin=plugin,
                      venv=host.vars["venv"], user=host.vars["service_user"],
                      prefix=f"ddtree-bench-{secrets.token_hex(6)}",
-                     # the service's own extra_args, then --server-args (last, so the operator's word wins)
-                     server_args=(tuple(svc.extra_args) if svc is not None and not tiny else ()) + tuple(server_args),
+                     # the service's own extra_args less its pool sizing (sized for the GPU alone: a bench server
+                     # beside the running service sizes its own), then --server-args (last: the operator's word wins)
+                     server_args=(tuple(contract.without_pool_flags(svc.extra_args)) if svc is not None and not tiny
+                                  else ()) + tuple(server_args),
                      deadline=float(deadline), prompts=prompts, prompts_source=prompts_source,
                      warnings=tuple(warnings), rounds=rounds, cpus=cpus, overlap=overlap)
 

@@ -354,3 +354,12 @@ def test_the_cycle_check_sees_a_lazy_cycle(tmp_path):
     g = import_graph(pkg, "p")
     assert g["p.a"] == {"p.sub.b"} and g["p.sub.b"] == {"p.a"} and g["p.c"] == set()
     assert cycles(g) == [["p.a", "p.sub.b"]]
+
+
+
+def test_without_pool_flags_drops_each_sizing_flag_and_its_value_only():
+    from deploy import contract
+    args = ["--mem-fraction-static", "0.5", "--chunked-prefill-size", "4096", "--max-total-tokens=9",
+            "--context-length", "2048", "--enable-metrics", "--max-running-requests", "16"]
+    assert contract.without_pool_flags(args) == ["--chunked-prefill-size", "4096", "--enable-metrics"]
+    assert contract.without_pool_flags([]) == []

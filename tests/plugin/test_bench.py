@@ -508,8 +508,8 @@ def test_a_whole_run_on_stand_in_servers_one_at_a_time(tmp_path, monkeypatch, ca
     assert argvs[1][argvs[1].index("--speculative-dflash-block-size") + 1] == "4"  # the drafter's own block
     assert tv[tv.index("--speculative-dflash-block-size") + 1] == "4"  # tree-verify's drafter too
     assert "tree-verify B=7 graphs=on" in table and "FAILED" in table and "dflash blk=4 graphs=off" in table
-    assert ("FAILED tree-verify B=7 graphs=on: RuntimeError: server exited during start-up: ... ValueError: DDTREE "
-            "tree-verify needs --cuda-graph-backend-decode disabled") in table  # the server's own reason
+    assert ("FAILED tree-verify B=7 graphs=on: RuntimeError: server exited during start-up: ValueError: DDTREE "
+            "tree-verify needs --cuda-graph-backend-decode disabled") in table  # the server's own reason, once
     assert sorted(os.listdir(out / "logs")) == sorted(f"{k:02d}-{m}.log" for k, m in enumerate(
         ["plain-0-e", "dflash-4-e", "tree-verify-7-e", "plain-0-g", "dflash-4-g", "tree-verify-7-g"]))
     if (out / "bench.png").exists():
@@ -974,3 +974,44 @@ def test_spy_reads_a_kept_capture_again_from_the_command_line(tmp_path, capsys):
     assert spy.main([str(tmp_path / "missing.txt")]) == 2 and "cannot read" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         spy.main([str(cap), "--steps", "0"])
+
+
+@pytest.mark.sglang_api
+def test_every_pool_flag_is_an_option_of_sglangs_real_parser():
+    """contract.POOL_FLAGS keeps a service's sizing off a bench server beside it: a flag SGLang does not know
+    would be kept instead, silently."""
+    from sglang.srt.server_args import ServerArgs
+
+    p = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(p)
+    known = {o for a in p._actions for o in a.option_strings}
+    from sglang_ddtree import contract
+    assert [f for f in contract.POOL_FLAGS if f not in known] == []
+
+
+def test_a_failed_start_up_is_named_by_the_logs_last_exception_not_its_last_line():
+    log = "\n".join([
+        "[2026-12-05 08:04:40] Scheduler hit an exception: Traceback (most recent call last):",
+        '  File "/venv/sglang/srt/managers/scheduler.py", line 3, in run_scheduler_process',
+        '    raise RuntimeError("Not enough memory")',
+        "RuntimeError: Not enough memory. Please try to increase --mem-fraction-static.",
+        "[2026-12-05 08:04:44] kill_process_tree called: parent_pid=5832, include_parent=True, pid=5832"])
+    assert servers.failure_line(log) == "RuntimeError: Not enough memory. Please try to increase --mem-fraction-static."
+    assert servers.failure_line("[t] torch.OutOfMemoryError: CUDA out of memory") == \
+        "torch.OutOfMemoryError: CUDA out of memory"
+    assert servers.failure_line("loading\nready on :30000") == ""
+
+
+def test_a_server_run_as_another_user_gets_its_own_cache_directory_not_roots_home(tmp_path, monkeypatch):
+    seen = []
+    monkeypatch.setattr(servers.subprocess, "run", lambda argv, **kw: seen.append(argv))
+    servers.Server(["python3", "-m", "sglang.launch_server"], {"HOME": "/root", "PATH": "/bin"},
+                   str(tmp_path / "log"), launcher="systemd-run", unit="u", user="sglang").start()
+    argv = seen[0][:seen[0].index("--")]
+    cache = f"/var/cache/{servers.TRANSIENT_CACHE}"
+    assert "--uid=sglang" in argv and f"--property=CacheDirectory={servers.TRANSIENT_CACHE}" in argv
+    assert f"--setenv=HOME={cache}" in argv and "--setenv=HOME=/root" not in argv
+    assert f"--setenv=XDG_CACHE_HOME={cache}/xdg" in argv
+    seen.clear()
+    servers.Server(["python3"], {"HOME": "/root"}, str(tmp_path / "log"), launcher="systemd-run", unit="u").start()
+    assert "--setenv=HOME=/root" in seen[0]  # root's own server keeps root's HOME

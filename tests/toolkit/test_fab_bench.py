@@ -35,7 +35,8 @@ hosts:
     address: 10.0.0.1
     gpus: 2
     services:
-      1: {mode: auto, concurrency: 6, extra_args: [--chunked-prefill-size, "4096"]}
+      1: {mode: auto, concurrency: 6, extra_args: [--chunked-prefill-size, "4096", --mem-fraction-static, "0.5",
+                                                  --max-total-tokens=65536]}
 """
 
 
@@ -63,6 +64,7 @@ def test_plan_takes_the_service_its_models_block_and_extra_args(tmp_path):
     assert p.prefix.startswith("ddtree-bench-") and p.user == "sglang" and p.tiny is None
     assert "share its memory" in p.warnings[0]
     p1 = bench.plan_bench(h, probe(), gpu=1, server_args=("--max-running-requests", "32"))
+    # the service's pool sizing (for a GPU of its own) stays with the service; the operator's --server-args win
     assert p1.server_args == ("--chunked-prefill-size", "4096", "--max-running-requests", "32")
     a = p1.agent_args()
     assert a["modes"] == ["plain", "dflash", "tree-verify"] and a["budgets"] == [15, 31, 63] and a["prompts"] is None

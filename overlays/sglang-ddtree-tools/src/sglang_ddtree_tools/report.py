@@ -79,10 +79,10 @@ def parse_modes(text, what: str = "modes") -> List[str]:
 
 
 def failure_summary(error) -> str:
-    """A failed run's reason on one line: its first line and, when the server's log follows, the log's last line
-    (where SGLang or the plugin says why it refused to start)."""
+    """A failed run's reason on one line: its first line, which names the cause where the server's log had an
+    exception (servers.failure_line), and the log's last line when the first does not already end with it."""
     lines = [ln.strip() for ln in str(error or "failed").splitlines() if ln.strip()] or ["failed"]
-    text = lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"
+    text = lines[0] if len(lines) == 1 or lines[0].endswith(lines[-1]) else f"{lines[0]} ... {lines[-1]}"
     return text[:300]
 
 

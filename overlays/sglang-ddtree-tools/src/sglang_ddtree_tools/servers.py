@@ -20,6 +20,7 @@ import ctypes
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import socket
@@ -414,9 +415,24 @@ def wait_healthy(base: str, server: Server, timeout: float) -> float:
         except (urllib.error.URLError, OSError):
             pass
         if not server.alive():
-            raise RuntimeError(f"server exited during start-up:\n{server.log_tail()}")
+            tail = server.log_tail()
+            raise RuntimeError(f"server exited during start-up: {failure_line(tail) or 'no error in its log'}\n{tail}")
         time.sleep(1)
-    raise RuntimeError(f"server not healthy after {timeout:.0f}s:\n{server.log_tail()}")
+    tail = server.log_tail()
+    raise RuntimeError(f"server not healthy after {timeout:.0f}s: {failure_line(tail) or 'no error in its log'}\n{tail}")
+
+
+_FAILURE_RE = re.compile(r"^\s*(?:\[[^\]]*\]\s*)?((?:[A-Za-z_][\w.]*\.)?[A-Za-z_]\w*(?:Error|Exception|Exit)\b.*)$")
+
+
+def failure_line(log: str) -> str:
+    """The last exception line of a server's log (``RuntimeError: Not enough memory ...``), '' when it has none:
+    what a failed start-up's one-line message names (the log's last line is SGLang's process-tree kill)."""
+    for line in reversed(log.splitlines()):
+        m = _FAILURE_RE.match(line)
+        if m and ":" in m.group(1):
+            return m.group(1).strip()[:400]
+    return ""
 
 
 def map_concurrent(fn, items, concurrency: int) -> list:

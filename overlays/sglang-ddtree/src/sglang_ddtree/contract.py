@@ -317,6 +317,23 @@ def overlap_asked(value) -> bool:
 # ----------------------------------------------------------------------------- the server
 #: Flags a server's place (not what it serves): the only words in which two servers of one service may differ.
 PLACE_FLAGS = ("--host", "--port")
+#: How much of its GPU a server takes (memory and pools): a service's are sized for a GPU of its own, so a
+#: transient bench server beside it sizes its own instead (:func:`without_pool_flags`).
+POOL_FLAGS = ("--mem-fraction-static", "--max-total-tokens", "--max-running-requests", "--context-length",
+              "--max-mamba-cache-size", "--cuda-graph-max-bs-decode")
+
+
+def without_pool_flags(args) -> list:
+    """``args`` less every :data:`POOL_FLAGS` flag and its value (``--flag V`` or ``--flag=V``)."""
+    out, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+        elif a in POOL_FLAGS:
+            skip = True
+        elif a.split("=", 1)[0] not in POOL_FLAGS:
+            out.append(a)
+    return out
 
 
 def sglang_args(mode: str, model: str, draft_model: str | None, *, budget: int | None, block: int | None,
