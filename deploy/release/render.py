@@ -213,7 +213,7 @@ def render_unit(host: Host) -> str:
         start_limit_interval=max(600, 3 * v["start_timeout"]), start_limit_burst=3, secrets_file=SECRETS_FILE,
         api_key_file=v.get("api_key_file"), credential=CREDENTIAL, listen_address=listen,
         loopback=values.is_loopback(listen), shared_devices=NVIDIA_SHARED_DEVICES, gpu_dropin=GPU_DROPIN,
-        venv_bin=v["venv"] + "/bin")
+        server_path=contract.server_path(v["venv"]))
 
 
 def gpu_devices(svc: Service) -> list[str]:

@@ -1015,3 +1015,12 @@ def test_a_server_run_as_another_user_gets_its_own_cache_directory_not_roots_hom
     seen.clear()
     servers.Server(["python3"], {"HOME": "/root"}, str(tmp_path / "log"), launcher="systemd-run", unit="u").start()
     assert "--setenv=HOME=/root" in seen[0]  # root's own server keeps root's HOME
+
+
+def test_a_bench_server_has_the_path_of_a_deployed_unit_its_venvs_bin_first():
+    spec = servers.ServerSpec(mode="plain", target="/m/t")
+    env = servers.server_env(spec, 0, base={"PATH": "/usr/bin"}, python="/opt/v/bin/python")
+    assert env["PATH"].split(":")[0] == "/opt/v/bin"  # FlashInfer's JIT runs the venv's ninja
+    from sglang_ddtree import contract
+    assert env["PATH"] == contract.server_path("/opt/v")
+    assert servers.server_env(spec, 0, base={"PATH": "/usr/bin"})["PATH"] == "/usr/bin"

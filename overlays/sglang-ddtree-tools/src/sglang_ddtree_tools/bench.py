@@ -700,7 +700,7 @@ def _one_server(a, run: RunSpec, rnd: int, entry: dict, prompts, target, drafter
     argv = server_argv(a.python, spec, port)
     if rnd == 0:
         entry.update(server_argv=argv[1:], gpu_used_mib_before=used, mem_fraction=frac)
-    env = server_env(spec, a.gpu)
+    env = server_env(spec, a.gpu, python=a.python)
     env.update(overlap_env(run.overlap))  # this server's scheduler, asked of the plugin (its validator still decides)
     cold_warm = a.cold_warm and rnd == 0
     if cold_warm:  # fresh, empty JIT caches for this run: its first start is cold, its restart warm

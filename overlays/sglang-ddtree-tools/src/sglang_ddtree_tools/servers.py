@@ -114,11 +114,16 @@ def server_argv(python: str, spec: ServerSpec, port: int, host: str = "127.0.0.1
     return argv + list(spec.extra_args)
 
 
-def server_env(spec: ServerSpec, gpu: int, base: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+def server_env(spec: ServerSpec, gpu: int, base: Optional[Dict[str, str]] = None,
+               python: Optional[str] = None) -> Dict[str, str]:
     """The server's environment: ``base`` (default: this process's) with the contract's
-    (:func:`sglang_ddtree.contract.sglang_env`: its one GPU, the plugin allow-list, DDTREE's mode and budget)."""
+    (:func:`sglang_ddtree.contract.sglang_env`: its one GPU, the plugin allow-list, DDTREE's mode and budget) and,
+    given the server's ``python``, the PATH a deployed unit has (:func:`sglang_ddtree.contract.server_path`: its
+    venv's bin first, where FlashInfer's JIT finds ``ninja``)."""
     env = dict(os.environ if base is None else base)
     env["PYTHONUNBUFFERED"] = "1"
+    if python:
+        env["PATH"] = contract.server_path(os.path.dirname(os.path.dirname(os.path.abspath(python))))
     for k in (MODE_ENV, BUDGET_ENV):
         env.pop(k, None)
     env.update(contract.sglang_env(spec.mode, spec.budget, gpu))

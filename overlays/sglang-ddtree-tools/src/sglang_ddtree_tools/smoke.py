@@ -211,7 +211,7 @@ def run_smoke(*, mode: str, family: str, gpu: int, python: str, workdir: str, pr
         bases = []
         for s in specs:
             port = free_port()
-            srv = Server(server_argv(python, s, port), server_env(s, gpu), os.path.join(workdir, f"{s.mode}.log"),
+            srv = Server(server_argv(python, s, port), server_env(s, gpu, python=python), os.path.join(workdir, f"{s.mode}.log"),
                          launcher=launcher, user=user, runtime_max_s=runtime_max,
                          unit=f"{unit_prefix}-{s.mode}" if unit_prefix else None)
             servers.append(srv)

@@ -361,6 +361,12 @@ def sglang_args(mode: str, model: str, draft_model: str | None, *, budget: int |
     return args
 
 
+def server_path(venv: str) -> str:
+    """``PATH`` of a server of the venv ``venv``: the venv's bin first (FlashInfer's JIT runs the venv's ``ninja``;
+    without it a server dies at its first JIT build), then the system's."""
+    return f"{venv.rstrip('/')}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin"
+
+
 def sglang_env(mode: str, budget, gpu: int) -> list:
     """The environment a server of ``mode`` needs on GPU ``gpu``, in order: the GPU (numbered as nvidia-smi
     numbers it, so index N is /dev/nvidiaN) and, for DDTREE, the plugin allow-list, the mode and the budget (or
