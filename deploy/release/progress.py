@@ -35,7 +35,7 @@ def gate_line(inst: str, port: int, g: dict) -> str:
         steps = g.get("steps", {})
         al = g.get("accept_length")
         return (f"{inst} :{port} gate ok in {g.get('seconds', 0):.1f}s (ready {steps.get('ready', 0):.1f}s, "
-                f"{g.get('algorithm')}" + (f", accept length {al}" if al is not None else "")
+                f"{g.get('algorithm')}" + (f", accept length {al:.3g}" if isinstance(al, (int, float)) else "")
                 + canary_text(g.get("canary")) + ")")
     out = f"{inst} :{port} gate FAILED at {g.get('step')}: {g.get('detail')}"
     tail = [ln for ln in g.get("journal", []) if ln.strip()][-3:]
