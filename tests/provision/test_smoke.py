@@ -226,3 +226,18 @@ def test_scan_without_the_smoke_command_runs_no_import(world, tmp_path):
                   tmp_path / "s", env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path / "home")})["dists"]
     assert "smoke" not in scan["provtest-anth"]
     assert Path(scan["provtest-anth"]["dist_info"]).is_dir()
+
+
+def test_a_reference_venv_root_must_not_run_is_not_smoked_and_says_why(world, tmp_path):
+    ref = world["ref"]
+    site = next(Path(ref.parents[1]).glob("lib/python3*/site-packages"))
+    mode = site.stat().st_mode
+    site.chmod(mode | 0o020)
+    try:
+        scan = result("provision.scan", {"venv": str(ref.parents[1]), "dists": [{"name": "provtest-anth"}],
+                                         "commands": {"smoke": commands.smoke(str(ref))}}, tmp_path / "s",
+                      env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path / "home")})["dists"]
+    finally:
+        site.chmod(mode)
+    err = scan["provtest-anth"]["smoke"]["error"]
+    assert err.startswith(f"root will not run {ref}") and "writable by group" in err
