@@ -2,12 +2,14 @@
 
 Calls (each one agent call over the host's SSH connection, or an OpenSSH stream for wheel bytes):
   all hosts, in parallel   facts.probe as root (1), with the private staging listing on targets
-  reference, once          provision.scan of the distributions to ship (1, read-only, no lock), a RECORD
+  reference, once          provision.scan of the distributions to ship (1, read-only, no lock; with the smoke
+                           import of their modules, no CUDA, no bytecode written: part of the plan), a RECORD
                            rebuild when no original wheel exists (1, under the host lock), OpenSSH downloads
                            into the control cache (each wheel checked before it is cached)
   each target, in parallel lock.acquire (1), OpenSSH uploads into the private staging directory (resumable,
                            sha256 on arrival), provision.apply (1: wheels and venv checked again, backup, pip
-                           offline from the private copies, smoke import, restore on failure), facts.probe
+                           offline from the private copies, smoke import judged against the reference's,
+                           restore on failure), facts.probe
                            (1: converged?), lock.release (1)
 Commands that change a target (pip install/uninstall, the smoke import) are built by deploy/remote/commands.py
 and shown before the question.
@@ -60,7 +62,7 @@ def apply_payload(host: Host, plan: Plan, pid: str, state: str = ROOT_STATE) -> 
             "commands": {"pip_install": commands.pip_install(py), "pip_uninstall": commands.pip_uninstall(py),
                          "smoke": commands.smoke(py)},
             "allow_pth": {i.name: plan.sources[i.name].get("pth") or [] for i in plan.installs},
-            "cuda_init": True, "smoke": True}
+            "cuda_init": True, "smoke": True, "reference_smoke": dict(plan.reference_smoke)}
 
 
 def planned_commands(host: Host, plan: Plan, state: str = ROOT_STATE) -> list[list[str]]:
@@ -90,9 +92,11 @@ class HostReport:
     sent_bytes: int = 0
     seconds: float = 0.0
     details: dict = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)   # from the apply: modules failing on the reference too
 
     def to_json(self) -> dict:
         return {"host": self.host, "status": self.status, "ok": self.ok, "error": self.error,
+                "warnings": self.warnings,
                 "sent_bytes": self.sent_bytes, "seconds": round(self.seconds, 2),
                 "plan": self.plan.to_json() if self.plan else None, "details": self.details}
 
@@ -231,7 +235,9 @@ def provision(inv: Inventory, names: str | list[str] | None, opts: Options | Non
             ref_conn = open_checked(inv, ref)
             scan = Remote(ref_conn, ref.name, opts.state_dir).call(
                 "provision.scan", {"venv": ref.venv, "dists": [{"name": n, "version": v} for n, v in needed],
-                                   "wheelhouse": ref.vars.get("wheelhouse") or []}, deadline=1800, silence=45)["dists"]
+                                   "wheelhouse": ref.vars.get("wheelhouse") or [],
+                                   "commands": {"smoke": commands.smoke(venv_python(ref))}},
+                deadline=1800, silence=45)["dists"]
             phases["scan"] = time.time() - t
         plans = {n: make_plan(ref_facts, g, inv.hosts[n].vars["managed"], scan, g.get("stage"),
                               accept_unmet=ref_accept(inv))
@@ -465,6 +471,7 @@ def _apply_locked(remote, host, plan, ref_facts, cache, prog, opts, inv, rep, he
         rep.details["restored"] = out.get("restored")
         return rep
     rep.details["smoke_modules"] = out.get("smoke_modules")
+    rep.warnings = [str(w) for w in out.get("warnings") or []]
     # verify convergence from fresh facts
     t = time.time()
     after = factsmod.gather(remote.conn, host, root=True, state_dir=opts.state_dir,
@@ -529,6 +536,9 @@ def render_summary(report: Report, console: Console) -> None:
         t.add_row(Text(h.host), Text(str(h.status), style=style), str(n), human(h.sent_bytes), f"{h.seconds:.1f}",
                   Text(h.error or ""))
     console.print(t)
+    for h in report.hosts:
+        for w in h.warnings:
+            console.print(Text.assemble((h.host, "bold"), " ", ("warning", "yellow"), f" {w}"))
     for e in report.events:
         console.print(Text(str(e), style="yellow"))
     console.print(f"fetched from reference {human(report.fetched_bytes)}, sent to targets {human(report.sent_bytes)}, "

@@ -12,6 +12,8 @@ Desired state is the reference host's installed distributions, restricted to the
 
 Blockers refuse the whole host before anything changes; warnings are shown and do not refuse. An incoherent
 reference (its facts' pip-check or native verdict fails) blocks every target: its wheels would carry the breakage.
+The reference's smoke import of the modules to install (from its scan) is part of the plan: a module that fails
+there is a warning, and the target is held to what imports there (`reference_smoke`, judged by the agent).
 Every version and tag comparison goes through `packaging`.
 """
 from __future__ import annotations
@@ -24,6 +26,7 @@ from packaging.tags import compatible_tags, cpython_tags, parse_tag
 from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
+from ..remote.host.importsmoke import listed
 from ..remote.host.wheels import SHA256, parse_wheel_filename
 from . import drivers
 
@@ -63,6 +66,7 @@ class Plan:
     disk: dict = field(default_factory=dict)
     staged_shas: list = field(default_factory=list)  # wheels (sha256) the target holds already
     stage: dict = field(default_factory=dict)        # the target's staging listing (staged, partial uploads)
+    reference_smoke: dict = field(default_factory=dict)  # module -> None (imports on the reference) or its error
 
     @property
     def changes(self) -> list[Item]:
@@ -93,7 +97,8 @@ class Plan:
         return {"host": self.host, "reference": self.reference, "empty": self.empty, "blocked": self.blocked,
                 "items": [dict(asdict(i), action=i.action) for i in self.items],
                 "blockers": [asdict(b) for b in self.blockers], "warnings": [asdict(w) for w in self.warnings],
-                "sources": self.sources, "disk": self.disk, "transfer_bytes": self.transfer_bytes()}
+                "sources": self.sources, "disk": self.disk, "transfer_bytes": self.transfer_bytes(),
+                "reference_smoke": self.reference_smoke}
 
 
 # ---------------------------------------------------------------- classification
@@ -359,7 +364,33 @@ def make_plan(ref_facts: dict, tgt_facts: dict, patterns: list[str], scan: dict 
             src.setdefault("size", None)
             src["installed_bytes"] = s.get("installed_bytes")
             plan.sources[i.name] = src
+        plan.reference_smoke, smoke_warnings = reference_smoke(scan, [i.name for i in plan.installs],
+                                                               plan.reference)
+        plan.warnings += smoke_warnings
     return plan
+
+
+def reference_smoke(scan: dict, names: list[str], reference: str = "the reference") -> tuple[dict, list[Finding]]:
+    """The reference's smoke import of the modules of `names` ({module: None or its error there}), and a warning
+    per module that fails there (the target is held to the same) or per distribution whose smoke did not run
+    (its modules must then all import on the target)."""
+    modules: dict = {}
+    warnings: list[Finding] = []
+    for n in names:
+        sm = (scan.get(n) or {}).get("smoke")
+        if not sm:
+            continue
+        if sm.get("error"):
+            warnings.append(Finding("reference-smoke", f"{n}: the smoke import did not run on {reference} "
+                                                       f"({sm['error']}): each of its modules must import on "
+                                                       f"the target"))
+            continue
+        for m, err in sorted((sm.get("modules") or {}).items()):
+            modules[m] = err
+    for m, err in sorted(modules.items()):
+        if err is not None:
+            warnings.append(Finding("reference-smoke", f"fails on the reference too: {listed({m: err})}"))
+    return modules, warnings
 
 
 def human(n: int | float | None) -> str:

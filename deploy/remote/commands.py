@@ -3,15 +3,7 @@ tests assert them, and the agent runs them as given (appending only the private 
 Pure functions; nothing here runs anything."""
 from __future__ import annotations
 
-SMOKE_CODE = ("import importlib, json, sys\n"
-              "mods = json.loads(sys.argv[1])\n"
-              "for m in mods:\n"
-              "    importlib.import_module(m)\n"
-              "if sys.argv[2] == 'cuda':\n"
-              "    import torch\n"
-              "    torch.cuda.init()\n"
-              "    print('cuda devices', torch.cuda.device_count())\n"
-              "print('imported', len(mods), 'modules')\n")
+from .host.importsmoke import CODE as SMOKE_CODE
 
 
 def venv_python(venv: str) -> str:
@@ -31,9 +23,10 @@ def pip_uninstall(python: str, names: list[str] | tuple = ()) -> list[str]:
 
 
 def smoke(python: str) -> list[str]:
-    """Import every top-level module of the installed distributions (the agent appends the module list as
-    JSON and 'cuda' or 'nocuda')."""
-    return [python, "-I", "-c", SMOKE_CODE]
+    """Import every top-level module of the distributions provision ships, one JSON line per module on stdout
+    (host/importsmoke.py); the agent appends the module list as JSON and 'cuda' or 'nocuda'. -B: no bytecode
+    written (the reference runs it at plan time and stays as it was)."""
+    return [python, "-I", "-B", "-c", SMOKE_CODE]
 
 
 def systemctl(verb: str, units: list[str] | tuple = (), *flags: str) -> list[str]:

@@ -303,3 +303,47 @@ def test_fault_group_writable_target_venv_blocks_the_provision(world):
     finally:
         _sh(conn, f"chmod g-w {site}")
         conn.close()
+
+
+# ---------------------------------------------------------------- the smoke import, judged against the reference
+
+def test_the_smoke_import_is_judged_against_the_reference(world):
+    """A module that fails on the reference too (anthropic importing httpx2 on the GPU lab's reference) is a plan
+    warning and a warning in the result; one that imports on the reference only (its helper is not managed, so the
+    target lacks it) fails the apply, and the target is restored."""
+    inv, tmp = world["inv"], world["tmp"]
+    anth = build_wheel(make_project(tmp, "provtest-anth", "2.0", body="import provtest_httpx2\n"), tmp / "smoke")
+    delta = build_wheel(make_project(tmp, "provtest-delta", "2.0", body="import helper_refonly\n"), tmp / "smoke")
+    helper = build_wheel(make_project(tmp, "helper-refonly", "1.0"), tmp / "smoke")
+    ref = open_checked(inv, inv.hosts["ct129"])
+
+    def ref_install(*whls):
+        for whl in whls:
+            ref.put(str(whl), posixpath.join(HOUSE, whl.name))
+        _sh(ref, f"{VENV}/bin/python -m pip install -q --no-index --no-deps --disable-pip-version-check "
+                 + " ".join(posixpath.join(HOUSE, w.name) for w in whls))
+    try:
+        ref_install(anth)
+        why = "ModuleNotFoundError: No module named 'provtest_httpx2'"
+        rep = overlay.provision(inv, "ct200", _opts(world))
+        (h,) = rep.hosts
+        assert h.status == "provisioned", h.error
+        assert f"fails on the reference too: provtest_anth ({why})" in [w.message for w in h.plan.warnings]
+        assert h.plan.reference_smoke["provtest_anth"] == why and h.plan.reference_smoke["provtest_alpha"] is None
+        assert h.warnings == [f"fails on the reference too: provtest_anth ({why})"]
+        assert _versions(inv, "ct200") == dict(REF, **{"provtest-anth": "2.0"})
+
+        ref_install(helper, delta)
+        rep = overlay.provision(inv, "ct200", _opts(world))
+        (h,) = rep.hosts
+        assert not h.ok and h.details["restored"] is True
+        assert h.error.startswith("smoke import failed on the target, not on the reference: provtest_delta "
+                                  "(ModuleNotFoundError: No module named 'helper_refonly')"), h.error
+        assert "restored from the backup" in h.error
+        assert _versions(inv, "ct200") == dict(REF, **{"provtest-anth": "2.0"})
+    finally:
+        ref.run(f"{VENV}/bin/python -m pip uninstall -q -y provtest-anth provtest-delta helper-refonly",
+                hide=True, warn=True, in_stream=False)
+        ref.close()
+    assert overlay.undo(inv, "ct200", _opts(world)).ok
+    assert _versions(inv, "ct200") == BEFORE

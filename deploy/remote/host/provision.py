@@ -7,7 +7,8 @@ Everything lives under the agent's private state directory (root-owned, 0700, ch
 No path is built from a wheel name that did not match wheels.WHEEL_NAME whole, and no wheel is offered,
 staged or installed without its bytes and its RECORD checked: a planted built.json or wheel is never used.
 The pip and smoke-import commands come from the control machine as argv (the plan shows them); this side
-appends only the verified private paths and the module names it found.
+appends only the verified private paths and the module names it found. The smoke import runs on the reference at
+scan time and on the target after install; the target is judged against the reference (importsmoke.judge).
 """
 import json
 import os
@@ -16,6 +17,7 @@ import sys
 import time
 import zipfile
 
+from . import importsmoke
 from . import venv as venvmod
 from .fsutil import (Unsafe, check_path, describe, naming, open_private, private_dir, read_json, sha256_file,
                      write_json)
@@ -78,19 +80,53 @@ def _installed(wanted, installed, out):
             yield name, want, d
 
 
+def _smoke(ctx, argv, mods, cuda, timeout):
+    """Run the smoke import of `mods`: (run() result, {module: None or its exception line})."""
+    r = run(argv + [json.dumps(mods), "cuda" if cuda else "nocuda"], timeout, merge=False,
+            cap=importsmoke.output_cap(mods))
+    return r, importsmoke.parse(r["out"], mods, r["rc"], r["timed_out"])
+
+
+def _reference_smoke(ctx, venv, argv, modules):
+    """On the reference: the smoke import of every module of the scanned distributions ({name: [module]}), without
+    CUDA and without writing bytecode. Returns {name: {"modules": {module: None or error}}} or, where it could
+    not run, {name: {"error": why}}."""
+    python = venvmod.python(venv)
+    argv = _prefix(argv, python, "smoke")
+    mods = sorted(set(m for ms in modules.values() for m in ms))
+    if not mods:
+        return dict((n, {"modules": {}}) for n in modules)
+    try:
+        venvmod.check_runnable(venv)
+    except (Unsafe, venvmod.VenvError) as exc:
+        return dict((n, {"error": "root will not run %s: %s" % (python, exc)}) for n in modules)
+    r, got = _smoke(ctx, argv, mods, False, max(30.0, ctx.deadline.left(cap=600, floor=30)))
+    if r.get("missing"):
+        return dict((n, {"error": "could not run %s: %s" % (python, r["err"])}) for n in modules)
+    ctx.event("smoke", modules=len(mods), failed=sum(1 for e in got.values() if e is not None),
+              seconds=r.get("seconds"))
+    return dict((n, {"modules": dict((m, got[m]) for m in ms), "seconds": r.get("seconds")})
+                for n, ms in modules.items())
+
+
 @op("provision.scan")
 def scan(ctx, a):
     """On the reference: per distribution, drift against RECORD, size, tags, the .pth files it installs, and a
     wheel that is exactly its installed files (an original from a wheelhouse or pip's cache, or one rebuilt
-    earlier), if any."""
+    earlier), if any. With `commands.smoke`, also its top-level modules and whether each imports here (`smoke`):
+    what a target is held to after it installs the same wheels."""
     venv = a["venv"]
     lay = venvmod.layout(venv)
     site = lay["purelib"]
     candidates = _candidate_wheels(list(a.get("wheelhouse") or []) + ["~/.cache/pip/wheels"])
+    smoke_argv = (a.get("commands") or {}).get("smoke")
     out = {}
+    modules = {}
     for name, want, d in _installed(a["dists"], venvmod.index(site), out):
         di = d.path
         info = {"version": d.version, "dist_info": di}
+        if smoke_argv is not None:
+            modules[name] = top_level_modules(di)
         if want.get("version") and d.version != want["version"]:
             info["error"] = "installed version %s, expected %s" % (d.version, want["version"])
         drift, size = verify_record(di, lay)
@@ -111,6 +147,9 @@ def scan(ctx, a):
                 source = _rebuilt(ctx, info["record_sha256"], di, pth)
         info["source"] = source
         out[name] = info
+    if smoke_argv is not None:
+        for name, sm in _reference_smoke(ctx, venv, smoke_argv, modules).items():
+            out[name]["smoke"] = sm
     return {"dists": out}
 
 
@@ -276,11 +315,16 @@ def _prefix(argv, python, what):
     return list(argv)
 
 
-def _run_step(ctx, steps, step, argv, timeout=None):
-    r = run(argv, timeout if timeout is not None else max(30.0, ctx.deadline.left(cap=3600, floor=30)))
+def _run_step(ctx, steps, step, argv, timeout=None, r=None):
+    """Run `argv` (or record `r`, a run() result already had) as one step of the apply."""
+    if r is None:
+        r = run(argv, timeout if timeout is not None else max(30.0, ctx.deadline.left(cap=3600, floor=30)))
+        output = r["out"] + r["err"]
+    else:
+        output = r["err"]  # the smoke import: stdout is its report (in the result), stderr what the modules said
     steps.append({"step": step, "argv": argv[:3] + (["..."] if len(argv) > 3 else []), "rc": r["rc"],
-                  "output": (r["out"] + r["err"])[-6000:], "seconds": r["seconds"]})
-    ctx.event("step", step=step, rc=r["rc"], seconds=r["seconds"])
+                  "output": output[-6000:], "seconds": r.get("seconds")})
+    ctx.event("step", step=step, rc=r["rc"], seconds=r.get("seconds"))
     return r
 
 
@@ -344,18 +388,24 @@ def _commands(a, python):
 @op("provision.apply", mutating=True)
 def apply(ctx, a):
     """Verify the staged wheels and the venv, back up, install, remove extras, smoke-import; restore the backup
-    on any failure. Nothing changes before every check has passed."""
+    on any failure. Nothing changes before every check has passed. The smoke import is judged against the
+    reference's (`reference_smoke`: {module: None or its error there}): a module failing here that imports there
+    fails the apply; one failing on both is a warning in the result."""
     venv = a["venv"]
     python = venvmod.python(venv)
     pid = a["id"]
     if not ID.fullmatch(pid or ""):
         raise Failure("bad-request", "bad provision id %r" % pid)
+    try:
+        reference_smoke = importsmoke.checked_reference(a.get("reference_smoke"))
+    except ValueError as exc:
+        raise Failure("bad-request", "%s; nothing changed" % exc)
     commands = _commands(a, python)
     lay = venvmod.layout(venv)
     install, remove = a.get("install") or [], [normalize(n) for n in a.get("remove") or []]
     names = sorted({normalize(w["name"]) for w in install} | set(remove))
     steps = []
-    result = {"id": pid, "steps": steps, "ok": False}
+    result = {"id": pid, "steps": steps, "ok": False, "warnings": []}
     ctx.step("verify")
     allow = a.get("allow_pth") or {}
     paths = [_verified(ctx, w, allow.get(normalize(w["name"])) or ()) for w in install]
@@ -397,11 +447,15 @@ def apply(ctx, a):
             if mods:
                 ctx.step("smoke")
                 cuda = bool(a.get("cuda_init")) and "torch" in mods and os.path.exists("/dev/nvidiactl")
-                argv = commands["smoke"] + [json.dumps(sorted(mods)), "cuda" if cuda else "nocuda"]
-                r = _run_step(ctx, steps, "smoke", argv, timeout=600)
+                r, got = _smoke(ctx, commands["smoke"], sorted(mods), cuda, 600)
+                _run_step(ctx, steps, "smoke", commands["smoke"], r=r)
                 steps[-1]["cuda_init"] = cuda
-                if r["rc"] != 0:
-                    failure = "smoke import failed (exit %s)" % r["rc"]
+                verdict = importsmoke.judge(got, reference_smoke)
+                result["smoke"] = verdict
+                result["warnings"] += importsmoke.warnings(verdict)
+                failure = importsmoke.failure(verdict)
+                if failure is None and r["rc"] != 0:
+                    failure = ("smoke import failed (exit %s)" % r["rc"]) + (" at CUDA init" if cuda else "")
     except Exception as exc:  # restore below, whatever went wrong (a lost lock included)
         failure = describe(exc)
     if failure is None:
