@@ -665,9 +665,10 @@ def _group(c: _Checker, node: PosDict, o: dict, key: int, host_gpus, swhere: str
                   "has peer-to-peer to accept the lack of")
         return
     ok = True
+    items = node.get("gpus")  # the file's list (o's is a plain copy): each item's own line
     for i, x in enumerate(g):
         if x not in host_gpus:
-            c.err(g.line_of(i) if isinstance(g, PosList) else line, f"{swhere}.gpus",
+            c.err(items.line_of(i) if isinstance(items, PosList) else line, f"{swhere}.gpus",
                   f"GPU {x} is not one of this host's GPUs {list(host_gpus)}")
             ok = False
     if min(g) != key:

@@ -480,7 +480,9 @@ def plan_host(conn, host: Host, plugin: build.Plugin, overlays: list[dict], rele
               rendered: tuple | None = None) -> HostPlan:
     """Read the host (no lock) and plan it (`rendered`: its build.host_files, when already made)."""
     remote = Remote(conn, host.name)
-    models = sorted({s.model for s in host.services if s.mode == contract.TREE_VERIFY and s.enabled and s.model})
+    models = sorted({s.model for s in host.services if s.mode == contract.TREE_VERIFY and s.enabled and s.model}
+                    # a TP group's model and drafter: their attention heads against tp (hostfit.tp_refusals)
+                    | {m for s in host.services if s.enabled and s.tp > 1 for m in (s.model, s.draft_model) if m})
     state = probe(remote, host, instances=[s.instance for s in host.services], models=models,
                   overlays=[{k: o[k] for k in ("package", "version", "path", "sha256", "new_sha256")}
                             for o in overlays],
@@ -834,7 +836,8 @@ def restart_payload(host: Host, state: dict, gpus: list[int] | None, no_drain: b
     man = state.get("manifest")
     if not man:
         raise RuntimeError(f"no active release on {host.name}; run fab deploy first")
-    insts = by_gpu(i for i, s in man["services"].items() if s.get("enabled", True) and (gpus is None or s["gpu"] in gpus))
+    insts = by_gpu(i for i, s in man["services"].items() if s.get("enabled", True)
+                   and (gpus is None or any(g in gpus for g in s.get("gpus") or [s["gpu"]])))  # a TP group: any GPU
     # a GPU left out of the router or on an older release (a run that died, a failed gate) restarts too, first
     why = changed_services(man, man, state.get("units") or {}, state.get("services") or {}, state.get("health"),
                            routed(man, state.get("router_view")))
