@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from deploy.inventory import load_inventory  # noqa: E402
-from deploy.release import rollout  # noqa: E402
+from deploy.release import plan, progress, rollout  # noqa: E402
 
 
 def lab_inventory(tmp: Path, hosts: list[str], load_seconds: float) -> Path:
@@ -81,14 +81,14 @@ def main():
         inv = load_inventory(str(lab_inventory(Path(tmp), names, a.load_seconds)))
         hosts = inv.select(names)
         clean(inv, names)
-        quiet = rollout.Printer(quiet=True)
+        quiet = progress.Printer(quiet=True)
         gpus = sum(len(h.services) for h in hosts)
         print(f"lab deploy benchmark: {len(hosts)} hosts, {gpus} GPU services, load {a.load_seconds}s/service")
-        s1 = rollout.deploy(inv, hosts, rollout.DeployOptions(mode="tree-verify"), out=quiet)
+        s1 = rollout.deploy(inv, hosts, plan.DeployOptions(mode="tree-verify"), out=quiet)
         row("1 first deploy", s1)
-        s2 = rollout.deploy(inv, hosts, rollout.DeployOptions(mode="tree-verify"), out=quiet)
+        s2 = rollout.deploy(inv, hosts, plan.DeployOptions(mode="tree-verify"), out=quiet)
         row("2 no-op redeploy", s2)
-        s3 = rollout.deploy(inv, hosts, rollout.DeployOptions(mode="shadow-linear"), out=quiet)
+        s3 = rollout.deploy(inv, hosts, plan.DeployOptions(mode="shadow-linear"), out=quiet)
         row("3 mode change", s3)
         t = time.monotonic()
         s4 = rollout.rollback(inv, hosts, out=quiet)

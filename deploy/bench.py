@@ -32,6 +32,11 @@ beside it (``RELEASE.png``).
 4. the fastest run at that level by output tok/s; runs within 1% of the fastest are a tie, which goes to the
    simpler mode (``linear`` < ``shadow-linear`` < ``tree-verify``) and then to the smaller budget.
 
+With ``concurrency: all`` (sized for every load, :func:`choose_schedule`), steps 3 and 4 are the tools'
+``report.propose_schedule`` instead: tree-verify with a budget schedule, each measured concurrency's entry the
+fastest budget there, or ``chain`` where DFLASH is faster (thresholds at the measured concurrencies); ``linear``
+when DFLASH is the fastest at the lowest one. `fab bench` prints the schedule its results propose.
+
 No applicable result (or none with a usable run): the host is refused at the plan with what to run. Plain
 decoding is measured too but is not a mode the toolkit deploys: when it beats the choice, the plan says so.
 """
@@ -46,7 +51,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from . import contract, values
+from . import contract, modes, values
 from . import smoke as smokemod
 from . import tools
 from .tools import report as benchreport
@@ -372,8 +377,12 @@ class Choice:
     plain_tok_s: float | None = None
     runner_up: str | None = None
     overlap: bool = False  # measured (and deployed) on SGLang's overlap scheduler: the service's env asks it
+    # choose_schedule's: (concurrency, entry, tok/s, note) per measured level; None for one concurrency's choice
+    schedule_levels: tuple | None = None
 
     def note(self) -> str:
+        if self.schedule_levels is not None:
+            return self._schedule_note()
         b = f" B={self.budget}" if contract.is_ddtree(self.mode) else ""
         b += " on the overlap scheduler" if self.overlap and self.mode == contract.TREE_VERIFY else ""
         at = f"concurrency {self.concurrency}" + ("" if self.concurrency == self.wanted else
@@ -385,6 +394,14 @@ class Choice:
             s += (f"; NOTE plain decoding measured {self.plain_tok_s:.1f} tok/s, faster: the toolkit deploys "
                   "speculative modes only")
         return s
+
+
+    def _schedule_note(self) -> str:
+        what = (f"{self.mode} B={self.budget}" if self.mode == contract.TREE_VERIFY else
+                f"{self.mode} (DFLASH fastest at concurrency {self.concurrency})")
+        what += " on the overlap scheduler" if self.overlap and self.mode == contract.TREE_VERIFY else ""
+        per = ", ".join(f"{c}: {e} {t:.1f} tok/s" + (f" ({n})" if n else "") for c, e, t, n in self.schedule_levels)
+        return f"{what} for every load (concurrency all): per measured concurrency {per}; bench {self.source}"
 
 
 def nearest_level(levels, wanted: int) -> int:
@@ -405,6 +422,35 @@ def choose(results: list[dict], *, host: str, plugin_digest: str | None, model: 
     """The mode and budget `mode: auto` gives a service (the rule is in the module docstring). `graphs_for(mode)`
     is whether the deploy runs `mode` with decode CUDA graphs; `overlap`: the service asks for SGLang's overlap
     scheduler (:func:`service_overlap`). Raises NoChoice with what to do."""
+    rec, source, todo = _newest(results, host=host, plugin_digest=plugin_digest, model=model, draft_model=draft_model)
+    usable = _usable(block_size, graphs_for, overlap)
+    rows, plain = [], {}
+    for run in rec["report"]["runs"]:
+        for lv in run["levels"]:
+            if lv["errors"] or lv["requests"] == 0:
+                continue
+            if run["mode"] == contract.PLAIN:
+                plain[lv["concurrency"]] = max(plain.get(lv["concurrency"], 0.0), lv["output_tok_s"])
+                continue
+            if usable(run):
+                rows.append((DEPLOY_MODE[run["mode"]], run["budget"], lv["concurrency"], lv["output_tok_s"]))
+    if not rows:
+        raise NoChoice(_no_usable(source, block_size, overlap, todo))
+    level = nearest_level([r[2] for r in rows], concurrency)
+    at = sorted((r for r in rows if r[2] == level), key=lambda r: -r[3])
+    best_tps = at[0][3]
+    tied = [r for r in at if r[3] >= best_tps * (1 - TIE)]
+    pick = min(tied, key=lambda r: (SIMPLER[r[0]], r[1] or 0))
+    rest = [r for r in at if r is not pick]
+    runner = (f"{rest[0][0]}" + (f" B={rest[0][1]}" if contract.is_ddtree(rest[0][0]) else "")
+              + f" {rest[0][3]:.1f} tok/s" if rest else None)
+    return Choice(mode=pick[0], budget=pick[1], tok_s=pick[3], concurrency=level, wanted=concurrency,
+                  source=source, plain_tok_s=plain.get(level), runner_up=runner, overlap=overlap)
+
+
+def _newest(results: list[dict], *, host: str, plugin_digest: str | None, model: str | None,
+            draft_model: str | None) -> tuple[dict, str, str]:
+    """(the newest result that applies, where it is kept, what to do without one): step 1 of the rule."""
     want = f"host {host}, model {model} with drafter {draft_model}, plugin source {str(plugin_digest)[:12]}"
     todo = ("run `fab bench " + host + "` with this plugin deployed (fab deploy --mode ... first), or set a mode")
     if not plugin_digest:
@@ -417,37 +463,47 @@ def choose(results: list[dict], *, host: str, plugin_digest: str | None, model: 
         raise NoChoice(f"no bench result for {want}" + (f" (kept: {', '.join(others)})" if others else
                                                         " (none kept for this host)") + f"; {todo}")
     rec = max(mine, key=lambda r: (str(r.get("created")), str(r.get("release"))))
-    source = f"{host}/{rec['release']}.json ({rec.get('created')})"
-    rows, plain = [], {}
-    for run in rec["report"]["runs"]:
-        for lv in run["levels"]:
-            if lv["errors"] or lv["requests"] == 0:
-                continue
-            if run["mode"] == contract.PLAIN:
-                plain[lv["concurrency"]] = max(plain.get(lv["concurrency"], 0.0), lv["output_tok_s"])
-                continue
-            mode = DEPLOY_MODE[run["mode"]]
-            if run["graphs"] != graphs_for(mode):
-                continue
-            if mode != contract.TREE_VERIFY and run["block"] != block_size:  # the chain modes' width
-                continue
-            if mode == contract.TREE_VERIFY and ran_overlap(run) != overlap:  # measured on another scheduler
-                continue
-            rows.append((mode, run["budget"], lv["concurrency"], lv["output_tok_s"]))
-    if not rows:
-        raise NoChoice(f"bench {source} has no run the deploy can serve as measured (a deployable mode with the "
-                       f"deploy's CUDA-graph setting, block {block_size} for the chain modes, tree-verify on the "
-                       f"{'overlap' if overlap else 'synchronous'} scheduler, no failed request); {todo}")
-    level = nearest_level([r[2] for r in rows], concurrency)
-    at = sorted((r for r in rows if r[2] == level), key=lambda r: -r[3])
-    best_tps = at[0][3]
-    tied = [r for r in at if r[3] >= best_tps * (1 - TIE)]
-    pick = min(tied, key=lambda r: (SIMPLER[r[0]], r[1] or 0))
-    rest = [r for r in at if r is not pick]
-    runner = (f"{rest[0][0]}" + (f" B={rest[0][1]}" if contract.is_ddtree(rest[0][0]) else "")
-              + f" {rest[0][3]:.1f} tok/s" if rest else None)
-    return Choice(mode=pick[0], budget=pick[1], tok_s=pick[3], concurrency=level, wanted=concurrency,
-                  source=source, plain_tok_s=plain.get(level), runner_up=runner, overlap=overlap)
+    return rec, f"{host}/{rec['release']}.json ({rec.get('created')})", todo
+
+
+def _usable(block_size: int, graphs_for, overlap: bool):
+    """Step 2 of the rule: whether a (non-plain) run is one the deploy can serve as measured."""
+    def usable(run: dict) -> bool:
+        if run["mode"] not in DEPLOY_MODE:
+            return False
+        mode = DEPLOY_MODE[run["mode"]]
+        if run["graphs"] != graphs_for(mode):
+            return False
+        if mode != contract.TREE_VERIFY and run["block"] != block_size:  # the chain modes' width
+            return False
+        return mode != contract.TREE_VERIFY or ran_overlap(run) == overlap  # measured on the service's scheduler
+    return usable
+
+
+def _no_usable(source: str, block_size: int, overlap: bool, todo: str) -> str:
+    return (f"bench {source} has no run the deploy can serve as measured (a deployable mode with the deploy's "
+            f"CUDA-graph setting, block {block_size} for the chain modes, tree-verify on the "
+            f"{'overlap' if overlap else 'synchronous'} scheduler, no failed request); {todo}")
+
+
+def choose_schedule(results: list[dict], *, host: str, plugin_digest: str | None, model: str | None,
+                    draft_model: str | None, block_size: int, graphs_for, overlap: bool = False) -> Choice:
+    """What `mode: auto` with ``concurrency: all`` gives a service: tree-verify with the budget schedule the newest
+    applicable result proposes (the tools' ``report.propose_schedule`` over the runs the deploy can serve as
+    measured: step 1 and 2 of the rule), or ``linear`` where DFLASH is the fastest at the lowest measured
+    concurrency. A pure function; raises NoChoice with what to do."""
+    rec, source, todo = _newest(results, host=host, plugin_digest=plugin_digest, model=model, draft_model=draft_model)
+    usable = _usable(block_size, graphs_for, overlap)
+    prop = benchreport.propose_schedule(rec["report"]["runs"],
+                                        usable=lambda run: run["mode"] == contract.PLAIN or usable(run))
+    if prop["mode"] is None:
+        raise NoChoice(_no_usable(source, block_size, overlap, todo))
+    lows = prop["levels"][0]
+    budget = None if prop["budget"] is None else contract.parse_budget(prop["budget"])
+    return Choice(mode=prop["mode"], budget=budget, tok_s=lows["tok_s"], concurrency=lows["concurrency"],
+                  wanted=lows["concurrency"], source=source, plain_tok_s=lows["plain_tok_s"],
+                  runner_up=None, overlap=overlap, schedule_levels=tuple(
+                      (lv["concurrency"], lv["entry"], lv["tok_s"], lv["note"]) for lv in prop["levels"]))
 
 
 def resolve_auto(inventory_path: str, hosts: list[Host], plugin_digest: str | None, graphs_for,
@@ -482,13 +538,18 @@ def auto_services(hosts: list[Host], kept: dict, plugin_digest: str | None, grap
                 svcs.append(s)
                 continue
             try:
-                c = choose(results, host=h.name, plugin_digest=plugin_digest, model=s.model,
-                           draft_model=s.draft_model, concurrency=s.concurrency or 1, block_size=s.block_size,
-                           graphs_for=lambda m, s=s: graphs_for(s, m), overlap=service_overlap(s.env))
+                if s.concurrency == modes.CONCURRENCY_ALL:
+                    c = choose_schedule(results, host=h.name, plugin_digest=plugin_digest, model=s.model,
+                                        draft_model=s.draft_model, block_size=s.block_size,
+                                        graphs_for=lambda m, s=s: graphs_for(s, m), overlap=service_overlap(s.env))
+                else:
+                    c = choose(results, host=h.name, plugin_digest=plugin_digest, model=s.model,
+                               draft_model=s.draft_model, concurrency=s.concurrency or 1, block_size=s.block_size,
+                               graphs_for=lambda m, s=s: graphs_for(s, m), overlap=service_overlap(s.env))
                 budget = c.budget if c.budget is not None else s.budget
                 if c.mode not in contract.MODES:
                     raise NoChoice(f"the bench chose mode {c.mode!r}, not one of {', '.join(contract.MODES)}")
-                if contract.is_ddtree(c.mode) and (problem := contract.budget_problem(budget)):
+                if contract.is_ddtree(c.mode) and (problem := contract.budget_problem(budget, c.mode)):
                     raise NoChoice(f"the bench chose {c.mode} B={budget!r}: the budget {problem}")
             except ValueError as exc:  # NoChoice, or a service the deploy could not render (its message)
                 if s.enabled:
@@ -602,6 +663,33 @@ def plot(record: dict, path: Path) -> Path:
     fig.savefig(str(path), format="png")
     plt.close(fig)
     return path
+
+
+def schedule_lines(record: dict) -> list[str]:
+    """What `fab bench` prints after its table: per CUDA-graph setting measured, the budget schedule the results
+    propose (the tools' ``report.propose_schedule`` over the runs on the synchronous scheduler), as the inventory
+    writes it, with each level's entry and why where it is not the plain fastest."""
+    runs = record["report"]["runs"]
+    out = []
+    for graphs in sorted({bool(r.get("graphs")) for r in runs}, reverse=True):
+        prop = benchreport.propose_schedule(runs, usable=lambda r, g=graphs: bool(r.get("graphs")) == g
+                                            and not ran_overlap(r))
+        tag = f"schedule (graphs {'on' if graphs else 'off'})"
+        if prop["mode"] is None:
+            out.append(f"{tag}: none proposed: {'; '.join(prop['notes'])}")
+            continue
+        if prop["mode"] == contract.LINEAR:
+            head = f"mode: {contract.LINEAR}"
+        else:
+            b = contract.parse_budget(prop["budget"])
+            head = f"mode: {contract.TREE_VERIFY}, budget: " + (
+                str(b) if type(b) is int else "{" + ", ".join(f"{t}: {e}" for t, e in b.entries) + "}")
+        out.append(f"{tag}: {head}")
+        for lv in prop["levels"]:
+            out.append(f"  concurrency {lv['concurrency']}: {lv['entry']} {lv['tok_s']:.1f} tok/s"
+                       + (f" ({lv['note']})" if lv["note"] else ""))
+        out += [f"  {n}" for n in prop["notes"]]
+    return out
 
 
 # ----------------------------------------------------------------------------- the run

@@ -105,6 +105,9 @@ def bench_floor(results: list[dict], *, plugin_digest: str | None, model: str | 
                 mode: str, budget: int | None) -> tuple[float | None, str]:
     """(FLOOR_FRACTION x the accept length bench measured, where it came from) or (None, why there is none).
     `results`: deploy.bench.load_results of the host."""
+    if contract.is_ddtree(mode) and contract.is_schedule(budget):
+        # the canary sends one request at a time: a schedule serves it at its budget for one request
+        budget = contract.budget_for(budget, 1)
     want = f"mode {mode}" + (f" B={budget}" if contract.is_ddtree(mode) else "")
     if not plugin_digest:
         return None, "the plugin has no source digest to match bench results against"

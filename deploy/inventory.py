@@ -45,6 +45,17 @@ def _in_range(lo, hi):
     return check
 
 
+def _budget(v):
+    """A node budget, or a budget schedule (a mapping batch size -> budget or chain: contract.parse_budget)."""
+    if isinstance(v, dict):
+        try:
+            contract.parse_budget(dict(v))
+        except ValueError as e:
+            return f"budget schedule {dict(v)!r}: {e}"
+        return True
+    return _in_range(modes.BUDGET_MIN, modes.BUDGET_MAX)(v)
+
+
 def _str_list(v) -> bool:
     return isinstance(v, list) and all(isinstance(x, str) for x in v)
 
@@ -113,9 +124,12 @@ VARS: dict[str, tuple] = {
     "served_model_name": (values.served_model_name, "a model name"),
     "mode": (lambda v: v in modes.INVENTORY_MODES, "one of " + ", ".join(modes.INVENTORY_MODES)),
     # the concurrent requests a service is sized for: what `mode: auto` picks the mode and budget for
-    "concurrency": (_in_range(modes.CONCURRENCY_MIN, modes.CONCURRENCY_MAX),
-                    f"an integer in [{modes.CONCURRENCY_MIN}, {modes.CONCURRENCY_MAX}]"),
-    "budget": (_in_range(modes.BUDGET_MIN, modes.BUDGET_MAX), f"an integer in [{modes.BUDGET_MIN}, {modes.BUDGET_MAX}]"),
+    # (or `all`: every load, and mode auto deploys the budget schedule fab bench proposes)
+    "concurrency": (lambda v: v == modes.CONCURRENCY_ALL or _in_range(modes.CONCURRENCY_MIN, modes.CONCURRENCY_MAX)(v),
+                    f"an integer in [{modes.CONCURRENCY_MIN}, {modes.CONCURRENCY_MAX}] or {modes.CONCURRENCY_ALL!r}"),
+    # one node budget, or a schedule by batch size ({1: 127, 4: 31, 64: chain}: tree-verify; the contract's rules)
+    "budget": (_budget, f"an integer in [{modes.BUDGET_MIN}, {modes.BUDGET_MAX}] or a schedule "
+                        f"{{batch size: budget or {contract.CHAIN}}}"),
     "block_size": (_in_range(modes.BLOCK_SIZE_MIN, modes.BLOCK_SIZE_MAX),
                    f"an integer in [{modes.BLOCK_SIZE_MIN}, {modes.BLOCK_SIZE_MAX}]"),
     # decode CUDA graphs (SGLang's own); in tree-verify only where the plugin's adapter for the host's SGLang
@@ -227,13 +241,13 @@ class Service:
     draft_model: str | None
     served_model_name: str | None
     mode: str
-    budget: int
+    budget: int | contract.BudgetSchedule  # one node budget, or a schedule by batch size (tree-verify)
     block_size: int
     extra_args: tuple = ()
     env: tuple = ()  # sorted (name, value) pairs: hashable and printable
     enabled: bool = True
     listen: str = "127.0.0.1"  # --host: the host's listen_address
-    concurrency: int | None = None  # the concurrent requests it is sized for (mode auto picks for it)
+    concurrency: int | str | None = None  # the concurrent requests it is sized for (mode auto picks for it), or "all"
     auto: str | None = None  # set by `fab deploy` when the mode and budget came from `mode: auto`: why (bench)
     cuda_graphs: bool = True  # SGLang's decode CUDA graphs (tree-verify: where the plugin's adapter supports them)
     # where each of its values came from, "file:line: key" (gpu, port, model, draft_model): what a plan-time
@@ -632,8 +646,15 @@ def _services(c: _Checker, h: PosDict, where: str, hname: str, gpus, resolved: d
             # once per host when the host (or a group, or the fleet) set it; at the service when the service did
             line, key = (o["_line"], f"{where}.services.{gpu}") if "mode" in o else (hline, where)
             c.err(line, key, "mode auto needs concurrency: N (the concurrent requests this service is sized "
-                  "for: fab deploy gives it the mode and budget fab bench measured fastest at N)")
+                  "for: fab deploy gives it the mode and budget fab bench measured fastest at N) or concurrency: "
+                  "all (every load: the budget schedule fab bench proposes)")
             auto_told = auto_told or "mode" not in o
+        budget = contract.parse_budget(v["budget"]) if isinstance(v["budget"], dict) else v["budget"]
+        if isinstance(budget, contract.BudgetSchedule) and v["mode"] not in (modes.TREE_VERIFY, modes.AUTO) \
+                and contract.is_ddtree(v["mode"]):
+            line, key = (o["_line"], f"{where}.services.{gpu}") if "budget" in o or "mode" in o else (hline, where)
+            c.err(line, key, f"budget {budget} is a schedule, which only {modes.TREE_VERIFY} serves; mode "
+                  f"{v['mode']} takes one budget")
         group = o.get("_gpus") or (gpu,)
         tp_port = None
         if len(group) > 1:
@@ -643,7 +664,7 @@ def _services(c: _Checker, h: PosDict, where: str, hname: str, gpus, resolved: d
         if "_gpus_at" in o:
             sw["gpus"] = o["_gpus_at"]
         out.append(Service(hname, gpu, port, v.get("model"), v.get("draft_model"), v.get("served_model_name"),
-                           v["mode"], v["budget"], v["block_size"], tuple(v["extra_args"]),
+                           v["mode"], budget, v["block_size"], tuple(v["extra_args"]),
                            tuple(sorted((k, str(x)) for k, x in v["env"].items())), o.get("enabled", True),
                            service_listen(resolved), v.get("concurrency"), cuda_graphs=v["cuda_graphs"],
                            where=sw, gpus=group, tp_port=tp_port, accept_no_p2p=o.get("accept_no_p2p", False)))

@@ -10,6 +10,9 @@ from __future__ import annotations
 from .contract import AUTO, BUDGET_MAX, BUDGET_MIN, INVENTORY_MODES, MODES, TREE_VERIFY  # noqa: F401
 
 CONCURRENCY_MIN, CONCURRENCY_MAX = 1, 4096
+# `concurrency: all` (with `mode: auto`): sized for every load, so fab deploy gives it the budget schedule fab bench
+# proposes (deploy/bench.py choose_schedule)
+CONCURRENCY_ALL = "all"
 # DFlash block size (draft tokens per block) used by the drafter in every mode.
 BLOCK_SIZE_MIN, BLOCK_SIZE_MAX = 2, 64
 

@@ -95,7 +95,8 @@ def plan_smoke(host: Host, probe: dict, gpu: int | None = None, mode: str | None
                                f"({got.get('error', 'not probed')}): its family decides the tiny model")
         why = hybrid.hybrid_reason(got["config"])
         family, reason = ("hybrid", f"{svc.model}: {why}") if why else ("dense", f"{svc.model}: no recurrent layers")
-    b = budget if budget is not None else (svc.budget if svc else 15)
+    # a schedule's service: its budget at one request (what the smoke's sequential prompts mostly run at)
+    b = budget if budget is not None else (contract.budget_for(svc.budget, 1) if svc else 15)
     b = max(contract.BUDGET_MIN, min(int(b), MAX_SMOKE_BUDGET))
     return SmokePlan(host=host.name, gpu=gpu, instance=svc.instance if svc else None, mode=mode, family=family,
                      family_reason=reason, budget=b, release=probe["current"], venv=host.vars["venv"],

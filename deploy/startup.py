@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 
-from .contract import LINEAR, SHADOW_LINEAR, TREE_VERIFY
+from .contract import LINEAR, SHADOW_LINEAR, TREE_VERIFY, is_schedule, largest_budget
 
 COLD_START_S = 129.0   # tree-verify B=15 cold start on the H200, server ready (benchmarks/results/MEASUREMENTS.md)
 # (mode, family) -> ((budget, expected start seconds), ...), budgets ascending; family None: any family
@@ -48,9 +48,12 @@ def _interp(points, budget: int) -> float:
 def expected_start(mode: str, budget: int, family: str | None = None, override: float | None = None) -> float:
     """Expected seconds from a (re)start to /health 200 for a server of `mode` at node budget `budget` on a
     target of `family` ("hybrid", "dense", or None when not known: the slower family's figure); `override`: the
-    inventory's `start_seconds`."""
+    inventory's `start_seconds`. A budget schedule starts as its largest budget (the verify graphs are captured at
+    its width)."""
     if override is not None:
         return float(override)
+    if is_schedule(budget):
+        budget = largest_budget(budget)
     if (mode, None) in START_SECONDS:
         return _interp(START_SECONDS[(mode, None)], budget)
     fams = [family] if (mode, family) in START_SECONDS else [f for (m, f) in START_SECONDS if m == mode]

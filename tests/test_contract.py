@@ -51,6 +51,38 @@ def test_capabilities_json_declares_what_the_contract_says():
         assert v["tree_verify_attention_backends"] == [c.ATTENTION_BACKEND]
 
 
+def test_budget_schedule_parse_text_and_widths():
+    """A schedule by batch size: validated, one canonical text (the plugin's variable), the budget and width of each
+    batch size, D = its largest width; a plain budget answers the same everywhere."""
+    c = _contract()
+    s = c.parse_budget({1: 127, 4: 31, 16: 15, 64: c.CHAIN})
+    assert str(s) == c.budget_text(s) == "1:127,4:31,16:15,64:chain" and c.parse_budget(str(s)) == s
+    assert [c.budget_for(s, n) for n in (1, 3, 4, 15, 16, 63, 64, 4096)] == [127, 127, 31, 31, 15, 15, c.CHAIN, c.CHAIN]
+    assert c.schedule_widths(s, 16) == {1: 128, 4: 32, 16: 16, 64: 16} and c.draft_tokens(c.TREE_VERIFY, s, 16) == 128
+    assert c.draft_tokens(c.TREE_VERIFY, "1:7,4:chain", 16) == 16  # chain wider than the largest tree
+    assert c.step_width(s, 70, 8) == 8 and c.largest_budget(s) == 127
+    assert c.budget_for(31, 500) == 31 and c.step_width(31, 500, 16) == 32
+    assert c.parse_budget("1:31, 4:31, 8:15") == c.parse_budget({1: 31, 8: 15})  # repeats dropped
+    assert c.parse_budget({1: 31, 4: 31}) == 31 == c.parse_budget("31")  # one entry: the plain budget
+    assert c.budget_problem(s) is None and c.budget_problem(s, c.TREE_VERIFY) is None
+    assert "only tree-verify serves" in c.budget_problem(s, c.SHADOW_LINEAR)
+    env = dict(c.sglang_env(c.TREE_VERIFY, s, 0))
+    assert env[c.BUDGET_ENV] == "1:127,4:31,16:15,64:chain" and dict(c.sglang_env(c.TREE_VERIFY, 15, 0))[
+        c.BUDGET_ENV] == "15"
+    args = c.sglang_args(c.TREE_VERIFY, "/m", "/d", budget=s, block=16, host="h", port=1, decode_graphs=True)
+    assert args[args.index("--speculative-num-draft-tokens") + 1] == "128"
+    with pytest.raises(ValueError, match="needs the drafter's block size"):
+        c.draft_tokens(c.TREE_VERIFY, "1:31,4:chain", None)
+    for bad, msg in [({2: 5}, "starts at batch size 1"), ({1: c.CHAIN}, "starts with a node budget"),
+                     ("1:5,1:4", "must ascend"), ({1: c.BUDGET_MAX + 1}, "must be an integer in"),
+                     ("1:15,4:chain,8:3", "must not increase"), ("1:15,4:31", "must not increase"),
+                     ("1:15,x:3", "threshold 'x'"), ("15;31", "neither an integer nor a schedule"),
+                     (True, "an integer or a schedule"), ({}, "at least one entry"), ("1-15", "neither")]:
+        with pytest.raises(ValueError, match=msg):
+            c.parse_budget(bad)
+        assert c.budget_problem(bad)
+
+
 def test_budget_bound_is_the_plugins_gpu_tree_kernel_bound():
     c = _contract()
     assert c.budget_problem(c.BUDGET_MAX) is None and c.budget_problem(c.BUDGET_MIN) is None

@@ -82,6 +82,13 @@ def test_repo_inventories_load():
     (GOOD.replace("fleet: t\n", "fleet: t\nfleet: u\n"), 2, "fleet: duplicate key"),
     (GOOD.replace("  venv: /opt/v", "  venv: [/opt/v"), 5, "YAML syntax"),
     (GOOD.replace("vars:\n  venv", "vars:\n  service_user: root\n  venv"), 4, "service_user: must be a non-root user"),
+    (GOOD.replace("budget: 16", "budget: {1: 15, 4: 31}"), 6, "vars.budget: budget schedule {1: 15, 4: 31}: "
+     "schedule budgets must not increase with the batch size: 31 at 4 after 15"),
+    (GOOD.replace("vars: {budget: 8}", "vars: {budget: {2: 31}}"), 18, "hosts.b.vars.budget: budget schedule "
+     "{2: 31}: a schedule starts at batch size 1, got 2"),
+    (GOOD.replace("budget: 16", "budget: {1: 15, 8: fast}"), 6, "or 'chain', got 'fast'"),
+    (GOOD.replace("{port: 31000, mode: linear}", "{port: 31000, mode: shadow-linear, budget: {1: 31, 4: chain}}"),
+     20, "hosts.b.services.3: budget 1:31,4:chain is a schedule, which only tree-verify serves"),
 ])
 def test_bad_input_names_file_line_and_key(tmp_path, text, line, needle):
     problems = errors(tmp_path, text)
@@ -103,3 +110,17 @@ def test_unknown_host_selection(tmp_path):
     inv = load_inventory(write(tmp_path, GOOD))
     with pytest.raises(InventoryError, match="unknown host or group 'zz'"):
         inv.select("a,zz")
+
+
+def test_budget_schedule_in_the_inventory(tmp_path):
+    """`budget:` takes one integer or a schedule by batch size; the service carries the contract's schedule (a
+    one-entry schedule is its plain budget)."""
+    from deploy import contract
+    inv = load_inventory(write(tmp_path, GOOD.replace("vars: {budget: 8}", "vars: {budget: {1: 127, 4: 31, 16: 15, "
+                                                                            "64: chain}}")))
+    b = inv.hosts["b"].services[0].budget
+    assert isinstance(b, contract.BudgetSchedule) and str(b) == "1:127,4:31,16:15,64:chain"
+    assert [b.budget_for(n) for n in (1, 3, 4, 16, 64)] == [127, 127, 31, 15, "chain"]
+    assert inv.hosts["a"].services[0].budget == 32
+    one = load_inventory(write(tmp_path, GOOD.replace("vars: {budget: 8}", "vars: {budget: {1: 31, 4: 31}}")))
+    assert one.hosts["b"].services[0].budget == 31

@@ -35,6 +35,11 @@ def test_zipapp_is_deterministic_and_holds_only_the_host_package():
     names = zipfile.ZipFile(io.BytesIO(a.data)).namelist()
     assert all(n.startswith("ddtree_agent/") and n.endswith(".py") for n in names)
     assert "ddtree_agent/main.py" in names and "ddtree_agent/loader.py" in names
+    # every module of the host package travels (a step split into a new module is carried without a list to edit)
+    own = {n.removeprefix("ddtree_agent/") for n in names if not n.startswith("ddtree_agent/vendor/")}
+    assert own == {p.name for p in zipapp.HOST_DIR.glob("*.py")}
+    assert {"release.py", "releasehost.py", "releasedir.py", "activation.py", "unitfiles.py", "routerunit.py",
+            "services.py", "rollback.py", "secretcheck.py"} <= own
 
 
 def test_zipapp_is_built_once_when_every_host_thread_asks_at_once(monkeypatch):

@@ -13,8 +13,12 @@
 #                      reference's SGLang 0.5.17; gpu-drift keeps the machine's venv as it is (no SGLang,
 #                      transformers 5.17, which SGLang 0.5.17's model configs fail on: a real drift).
 #   fab ARGS...        there: `fab ARGS` inside the control chroot against inventory/gpulab.yaml (INV=FILE: another
-#                      inventory, e.g. inventory/gpulab-leaky.yaml); its output is
-#                      kept under $OUT/fab-<n>.txt.
+#                      inventory, e.g. inventory/gpulab-leaky.yaml; BUDGET=N, MODE=M [CONCURRENCY=N]: that inventory
+#                      with the fleet's budget or mode changed); its output is kept under $OUT/fab-<n>.txt.
+#   load ARGS...       there: benchmarks/load_during.py ARGS in the control chroot (streaming load through the
+#                      hosts' routers while a `fab` command runs; same INV and BUDGET); output $OUT/load-<n>.txt.
+#   host NAME CMD...   there: CMD on lab host NAME (gpu-ref, gpu-drift) over its sshd, as root; output
+#                      $OUT/host-<n>.txt (e.g. `systemd-analyze security sglang-ddtree@gpu0.service`).
 #   kit / kitwait [S]  there: trains the kit's hybrid pair on the GPU in the background (FAMILY, SEED), gives its
 #                      models a tokenizer (kit_tokenizer.py) and puts them, readable by the service user, in $KIT;
 #                      kitwait waits up to S seconds.
@@ -25,11 +29,30 @@ cd "$(dirname "$0")/../.."
 G=/tmp/gl
 B=$G/base
 OUT=${OUT:-/tmp/out}
-step=${1:?step: prepare, up, kit, kitwait, sglang, fab or down}; shift
+step=${1:?step: prepare, up, kit, kitwait, sglang, fab, load, diag or down}; shift
+
+inventory() {  # the inventory the chroot's fab reads: INV (default inventory/gpulab.yaml), or its copy with the
+  # fleet's node budget BUDGET=N and/or mode MODE=M (MODE=auto needs CONCURRENCY=N: what fab bench's result is for)
+  local inv=${INV:-inventory/gpulab.yaml}
+  if [ -n "${BUDGET:-}${MODE:-}" ]; then
+    local out=$B/tmp/inventory-${BUDGET:-x}-${MODE:-x}.yaml
+    mkdir -p "$B/tmp"; cp "$inv" "$out"
+    if [ -n "${BUDGET:-}" ]; then
+      sed -i "s/^  budget: [0-9]*\( *#.*\)\?$/  budget: $BUDGET/" "$out"
+      grep -q "^  budget: $BUDGET$" "$out" || { echo "no budget line in $inv" >&2; return 1; }
+    fi
+    if [ -n "${MODE:-}" ]; then
+      sed -i "s/^  mode: [a-z-]*\( *#.*\)\?$/  mode: $MODE${CONCURRENCY:+\\n  concurrency: $CONCURRENCY}/" "$out"
+      grep -q "^  mode: $MODE$" "$out" || { echo "no mode line in $inv" >&2; return 1; }
+    fi
+    inv=${out#"$B"}
+  fi
+  echo "$inv"
+}
 
 in_chroot() {  # command line run inside the control chroot, from /src, with the GPU lab's environment
   chroot "$B" /usr/bin/env -i PATH=/opt/ddtree-control/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LANG=C.UTF-8 \
-    COLUMNS="${COLUMNS:-100}" PYTHONUNBUFFERED=1 DEPLOY_INVENTORY="${INV:-inventory/gpulab.yaml}" \
+    COLUMNS="${COLUMNS:-100}" PYTHONUNBUFFERED=1 DEPLOY_INVENTORY="$(inventory)" \
     DDTREE_GPULAB_MACHINE=/machine DDTREE_GPULAB_MODELS=/kit /bin/sh -c "cd /src && $*"
 }
 
@@ -39,7 +62,7 @@ case "$step" in
     base=$(ls -d /var/cache/ddtree-lab/base-bookworm-* | head -1)
     [ -f "$base/.ddtree-lab-base" ] || { echo "no lab base: run fab lab.up first" >&2; exit 1; }
     grep -qx '/.gpulab/' .git/info/exclude 2>/dev/null || echo '/.gpulab/' >> .git/info/exclude
-    w=$(mktemp -d); trap 'umount -R "$w/root/proc" 2>/dev/null; rm -rf "$w"' EXIT
+    w=$(mktemp -d); trap 'umount -R "$w/root/proc" 2>/dev/null || true; rm -rf "$w"' EXIT
     cp -a "$base" "$w/root"
     # systemd-nspawn: its package unpacked aside, then merged into the base's merged /usr (the deb still ships
     # /bin and /lib, which must not replace the base's bin -> usr/bin links)
@@ -133,6 +156,21 @@ SH
     in_chroot "fab $*" 2>&1 | tee -a "$f"; rc=${PIPESTATUS[0]}
     echo "(exit $rc, $(( $(date +%s) - t0 )) s)" | tee -a "$f"
     exit "$rc";;
+  load)
+    n=$(ls "$OUT" 2>/dev/null | grep -c '^load-'); f=$OUT/load-$((n + 1)).txt
+    echo "\$ python benchmarks/load_during.py $*" > "$f"
+    in_chroot "python benchmarks/load_during.py $*" 2>&1 | tee -a "$f"; rc=${PIPESTATUS[0]}
+    exit "$rc";;
+  host)
+    name=${1:?host NAME CMD}; shift
+    case $name in  # deploy/lab/fleet.py GPU_HOSTS
+      gpu-ref) addr=10.231.77.10 ;; gpu-drift) addr=10.231.77.11 ;; *) echo "no GPU lab host $name" >&2; exit 2 ;;
+    esac
+    n=$(ls "$OUT" 2>/dev/null | grep -c '^host-'); f=$OUT/host-$((n + 1)).txt
+    echo "\$ [$name] $*" > "$f"
+    in_chroot "ssh -i /var/lib/ddtree-lab/id_ed25519 -o UserKnownHostsFile=/var/lib/ddtree-lab/known_hosts \
+      -o StrictHostKeyChecking=yes -o BatchMode=yes root@$addr $(printf '%q ' "$@")" 2>&1 | tee -a "$f"
+    exit "${PIPESTATUS[0]}";;
   kit)
     # the training kit's hybrid pair, trained on the machine's GPU in the background (~150 s; a new session, so
     # it outlives the device call that starts it), then given a tokenizer (kit_tokenizer.py) and put in $KIT

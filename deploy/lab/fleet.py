@@ -307,6 +307,35 @@ def _identity(h: LabHost, root: Path) -> None:
     os.chmod(ssh_dir / "authorized_keys", 0o600)
 
 
+# The GPU lab's routers listen on their host's address (inventory/gpulab.yaml: listen_address, api_key_file), so
+# the control side can put load through them; an address reachable from outside needs the router's API key.
+GPU_API_KEY_FILE = "/etc/ddtree/api-key.yaml"  # on each GPU host, root-only: what inventory/gpulab.yaml names
+
+
+def gpu_api_key() -> str:
+    """The GPU lab's router API key, made once and kept root-only on the control side (LAB_DIR/api-key): the
+    load generator and the hosts' key files read the same one."""
+    path = LAB_DIR / "api-key"
+    if not path.exists():
+        import secrets
+        LAB_DIR.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(secrets.token_urlsafe(32) + "\n")
+    return path.read_text().strip()
+
+
+def _api_key_file(root: Path) -> None:
+    """The router's API key file on a GPU host, root-only: YAML `api-key: "KEY"` (quoted: a key may start with a
+    digit or a dash)."""
+    target = root / GPU_API_KEY_FILE.lstrip("/")
+    target.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(f'api-key: "{gpu_api_key()}"\n')
+    os.chmod(target, 0o600)
+
+
 def _machine_id(h: LabHost) -> str:
     return hashlib.sha256(f"ddtree-lab {LAB_ID} {h.name}".encode()).hexdigest()[:32]
 
@@ -322,6 +351,7 @@ def _sudo_user_script() -> str:
 def _prepare_machine(h: LabHost, root: Path) -> None:
     """First boot only of a GPU host: identity, users, the driver's libraries known to ld.so (gpuhost)."""
     _identity(h, root)
+    _api_key_file(root)
     (root / "etc/machine-id").write_text(_machine_id(h) + "\n")
     script = "set -e; " + "; ".join(gpuhost.prepare_root(root) + [_sudo_user_script()])
     _run(["systemd-nspawn", "--quiet", "--register=no", "--keep-unit", "--private-network",

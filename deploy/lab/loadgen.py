@@ -5,9 +5,11 @@ stops by itself. Used by tests/lab/test_lab_router.py and benchmarks/rollout_und
 Lab addresses only: every endpoint must be in this lab's subnet (deploy/lab/fleet.SUBNET) or loopback, so it can
 never be pointed at a real fleet. Stdlib HTTP (urllib), one thread per client.
 
-A request is `ok` when its stream ended with `data: [DONE]` after exactly max_new_tokens chunks (the stand-in
-streams one token per chunk); anything else -- a refused connection, an HTTP error, a cut stream -- is `failed`,
-with the error.
+A request is `ok` when its stream ended with `data: [DONE]` after exactly max_new_tokens tokens, counted from each
+chunk's `meta_info.completion_tokens` (SGLang's running count: a speculative server streams several tokens a
+chunk; the stand-in streams one) or, where a chunk has none, one per chunk. Requests ask `ignore_eos`, so a real
+model generates them all. Anything else -- a refused connection, an HTTP error, a cut stream -- is `failed`, with
+the error.
 """
 from __future__ import annotations
 
@@ -45,6 +47,17 @@ def check_lab(url: str) -> None:
         raise ValueError(f"{url}: the load generator talks to this lab's hosts only ({fleet.SUBNET}.0/24)")
 
 
+def chunk_tokens(payload: bytes, so_far: int) -> int:
+    """The tokens generated so far after one stream chunk: its `meta_info.completion_tokens` where it has one,
+    else one more than before."""
+    try:
+        meta = json.loads(payload).get("meta_info") or {}
+        count = meta.get("completion_tokens")
+    except (ValueError, AttributeError):
+        count = None
+    return count if type(count) is int and count >= so_far else so_far + 1
+
+
 @dataclass
 class Load:
     endpoints: list[tuple[str, str | None]]     # (base URL of a router, its API key or None)
@@ -73,7 +86,8 @@ class Load:
 
     def one(self, url: str, key: str | None, client: int) -> Result:
         body = json.dumps({"text": f"client {client}: the capital of France is", "stream": True,
-                           "sampling_params": {"max_new_tokens": self.max_new_tokens, "temperature": 0}}).encode()
+                           "sampling_params": {"max_new_tokens": self.max_new_tokens, "temperature": 0,
+                                               "ignore_eos": True}}).encode()
         headers = {"Content-Type": "application/json"}
         if key:
             headers["Authorization"] = "Bearer " + key
@@ -86,7 +100,7 @@ class Load:
                     if line.startswith(b"data: [DONE]"):
                         done = True
                     elif line.startswith(b"data:"):
-                        n += 1
+                        n = chunk_tokens(line[5:], n)
         except urllib.error.HTTPError as e:
             err = f"HTTP {e.code} {e.read()[:120]!r}"
         except Exception as e:  # a reset or cut stream: that request failed

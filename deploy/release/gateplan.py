@@ -29,7 +29,8 @@ def timed_gates(gates: dict, host, manifest: dict | None) -> dict:
     svcs = (manifest or {}).get("services") or {}
     for inst, g in gates.items():
         s = svcs.get(inst) or {}
-        exp = startup.expected_start(str(s.get("mode")), int(s.get("budget") or 0), None,
+        b = s.get("budget") or 0  # the manifest's: an int, or a budget schedule's canonical text
+        exp = startup.expected_start(str(s.get("mode")), b if isinstance(b, str) else int(b), None,
                                      host.vars.get("start_seconds"))
         g["start_timeout"] = startup.start_timeout(exp, host.vars["start_timeout"])
     return gates

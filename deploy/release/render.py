@@ -108,7 +108,7 @@ def server_args(svc: Service) -> list[str]:
         raise RenderError(f"{where}: mode {svc.mode} needs a draft model (vars.draft_model)")
     if svc.mode not in contract.MODES:
         raise RenderError(f"{where}: mode {svc.mode!r} is not one of {', '.join(contract.MODES)}")
-    if contract.is_ddtree(svc.mode) and (problem := contract.budget_problem(svc.budget)):
+    if contract.is_ddtree(svc.mode) and (problem := contract.budget_problem(svc.budget, svc.mode)):
         raise RenderError(f"{where}: budget {problem}")
     # The contract's server (contract.sglang_args). Decode CUDA graphs in tree-verify: the plugin's SGLang 0.5.17
     # adapter captures the target's verify graph with the tree mask (it ran so on an H200); with other versions it

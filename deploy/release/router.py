@@ -129,7 +129,7 @@ def render_unit(host: Host, w: Wheel) -> str:
 
 def files(host: Host, w: Wheel) -> dict[str, bytes]:
     """What a release carries for the router (the wheel itself only when the host lacks its venv: see
-    rollout.make_plan)."""
+    plan.make_plan)."""
     return {f"systemd/{UNIT}": render_unit(host, w).encode(), ENV_FILE: render_env(host).encode(),
             "bin/router_launch.py": LAUNCHER.read_bytes()}
 

@@ -7,7 +7,7 @@ from ..remote.host import metrics as metricsmod
 from ..ssh import run_per_host
 from . import render
 from . import router as routermod
-from .rollout import host_args
+from .layout import host_args
 
 DEADLINE = 60.0
 

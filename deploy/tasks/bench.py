@@ -100,6 +100,8 @@ def bench(c, host, gpu=None, modes=None, budgets=None, concurrency=None, graphs=
                     console.print(line, markup=False, highlight=False)
             for line in lib.paired_lines(rec["report"]):
                 print(f"[{host}] paired by round: {line}")
+            for line in lib.schedule_lines(rec):
+                print(f"[{host}] {line}")
             print(f"[{host}] kept {out['saved']}" + (f", plot {out['plot']}" if out.get("plot") else ""))
         print(f"[{host}] {out['line']}")
     if out["exit"]:

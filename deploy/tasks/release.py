@@ -77,16 +77,16 @@ def deploy(c, mode=None, hosts=None, yes=False, allow_hybrid_unsafe=False, max_f
     preflight), or when its router is down (no drain possible; --no-drain restarts anyway); the other hosts go on.
     Each GPU is taken out of its host's router and drained before it restarts, and put back after its gate. Exit 0
     only if every host is ok."""
-    from ..release import build, rollout
+    from ..release import build, plan, rollout
     if mode is not None and mode not in modes.MODES:
         raise Exit(f"--mode must be one of {', '.join(modes.MODES)}", code=2)
     inv, selected = _inv(hosts)
     ask = confirm_prompt(yes)
-    opts = rollout.DeployOptions(mode=mode, allow_hybrid_unsafe=allow_hybrid_unsafe, max_fail=int(max_fail),
-                                 break_lock=break_lock, command=" ".join(["fab"] + sys.argv[1:]),
-                                 plugin_dir=Path(plugin) if plugin else build.DEFAULT_PLUGIN_DIR,
-                                 overlay_spec=Path(overlays) if overlays else build.DEFAULT_OVERLAY_SPEC,
-                                 no_drain=no_drain)
+    opts = plan.DeployOptions(mode=mode, allow_hybrid_unsafe=allow_hybrid_unsafe, max_fail=int(max_fail),
+                              break_lock=break_lock, command=" ".join(["fab"] + sys.argv[1:]),
+                              plugin_dir=Path(plugin) if plugin else build.DEFAULT_PLUGIN_DIR,
+                              overlay_spec=Path(overlays) if overlays else build.DEFAULT_OVERLAY_SPEC,
+                              no_drain=no_drain)
     try:
         summary = rollout.deploy(inv, selected, opts, confirm=ask)
     except build.BuildError as exc:

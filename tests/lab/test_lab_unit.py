@@ -202,7 +202,9 @@ def test_an_unsafe_secrets_file_stops_a_restart_before_anything_stops(env, fab):
     anyway (a file changed between plan and apply) before anything stops: the service keeps serving the same
     process. systemd itself refuses to start the unit (ExecStartPre); back to 0600: fine."""
     from deploy.inventory import load_inventory
-    from deploy.release import rollout
+    from deploy.release import payload
+    from deploy.release.layout import host_args
+    from deploy.remote.client import lock_holder
     lab = env["lab"]
     before = show(lab, "InvocationID")["InvocationID"]
     journal_before = ssh(lab, HOST, "wc -l < /opt/ddtree/journal.jsonl").stdout
@@ -217,10 +219,10 @@ def test_an_unsafe_secrets_file_stops_a_restart_before_anything_stops(env, fab):
         # the agent's own check, past the plan: the restart payload sent as is
         inv = load_inventory(str(env["keyed"]))
         host = inv.hosts[HOST]
-        state = agent_call(inv, HOST, "release.probe", rollout.host_args(host) | {"instances": ["gpu0"]})
+        state = agent_call(inv, HOST, "release.probe", host_args(host) | {"instances": ["gpu0"]})
         assert state["api_keys"][KEY_FILE].startswith(f"{KEY_FILE}: has mode 0644")
-        res = agent_call(inv, HOST, "release.apply", rollout.restart_payload(host, state, None),
-                         lock=dict(rollout.holder("pytest"), mode="once"), deadline=120)
+        res = agent_call(inv, HOST, "release.apply", payload.restart_payload(host, state, None),
+                         lock=dict(lock_holder("pytest"), mode="once"), deadline=120)
         assert not res["ok"] and res["kind"] == "secrets" and "has mode 0644" in res["error"], res
         assert res["restarted"] == [] and KEY not in json.dumps(res)
         assert show(lab, "InvocationID")["InvocationID"] == before

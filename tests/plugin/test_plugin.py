@@ -167,6 +167,41 @@ def test_shadow_linear(loaded, monkeypatch):
     assert (cfg.mode, cfg.budget, cfg.num_draft_tokens) == ("shadow-linear", 64, 16)
 
 
+def test_budget_schedule_from_env(loaded, monkeypatch):
+    """A schedule in the budget variable: the server's D is its largest width, each batch size its own budget."""
+    env = {plugin.BUDGET_ENV: "1:127,4:31,16:15,64:chain"}
+    sa = _resolve(loaded, BASE + GRAPH_OFF + ["--speculative-dflash-block-size", "16"], monkeypatch, env)
+    assert _result(sa, "speculative_num_draft_tokens") == 128
+    cfg = plugin.resolve_ddtree_config(_parse(BASE + GRAPH_OFF + ["--speculative-dflash-block-size", "16",
+                                                                   "--speculative-num-draft-tokens", "128"]), env)
+    assert (cfg.budget, cfg.num_draft_tokens, str(cfg.schedule)) == (127, 128, env[plugin.BUDGET_ENV])
+    assert [cfg.budget_for(n) for n in (1, 3, 4, 15, 16, 63, 64, 500)] == [127, 127, 31, 31, 15, 15, "chain", "chain"]
+    # a plain budget answers the same at every batch size; a one-entry schedule is that budget
+    one = plugin.resolve_ddtree_config(_parse(BASE + GRAPH_OFF), {plugin.BUDGET_ENV: "1:31"})
+    assert (one.schedule, one.budget, one.num_draft_tokens, one.budget_for(64)) == (None, 31, 32, 31)
+
+
+BAD_SCHEDULES = [
+    (["--speculative-dflash-block-size", "16", "--speculative-num-draft-tokens", "32"], "1:127,4:31", "disagree"),
+    ([], "1:31,8:chain", "dflash-block-size"),
+    (["--speculative-dflash-block-size", "16"], "1:15,4:31", "must not increase"),
+    (["--speculative-dflash-block-size", "16"], "2:15", "starts at batch size 1"),
+    (["--speculative-dflash-block-size", "16"], "1:15,4:x", "not a budget schedule"),
+]
+
+
+@pytest.mark.parametrize("extra,sched,message", BAD_SCHEDULES, ids=[b[2] for b in BAD_SCHEDULES])
+def test_bad_budget_schedules_refused(loaded, monkeypatch, extra, sched, message):
+    with pytest.raises(plugin.DDTreeConfigError, match=message):
+        _resolve(loaded, BASE + GRAPH_OFF + extra, monkeypatch, {plugin.BUDGET_ENV: sched})
+
+
+def test_budget_schedule_refused_in_shadow_linear(loaded, monkeypatch):
+    with pytest.raises(plugin.DDTreeConfigError, match="only tree-verify serves"):
+        _resolve(loaded, BASE + ["--speculative-num-draft-tokens", "16"], monkeypatch,
+                 {plugin.MODE_ENV: "shadow-linear", plugin.BUDGET_ENV: "1:31,4:15"})
+
+
 BAD = [
     (["--speculative-use-rejection-sampling"], {}, "rejection sampling"),
     (["--enable-linear-replayssm-spec"], {}, "ReplaySSM"),

@@ -15,7 +15,8 @@ import pytest
 from coherence_fixtures import probe_raw
 from deploy.inventory import load_inventory
 from deploy.release import router as routermod
-from deploy.release import build, rollout
+from deploy.release import build, changes, payload
+from deploy.release import plan as planmod
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -117,13 +118,13 @@ def test_same_inputs_same_service_digests_and_changes_are_per_gpu(tmp_path):
     changed = dataclasses.replace(host, services=tuple(
         dataclasses.replace(s, budget=32) if s.gpu == 3 else s for s in host.services))
     _, c = build.host_files(changed, plugin, [])
-    diff = rollout.changed_services(c, a, {i: {"ActiveState": "active"} for i in a["services"]}, {})
+    diff = changes.changed_services(c, a, {i: {"ActiveState": "active"} for i in a["services"]}, {})
     assert diff == {"gpu3": "changed"}
     units = {i: {"ActiveState": "active"} for i in a["services"]}
     units["gpu5"] = {"ActiveState": "failed"}
-    assert rollout.changed_services(a, a, units, {}) == {"gpu5": "not running (failed)"}
-    assert rollout.changed_services(a, None, units, {})["gpu0"] == "new"
-    assert rollout.batches(list("abcde"), 2) == [["a", "b"], ["c", "d"], ["e"]]
+    assert changes.changed_services(a, a, units, {}) == {"gpu5": "not running (failed)"}
+    assert changes.changed_services(a, None, units, {})["gpu0"] == "new"
+    assert changes.batches(list("abcde"), 2) == [["a", "b"], ["c", "d"], ["e"]]
 
 
 def _gpus(raw: dict, n: int) -> dict:
@@ -144,10 +145,10 @@ def _planned(tmp_path, state):
     inv = load_inventory(str(ROOT / "inventory" / "hosts.yaml"))
     host = inv.hosts["ct200"]
     plugin = build.build_plugin("20261129T083000Z-abc123", _toy_project(tmp_path, CAPS), tmp_path / "w")
-    opts = rollout.DeployOptions()
+    opts = planmod.DeployOptions()
     state = dict(state, configs={s.model: {"config": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}}
                                  for s in host.services})
-    return host, rollout.make_plan(host, plugin, [], "20261129T083000Z-abc123", opts, state)
+    return host, planmod.make_plan(host, plugin, [], "20261129T083000Z-abc123", opts, state)
 
 
 def test_deploy_plan_is_data_with_every_command_as_argv(tmp_path):
@@ -178,18 +179,18 @@ def test_deploy_plan_is_data_with_every_command_as_argv(tmp_path):
     rv = pay["activate"]["router_venv"]
     assert rv["path"].startswith("/opt/ddtree/router/sglang-router-0.3.2-") and \
         p.files[rv["wheel"]] == routermod.wheel().path.read_bytes()
-    assert rollout.apply_commands(pay)[:3] == [rv["commands"]["venv"], rv["commands"]["install"],
+    assert payload.apply_commands(pay)[:3] == [rv["commands"]["venv"], rv["commands"]["install"],
                                                act["install_plugin"]]
     assert rv["commands"]["venv"] == ["/usr/bin/python3", "-m", "venv", rv["path"] + ".tmp"]
-    assert rollout.apply_commands(pay)[5] == ["systemctl", "restart", "sglang-router.service"]
-    assert len(rollout.apply_commands(pay)) == 14 and "sglang-router.service" in act["enable"]
+    assert payload.apply_commands(pay)[5] == ["systemctl", "restart", "sglang-router.service"]
+    assert len(payload.apply_commands(pay)) == 14 and "sglang-router.service" in act["enable"]
     urls = {f"gpu{i}": f"http://127.0.0.1:{30000 + i}" for i in range(8)}
     assert pay["batches"][0]["drain"] == {"address": "127.0.0.1", "port": 8000, "api_key_file": None,
                                           "timeout": 300, "workers": urls, "expected": sorted(urls.values())}
     assert pay["prune"] == pay["batches"][0]["drain"]  # the router holds these workers, no other
     # a host that has the venv gets no wheel and builds nothing
     _h, p2 = _planned(tmp_path / "c", dict(state, router={"venvs": [rv["path"].rsplit("/", 1)[1]]}))
-    assert rv["wheel"] not in p2.files and rollout.apply_commands(p2.payload)[0] == act["install_plugin"]
+    assert rv["wheel"] not in p2.files and payload.apply_commands(p2.payload)[0] == act["install_plugin"]
     # the next release rolls back to this one: its wheel, its services
     old = dict(p.manifest, release="20261128T000000Z-000000", content_digest="0" * 64,
                plugin=dict(p.manifest["plugin"], wheel="wheels/toy_pkg-2.0+r0-py3-none-any.whl"))
@@ -221,7 +222,7 @@ def test_plan_refuses_an_api_key_file_the_unit_would_refuse(tmp_path):
                for s in keyed.services}
 
     def plan(**state):
-        return rollout.make_plan(keyed, plugin, [], "20261129T083000Z-abc123", rollout.DeployOptions(),
+        return planmod.make_plan(keyed, plugin, [], "20261129T083000Z-abc123", planmod.DeployOptions(),
                                  dict(ok, configs=configs, **state))
     assert plan(api_keys={"/etc/k.yaml": "ok"}).refused == []
     assert plan(api_keys={"/etc/k.yaml": "/etc/k.yaml: has mode 0644"}).refused == [
@@ -235,7 +236,7 @@ def test_plan_refuses_an_api_key_file_the_unit_would_refuse(tmp_path):
 
 def test_rollback_target_skips_failed_releases():
     rels = ["20260101T000000Z-a", "20260102T000000Z-b", "20260103T000000Z-c"]
-    assert rollout.rollback_target(rels[2], rels, [rels[1]], None, "h") == rels[0]
-    assert rollout.rollback_target(rels[2], rels, [], rels[1], "h") == rels[1]
+    assert changes.rollback_target(rels[2], rels, [rels[1]], None, "h") == rels[0]
+    assert changes.rollback_target(rels[2], rels, [], rels[1], "h") == rels[1]
     with pytest.raises(RuntimeError, match="is not on h"):
-        rollout.rollback_target(rels[2], rels, [], "nope", "h")
+        changes.rollback_target(rels[2], rels, [], "nope", "h")

@@ -230,14 +230,14 @@ def test_gate_plan_gives_each_gate_a_timeout_from_its_family_and_prints_the_esti
 
 
 def test_restart_gates_get_the_start_timeout_of_their_mode_and_budget(tmp_path):
-    from deploy.release import rollout
+    from deploy.release import payload
     h = inv(tmp_path, "start_timeout: 7200\n").hosts["a"]
     svc = {"port": 30000, "digest": "x", "served_model_name": "m", "model": "/m", "algorithm": "DDTREE",
            "address": "127.0.0.1", "api_key_file": None, "enabled": True, "gpu": 0}
     man = {"services": {"gpu0": dict(svc, mode="tree-verify", budget=127)}}
     small = {"services": {"gpu0": dict(svc, mode="tree-verify", budget=15)}}
-    [b] = rollout.restart_batches(h, man, ["gpu0"], drain=False)
-    [s] = rollout.restart_batches(h, small, ["gpu0"], drain=False)
+    [b] = payload.restart_batches(h, man, ["gpu0"], drain=False)
+    [s] = payload.restart_batches(h, small, ["gpu0"], drain=False)
     assert b["gates"]["gpu0"]["start_timeout"] == startup.start_timeout(
         startup.expected_start("tree-verify", 127, None), 7200) > s["gates"]["gpu0"]["start_timeout"]
 

@@ -507,13 +507,14 @@ def test_inventory_mode_auto_needs_a_concurrency(tmp_path):
         inventory(tmp_path, INV.replace(", concurrency: 6", ""))
     assert ei.value.problems == [f"{tmp_path}/inv.yaml:15: hosts.h.services.1: mode auto needs concurrency: N (the "
                                  "concurrent requests this service is sized for: fab deploy gives it the mode and "
-                                 "budget fab bench measured fastest at N)"]
+                                 "budget fab bench measured fastest at N) or concurrency: all (every load: the "
+                                 "budget schedule fab bench proposes)"]
     with pytest.raises(InventoryError) as ei:  # set for the whole fleet: said once per host, at the host
         inventory(tmp_path, INV.replace("  mode: tree-verify\n", "  mode: auto\n").replace(", concurrency: 6", ""))
     assert [p.split(": ")[0:2] for p in ei.value.problems] == [[f"{tmp_path}/inv.yaml:11", "hosts.h"],
                                                                [f"{tmp_path}/inv.yaml:15", "hosts.h.services.1"]]
     with pytest.raises(InventoryError, match=r"inv.yaml:15: hosts.h.services.1.concurrency: must be an integer in "
-                                             r"\[1, 4096\], got 0"):
+                                             r"\[1, 4096\] or 'all', got 0"):
         inventory(tmp_path, INV.replace("concurrency: 6", "concurrency: 0"))
     with pytest.raises(InventoryError, match=r"vars.mode: must be one of linear, shadow-linear, tree-verify, auto"):
         inventory(tmp_path, INV.replace("  mode: tree-verify\n", "  mode: fastest\n"))
@@ -645,3 +646,64 @@ def test_overlap_reaches_the_hosts_command_line(tmp_path):
     argv = bench.host_command(plan)
     assert argv[argv.index("--overlap") + 1] == "both" and plan.to_json()["overlap"] == "both"
     assert "--overlap" not in bench.host_command(bench.plan_bench(inventory(tmp_path).hosts["h"], probe()))
+
+
+# ----------------------------------------------------------------------------- the budget schedule
+from deploy.tools import report as benchreport  # noqa: E402
+
+
+def test_the_proposed_schedule_takes_each_levels_fastest_under_the_schedules_rules():
+    """Frozen per-concurrency figures: the fastest budget at each level, chain where DFLASH wins, budgets that do
+    not increase with the load (a larger budget measured fastest later is said, not taken), plain named where it
+    is ahead (a tree-verify server cannot stop speculating)."""
+    runs = report([
+        ("plain", None, None, True, [(1, 100), (4, 380), (16, 1000), (64, 3000)]),
+        ("dflash", None, 16, True, [(1, 150), (4, 500), (16, 1300), (64, 2500)]),
+        ("tree-verify", 15, None, True, [(1, 210), (4, 520), (16, 1200), (64, 2000)]),
+        ("tree-verify", 31, None, True, [(1, 200), (4, 560), (16, 1250), (64, 1900)]),
+        ("tree-verify", 63, None, True, [(1, 260), (4, 540), (16, 1400), (64, 1500)]),
+    ])["runs"]
+    p = benchreport.propose_schedule(runs)
+    assert (p["mode"], p["budget"]) == ("tree-verify", "1:63,4:31,16:chain")
+    lv = {x["concurrency"]: x for x in p["levels"]}
+    assert [lv[c]["entry"] for c in (1, 4, 16, 64)] == [63, 31, "chain", "chain"]
+    assert lv[16]["fastest"] == 63 and "do not increase" in lv[16]["note"]  # 63 fastest at 16, but after 31 ...
+    assert lv[16]["tok_s"] == 1300  # ... so the fastest allowed: DFLASH's chain (1300 > B=31's 1250)
+    assert "plain decoding is faster (3000.0 tok/s, 1.20x)" in lv[64]["note"] and lv[1]["note"] == ""
+    assert bench.contract.parse_budget(p["budget"]).budget_for(20) == "chain"
+    # graphs off only: one budget everywhere is a plain int; DFLASH fastest at the lowest level: mode linear
+    off = report([("tree-verify", 15, None, False, [(1, 210), (4, 520)]),
+                  ("tree-verify", 31, None, False, [(1, 200), (4, 500)])])["runs"]
+    assert benchreport.propose_schedule(off)["budget"] == 15
+    assert benchreport.propose_schedule(runs, usable=lambda r: r["graphs"] is False)["mode"] is None
+    lin = benchreport.propose_schedule(report([("dflash", None, 16, True, [(1, 300)]),
+                                               ("tree-verify", 15, None, True, [(1, 200), (4, 900)])])["runs"])
+    assert (lin["mode"], lin["budget"]) == ("linear", None) and "starts with a budget" in lin["notes"][-1]
+    # failed levels never count; within 1% the smaller budget (and chain before a budget) wins
+    tie = report([("tree-verify", 15, None, True, [(1, 199)]), ("tree-verify", 31, None, True, [(1, 200)]),
+                  ("tree-verify", 63, None, True, [(1, 900, 3)])])["runs"]
+    assert benchreport.propose_schedule(tie)["budget"] == 15
+
+
+def test_mode_auto_with_concurrency_all_deploys_the_proposed_schedule(tmp_path):
+    from deploy import contract
+    inv = inventory(tmp_path, INV.replace("concurrency: 6", "concurrency: all"))
+    h = inv.hosts["h"]
+    assert h.services[1].concurrency == "all"
+    gf = lambda svc, mode: render.decode_cuda_graphs(svc.__class__(**{**svc.__dict__, "mode": mode}))  # noqa: E731
+    rec = record(report([("plain", None, None, True, [(1, 100), (8, 700), (32, 2600)]),
+                         ("dflash", None, 16, True, [(1, 150), (8, 900), (32, 2400)]),
+                         ("dflash", None, 8, True, [(1, 150), (8, 900), (32, 9999)]),  # another block: not served
+                         ("tree-verify", 15, None, True, [(1, 210), (8, 1000), (32, 2300)]),
+                         ("tree-verify", 63, None, True, [(1, 260), (8, 950), (32, 1500)])]))
+    hosts, refused, notes = bench.auto_services([h], {"h": ([rec], [])}, DIGEST, gf)
+    s1 = hosts[0].services[1]
+    assert refused == {} and (s1.mode, s1.budget) == ("tree-verify", contract.parse_budget("1:63,8:15,32:chain"))
+    assert "for every load (concurrency all)" in s1.auto and "32: chain 2400.0 tok/s (plain decoding is faster"         in s1.auto
+    # what it renders: the schedule's text in the plugin's variable, D = its largest width
+    env = dict(render.service_env(s1))
+    assert env[contract.BUDGET_ENV] == "1:63,8:15,32:chain"
+    args = render.server_args(s1)
+    assert args[args.index("--speculative-num-draft-tokens") + 1] == "64"
+    lines = bench.schedule_lines(rec)
+    assert lines[0] == "schedule (graphs on): mode: tree-verify, budget: {1: 63, 8: 15, 32: chain}"

@@ -15,7 +15,7 @@ import pytest
 from agenthelpers import call, result
 from deploy.remote.host import gate as agent
 from deploy.remote.host import locks
-from deploy.remote.host.release import overlay_check
+from deploy.remote.host.activation import overlay_check
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVER = ROOT / "deploy" / "labserver" / "server.py"

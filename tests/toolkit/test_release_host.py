@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 
 from agenthelpers import call, once, result
-from deploy.release import rollout
-from deploy.remote.host import release as hostrel
+from deploy.release import changes
+from deploy.remote.host import unitfiles
 from deploy.remote.host.registry import Context
+from deploy.remote.host.releasehost import ReleaseHost
 
 from helpers import KEY, public_dir, secret_file
 
@@ -58,11 +59,11 @@ def test_probe_judges_secrets_and_key_files_as_the_unit_will_and_never_returns_a
     assert out["secrets"] == "absent"
     # the plan: refused (with the reason) for the inventory's key file, and for a restart's key files
     state = {"secrets": "absent", "api_keys": keys}
-    assert rollout.secrets_refusals(state, [good, None]) == []
-    assert rollout.secrets_refusals(state, [loose]) == [f"API key file: {keys[loose]}"]
-    assert rollout.secrets_refusals({"secrets": "absent"}, [good]) == [f"API key file: {good}: not checked by "
+    assert changes.secrets_refusals(state, [good, None]) == []
+    assert changes.secrets_refusals(state, [loose]) == [f"API key file: {keys[loose]}"]
+    assert changes.secrets_refusals({"secrets": "absent"}, [good]) == [f"API key file: {good}: not checked by "
                                                                        "the host"]
-    assert rollout.secrets_refusals({"secrets": "x: has mode 0644"}, []) == ["secrets file: x: has mode 0644"]
+    assert changes.secrets_refusals({"secrets": "x: has mode 0644"}, []) == ["secrets file: x: has mode 0644"]
 
 
 def test_a_directory_others_can_write_is_refused_for_a_key_file(host, tmp_path):
@@ -103,10 +104,9 @@ def test_apply_with_an_unsafe_key_file_restarts_nothing(host, tmp_path):
 
 # ---------------------------------------------------------------- the systemd step of an activation
 
-class _Host(hostrel.Host):
-    def __init__(self, unit_dir: Path):
-        super().__init__(Context({"deadline": 60}, None), {"root": "/nonexistent", "state_dir": "/nonexistent",
-                                                                 "venv": "/nonexistent", "unit_dir": str(unit_dir)})
+def _host(unit_dir: Path) -> ReleaseHost:
+    return ReleaseHost(Context({"deadline": 60}, None), {"root": "/nonexistent", "state_dir": "/nonexistent",
+                                                         "venv": "/nonexistent", "unit_dir": str(unit_dir)})
 
 
 def tree(d: Path) -> dict:
@@ -140,13 +140,13 @@ def systemd(tmp_path):
 
 def test_unit_and_drop_ins_switch_together_and_stale_ones_go(systemd, tmp_path):
     units, tdir, man = systemd
-    h = _Host(units)
+    h = _host(units)
     reloads = tmp_path / "reloads"
     reload_argv = ["sh", "-c", f"echo reload >> {reloads}"]
     undo: list = []
     before = tree(units)
-    changed = h.put_systemd(h.systemd_files(str(tdir), man, {"dropin_name": "50-ddtree-gpu.conf"}), undo,
-                            reload_argv)
+    spec = {"dropin_name": "50-ddtree-gpu.conf"}
+    changed = unitfiles.put_systemd(h, unitfiles.systemd_files(h, str(tdir), man, spec), undo, reload_argv)
     assert [Path(p).relative_to(units).as_posix() for p in changed] == [
         "sglang-ddtree@.service", "sglang-ddtree@gpu0.service.d/50-ddtree-gpu.conf",
         "sglang-ddtree@gpu1.service.d/50-ddtree-gpu.conf", "sglang-ddtree@gpu5.service.d/50-ddtree-gpu.conf"]
@@ -160,8 +160,7 @@ def test_unit_and_drop_ins_switch_together_and_stale_ones_go(systemd, tmp_path):
         "sglang-ddtree@gpu0.service.d/10-operator.conf"]                        # not ours: kept
     assert reloads.read_text() == "reload\n"                                    # one daemon-reload for all
     # the same again changes nothing and reloads nothing
-    assert h.put_systemd(h.systemd_files(str(tdir), man, {"dropin_name": "50-ddtree-gpu.conf"}), [],
-                         reload_argv) == []
+    assert unitfiles.put_systemd(h, unitfiles.systemd_files(h, str(tdir), man, spec), [], reload_argv) == []
     assert reloads.read_text() == "reload\n"
     # the transaction's undo puts back every file as it was
     [(name, fn)] = undo
@@ -171,20 +170,21 @@ def test_unit_and_drop_ins_switch_together_and_stale_ones_go(systemd, tmp_path):
 
 def test_a_failure_part_way_is_undone_and_a_hostile_drop_in_path_is_refused(systemd, tmp_path):
     units, tdir, man = systemd
-    h = _Host(units)
+    h = _host(units)
     before = tree(units)
     # a directory planted where gpu1's drop-in goes: the unit and gpu0's drop-in were written first
     (units / "sglang-ddtree@gpu1.service.d" / "50-ddtree-gpu.conf").mkdir(parents=True)
     planted = tree(units)
     undo: list = []
     with pytest.raises(OSError):
-        h.put_systemd(h.systemd_files(str(tdir), man, {"dropin_name": "50-ddtree-gpu.conf"}), undo, ["true"])
+        unitfiles.put_systemd(h, unitfiles.systemd_files(h, str(tdir), man, {"dropin_name": "50-ddtree-gpu.conf"}),
+                              undo, ["true"])
     assert (units / "sglang-ddtree@.service").read_text().endswith("/new\n")   # part-way
     undo[0][1]()
     assert tree(units) == planted and planted != before
     bad = {"release": "r3", "services": {"gpu0": {"dropin": "../../cron.d/x.conf"}}}
     with pytest.raises(RuntimeError, match="refusing drop-in path"):
-        h.systemd_files(str(tdir), bad, {"dropin_name": "50-ddtree-gpu.conf"})
+        unitfiles.systemd_files(h, str(tdir), bad, {"dropin_name": "50-ddtree-gpu.conf"})
     other = {"release": "r3", "services": {"gpu0": {"dropin": "sglang-ddtree@gpu1.service.d/50-ddtree-gpu.conf"}}}
     with pytest.raises(RuntimeError, match="refusing drop-in path"):
-        h.systemd_files(str(tdir), other, {"dropin_name": "50-ddtree-gpu.conf"})
+        unitfiles.systemd_files(h, str(tdir), other, {"dropin_name": "50-ddtree-gpu.conf"})

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import subprocess
 
-from deploy.release import rollout
+from deploy.release import changes
 from deploy.release import router as routermod
 from deploy.release import status as st
 from deploy.remote.host import locks
@@ -35,14 +35,14 @@ def test_a_hung_or_routed_out_gpu_restarts_with_the_reason():
     man = manifest({"gpu0": 30000, "gpu1": 30001, "gpu2": 30002})
     units = {i: {"ActiveState": "active"} for i in man["services"]}
     rec = {i: {"digest": "d"} for i in man["services"]}
-    assert rollout.changed_services(man, man, units, rec) == {}
-    why = rollout.changed_services(man, man, units, rec, {"gpu0": "/health: timed out", "gpu1": "ok"},
+    assert changes.changed_services(man, man, units, rec) == {}
+    why = changes.changed_services(man, man, units, rec, {"gpu0": "/health: timed out", "gpu1": "ok"},
                                    {"gpu0": True, "gpu1": False, "gpu2": True})
     assert why == {"gpu0": "not healthy (/health: timed out)", "gpu1": "out of the router"}
     view = {"alive": True, "workers": {"http://127.0.0.1:30000": {}, "http://127.0.0.1:30002": {}}}
-    assert rollout.routed(man, view) == {"gpu0": True, "gpu1": False, "gpu2": True}
-    assert rollout.routed(man, {"alive": False}) is None and rollout.routed(man, None) is None
-    assert rollout.out_first(["gpu0", "gpu1", "gpu2"], {"gpu0": "changed", "gpu2": "out of the router"}) == \
+    assert changes.routed(man, view) == {"gpu0": True, "gpu1": False, "gpu2": True}
+    assert changes.routed(man, {"alive": False}) is None and changes.routed(man, None) is None
+    assert changes.out_first(["gpu0", "gpu1", "gpu2"], {"gpu0": "changed", "gpu2": "out of the router"}) == \
         ["gpu2", "gpu0", "gpu1"]
 
 
@@ -63,10 +63,10 @@ def test_the_lock_of_a_run_that_died_says_where_it_stopped(tmp_path):
     took = locks.acquire(state, {"token": "b" * 32, "holder": "op2@ctl", "command": "fab deploy"})
     dead = locks.interrupted(took["took_over"])
     assert dead["step"] == "restart gpu0" and dead["out"] == ["gpu0"] and dead["token"] == "a" * 32
-    line = rollout.interrupted_line(dict(cur, stale=locks.stale(cur)))
+    line = changes.interrupted_line(dict(cur, stale=locks.stale(cur)))
     assert "found an interrupted run: op@ctl running 'fab deploy'" in line and "'restart gpu0'" in line
     assert "out of the router: gpu0" in line
-    assert rollout.interrupted_line(dict(cur, stale=None)) is None           # a live run: not interrupted
+    assert changes.interrupted_line(dict(cur, stale=None)) is None           # a live run: not interrupted
 
 
 def row(**kw) -> dict:

@@ -132,14 +132,14 @@ def test_metric_names_are_sglang_0_5_17s():
 
 
 def test_router_down_refusal_and_no_drain_are_pure_plan_decisions(tmp_path):
-    from deploy.release import rollout
+    from deploy.release import changes, payload
     down = {"router": {"expected": True, "alive": False, "detail": "inactive, /liveness HTTP None"}}
-    why = rollout.router_refusal(down, restarting=True, no_drain=False)
+    why = changes.router_refusal(down, restarting=True, no_drain=False)
     assert why.startswith("router: sglang-router.service is down (inactive, /liveness HTTP None)") and "--no-drain" in why
-    assert rollout.router_refusal(down, restarting=False, no_drain=False) is None      # nothing to drain
-    assert rollout.router_refusal(down, restarting=True, no_drain=True) is None        # the operator said so
-    assert rollout.router_refusal({"router": {"expected": True, "alive": True}}, True, False) is None
-    assert rollout.router_refusal({"router": {"expected": False}}, True, False) is None  # no router yet: first deploy
+    assert changes.router_refusal(down, restarting=False, no_drain=False) is None      # nothing to drain
+    assert changes.router_refusal(down, restarting=True, no_drain=True) is None        # the operator said so
+    assert changes.router_refusal({"router": {"expected": True, "alive": True}}, True, False) is None
+    assert changes.router_refusal({"router": {"expected": False}}, True, False) is None  # no router yet: first deploy
     h = host(tmp_path)
     man = {"release": "r1", "router": {"enabled": True, "address": "127.0.0.1", "port": 8000, "drain_timeout": 30,
                                        "api_key_file": None, "digest": "d", "unit": "sglang-router.service"},
@@ -148,21 +148,21 @@ def test_router_down_refusal_and_no_drain_are_pure_plan_decisions(tmp_path):
                         "gpu1": {"gpu": 1, "port": 30001, "enabled": True, "digest": "y", "model": "/m",
                                  "algorithm": "DDTREE"}}}
     state = {"manifest": man, "current": "r1"}
-    drained = rollout.restart_payload(h, state, None)
+    drained = payload.restart_payload(h, state, None)
     assert [b["drain"]["workers"]["gpu1"] for b in drained["batches"]] == ["http://127.0.0.1:30001"] * 2
     assert drained["batches"][0]["drain"]["timeout"] == 30 and "router" not in drained  # a restart leaves it be
-    assert [b["drain"] for b in rollout.restart_payload(h, state, None, no_drain=True)["batches"]] == [None, None]
+    assert [b["drain"] for b in payload.restart_payload(h, state, None, no_drain=True)["batches"]] == [None, None]
 
 
 def test_switching_the_router_off_stops_and_disables_it_with_the_activation(tmp_path):
-    from deploy.release import rollout
+    from deploy.release import payload
     h = host(tmp_path)
     on = {"release": "r1", "router": {"enabled": True, "unit": "sglang-router.service", "venv": "/opt/ddtree/router/v",
                                       "wheel": {"path": "wheels/w.whl", "sha256": "0" * 64}},
           "plugin": {"wheel": "wheels/p.whl", "dist": "p"}, "services": {}}
     off = dict(on, release="r2", router={"enabled": False})
-    act = rollout.activation(h, off, on)
+    act = payload.activation(h, off, on)
     assert act["commands"]["disable"] == ["systemctl", "disable", "--now", "--quiet", "sglang-router.service"]
     assert act["router_venv"] is None
-    back = rollout.activation(h, on, off)
+    back = payload.activation(h, on, off)
     assert "sglang-router.service" in back["commands"]["enable"] and back["commands"]["disable"] is None

@@ -320,3 +320,80 @@ def _parse_paired(section, labels: set[str], p: list[str]) -> list[dict]:
                     "concurrency": r["concurrency"], "n": n, "median_ratio": r["median_ratio"],
                     "interval": list(iv) if iv is not None else None, "ahead": r["ahead"], "ratios": list(r["ratios"])})
     return out
+
+
+# ----------------------------------------------------------------------------- the budget schedule a report proposes
+def propose_schedule(runs, usable=None, tie: float = 0.01) -> dict:
+    """The budget schedule (``contract``'s *Budget schedule*) a report's per-concurrency results propose, as a pure
+    function of its ``runs`` (the parsed report's, or a host's own). ``usable(run)``: which runs count (the control
+    side passes the deploy's CUDA-graph setting, the DFLASH block and the scheduler; default all). Failed levels
+    never count.
+
+    For each measured concurrency, ascending, the entry is the fastest speculative option by output tok/s: a
+    tree-verify budget, or ``chain`` where DFLASH is faster than every budget allowed there. A schedule's budgets do
+    not increase with the batch size, so a level chooses among the budgets no larger than the previous level's
+    (and chain); where the fastest budget measured there is larger, the entry says so. Within ``tie`` of the
+    fastest, the smaller budget (and chain before a budget) wins. The thresholds are the measured concurrencies,
+    the first one 1. Plain decoding is not an entry a tree-verify server can take (it always speculates): where
+    plain is the fastest at a level, the entry is still the fastest speculative option and the level says by how
+    much plain is ahead. The figures are of separate servers (one per budget, DFLASH's own): what a schedule
+    serves at each level is measured by benching the schedule itself.
+
+    Returns ``{"budget": canonical text, an int (one budget at every level) or None, "mode": "tree-verify" or
+    "linear" (DFLASH fastest at the lowest level: a schedule starts with a budget), "levels": [{"concurrency",
+    "entry", "tok_s", "fastest", "fastest_tok_s", "plain_tok_s", "note"}], "notes": [...]}`` (JSON-ready)."""
+    usable = usable or (lambda run: True)
+    opts: dict = {}  # concurrency -> {entry: tok/s}
+    plain: dict = {}
+    for run in runs or ():
+        mode = run.get("mode")
+        if not usable(run):
+            continue
+        for lv in run.get("levels") or ():
+            if lv.get("errors") or not lv.get("requests") or not _is_num(lv.get("output_tok_s"), False):
+                continue
+            c, tps = lv["concurrency"], float(lv["output_tok_s"])
+            if mode == contract.PLAIN:
+                plain[c] = max(plain.get(c, 0.0), tps)
+                continue
+            if mode == contract.TREE_VERIFY and type(run.get("budget")) is int:
+                entry = run["budget"]
+            elif contract.deploy_name(mode) == contract.LINEAR:
+                entry = contract.CHAIN
+            else:
+                continue  # shadow-linear serves DFLASH's chain: not an entry of its own
+            at = opts.setdefault(c, {})
+            at[entry] = max(at.get(entry, 0.0), tps)
+    levels, notes, prev = [], [], None
+    for c in sorted(opts):
+        at = opts[c]
+        allowed = {e: t for e, t in at.items()
+                   if e == contract.CHAIN or prev is None or (prev != contract.CHAIN and e <= prev)}
+        best_any = max(at.items(), key=lambda kv: kv[1])
+        if not allowed:
+            notes.append(f"concurrency {c}: only budgets above the previous entry {prev} measured; left out")
+            continue
+        top = max(allowed.values())
+        tied = [e for e, t in allowed.items() if t >= top * (1 - tie)]
+        entry = min(tied, key=lambda e: (e != contract.CHAIN, 0 if e == contract.CHAIN else e))
+        note = []
+        if best_any[0] not in allowed:
+            note.append(f"B={best_any[0]} measured fastest ({best_any[1]:.1f} tok/s), but a schedule's budgets do "
+                        f"not increase with the batch size (previous entry {prev})")
+        if plain.get(c, 0.0) > allowed[entry]:
+            note.append(f"plain decoding is faster ({plain[c]:.1f} tok/s, {plain[c] / allowed[entry]:.2f}x): a "
+                        "tree-verify server cannot switch speculation off")
+        levels.append({"concurrency": c, "entry": entry, "tok_s": round(allowed[entry], 3),
+                       "fastest": best_any[0], "fastest_tok_s": round(best_any[1], 3),
+                       "plain_tok_s": plain.get(c), "note": "; ".join(note)})
+        prev = entry
+    if not levels:
+        return {"budget": None, "mode": None, "levels": [], "notes": notes + [
+            "no usable tree-verify or DFLASH level: nothing to propose"]}
+    if levels[0]["entry"] == contract.CHAIN:
+        return {"budget": None, "mode": contract.LINEAR, "levels": levels, "notes": notes + [
+            f"DFLASH is the fastest at the lowest measured concurrency ({levels[0]['concurrency']}): a schedule "
+            f"starts with a budget, so the proposal is mode {contract.LINEAR}"]}
+    sched = contract.parse_budget({(1 if i == 0 else lv["concurrency"]): lv["entry"] for i, lv in enumerate(levels)})
+    return {"budget": sched if type(sched) is int else str(sched), "mode": contract.TREE_VERIFY, "levels": levels,
+            "notes": notes}

@@ -218,6 +218,10 @@ def cpu_list(cpus) -> str:
     return ",".join(parts)
 
 
+#: The cache directory (under /var/cache) of a transient server run as another user (Server's ``user``).
+TRANSIENT_CACHE = "ddtree-transient"
+
+
 class Server:
     """A transient server: a ``systemd-run`` unit (runtime-capped, stopped on exit)
     where systemd runs, else a process session killed as a group."""
@@ -250,7 +254,12 @@ class Server:
                     f"--property=RuntimeMaxSec={self.runtime_max_s}", f"--property=StandardOutput=file:{self.log_path}",
                     f"--property=StandardError=file:{self.log_path}", "--property=KillMode=control-group"]
             if self.user:
-                argv.append(f"--uid={self.user}")
+                # another user's server: not root's HOME (a cache written under /root is refused to it), but a
+                # cache directory systemd makes for that user and keeps between runs (Triton's and FlashInfer's
+                # default caches live under HOME; kept, the next transient server starts warm)
+                argv += [f"--uid={self.user}", f"--property=CacheDirectory={TRANSIENT_CACHE}"]
+                keep["HOME"] = f"/var/cache/{TRANSIENT_CACHE}"
+                keep.setdefault("XDG_CACHE_HOME", f"/var/cache/{TRANSIENT_CACHE}/xdg")
             if self.cpus:
                 argv.append(f"--property=AllowedCPUs={cpu_list(self.cpus)}")
             argv += [f"--setenv={k}={v}" for k, v in sorted(keep.items())] + ["--"] + list(self.argv)

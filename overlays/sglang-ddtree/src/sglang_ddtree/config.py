@@ -12,7 +12,11 @@ Server arguments (``--speculative-algorithm DDTREE``)
   bonus root.  ``D`` is what SGLang sizes every verify buffer, KV reservation
   and graph by, so it is the single source of truth; ``SGLANG_DDTREE_BUDGET=B``
   may be used instead (it then sets ``D = B + 1``) and is refused when it
-  disagrees with an explicit ``D``.  In ``shadow-linear`` mode ``D`` stays the
+  disagrees with an explicit ``D``.  ``SGLANG_DDTREE_BUDGET`` may also carry a
+  budget schedule (``1:127,4:31,16:15,64:chain``, ``contract``'s *Budget
+  schedule*): each step then uses the budget of its batch size, and ``D`` is the
+  schedule's largest width (``chain``: the drafter block, so a schedule with it
+  needs ``--speculative-dflash-block-size``).  In ``shadow-linear`` mode ``D`` stays the
   DFlash chain width and ``B`` comes from ``SGLANG_DDTREE_BUDGET`` (default
   ``D - 1``).
 * **Mode.**  ``SGLANG_DDTREE_MODE`` = ``tree-verify`` (default) or
@@ -92,6 +96,13 @@ class DDTreeConfig:
     num_draft_tokens: int  # D as SGLang sees it (B + 1 in tree-verify)
     topk: int
     drafter_block_size: Optional[int]  # from --speculative-dflash-block-size, if given
+    # the budget per batch size: ``budget`` itself, or a contract.BudgetSchedule (tree-verify) whose largest
+    # budget is ``budget`` and whose largest width is ``num_draft_tokens``
+    schedule: Any = None
+
+    def budget_for(self, batch: int):
+        """The budget (int, or ``contract.CHAIN``) of a step of ``batch`` requests."""
+        return contract.budget_for(self.budget if self.schedule is None else self.schedule, batch)
 
 
 def _int_or_none(v) -> Optional[int]:
@@ -195,14 +206,38 @@ def resolve_ddtree_config(
     d_arg = _int_or_none(getattr(args, "speculative_num_draft_tokens", None))
     b_env = env.get(BUDGET_ENV)
     b_env_i = None
+    schedule = None
     if b_env not in (None, ""):
-        try:
-            b_env_i = int(b_env)
-        except ValueError:
-            raise DDTreeConfigError(f"{BUDGET_ENV}={b_env!r} is not an integer node budget.") from None
-        if b_env_i < 1:
-            raise DDTreeConfigError(f"{BUDGET_ENV} must be >= 1, got {b_env_i}.")
+        if contract.is_schedule(b_env):
+            try:
+                schedule = contract.parse_budget(b_env)
+            except ValueError as e:
+                raise DDTreeConfigError(f"{BUDGET_ENV}={b_env!r} is not a budget schedule: {e}.") from None
+            if not isinstance(schedule, contract.BudgetSchedule):  # one entry: that plain budget
+                schedule, b_env = None, str(schedule)
+        if schedule is None:
+            try:
+                b_env_i = int(b_env)
+            except ValueError:
+                raise DDTreeConfigError(f"{BUDGET_ENV}={b_env!r} is not an integer node budget or a schedule "
+                                        "THRESHOLD:BUDGET,... .") from None
+            if b_env_i < 1:
+                raise DDTreeConfigError(f"{BUDGET_ENV} must be >= 1, got {b_env_i}.")
     block = _int_or_none(getattr(args, "speculative_dflash_block_size", None))
+    if schedule is not None:
+        if mode != TREE_VERIFY:
+            raise DDTreeConfigError(f"{BUDGET_ENV}={b_env!r} is a budget schedule, which only {TREE_VERIFY} serves; "
+                                    f"{mode} reports what one budget would accept: give one integer.")
+        if schedule.has_chain and block is None:
+            raise DDTreeConfigError(f"{BUDGET_ENV}={b_env!r} has {contract.CHAIN} (verified at the drafter's block "
+                                    "width): set --speculative-dflash-block-size.")
+        want = contract.draft_tokens(mode, schedule, block)
+        if d_arg is not None and d_arg != want:
+            raise DDTreeConfigError(
+                f"--speculative-num-draft-tokens {d_arg} and {BUDGET_ENV}={b_env} disagree: a schedule's server "
+                f"verifies up to its largest width D = {want} (SGLang sizes its buffers by it).")
+        b_env_i = contract.largest_budget(schedule)
+        d_arg = want
 
     if mode == TREE_VERIFY:
         if d_arg is None and b_env_i is None:
@@ -210,7 +245,8 @@ def resolve_ddtree_config(
                 "DDTREE tree-verify needs the node budget: set --speculative-num-draft-tokens D "
                 f"(B = D - 1 tree nodes plus the bonus root) or {BUDGET_ENV}=B."
             )
-        if d_arg is not None and b_env_i is not None and d_arg != contract.draft_tokens(mode, b_env_i, block):
+        if schedule is None and d_arg is not None and b_env_i is not None \
+                and d_arg != contract.draft_tokens(mode, b_env_i, block):
             raise DDTreeConfigError(
                 f"--speculative-num-draft-tokens {d_arg} and {BUDGET_ENV}={b_env_i} disagree: "
                 "DDTREE verifies D = B + 1 tokens (bonus + B nodes)."
@@ -243,6 +279,8 @@ def resolve_ddtree_config(
                 "attention_backend", "decode_attention_backend", "prefill_attention_backend",
                 "speculative_draft_attention_backend")}
         _check_backends(backends)
+        if schedule is not None:
+            return DDTreeConfig(mode, b_env_i, d, topk_arg or DEFAULT_TOPK, block, schedule)
         return DDTreeConfig(mode, contract.budget_of(d), d, topk_arg or DEFAULT_TOPK, block)
 
     # shadow-linear: the chain verifier commits; D is the DFlash block width.

@@ -30,6 +30,18 @@ validator caps D, but 511 is the largest budget whose per-step tree the plugin b
 64-bit key, with 1000 as the unpopped sentinel). A larger budget falls back to the torch reference builder every
 step, which is not the path that was served or measured, so the toolkit does not deploy, smoke or bench it.
 
+Budget schedule
+---------------
+A tree-verify server may take a schedule instead of one budget: a mapping from batch-size thresholds to a budget
+or :data:`CHAIN`, e.g. ``{1: 127, 4: 31, 16: 15, 64: chain}`` (batch sizes 1-3 verify a tree of 127 nodes, 4-15
+of 31, 16-63 of 15, 64 and more one branch of the drafter's block, verified as DFLASH verifies it: ``D = block``).
+Thresholds are ascending integers starting at 1, budgets within the bound above and non-increasing (``chain``
+ranks below every budget, and a schedule starts with a budget). Its canonical text, what :data:`BUDGET_ENV`
+carries, is ``1:127,4:31,16:15,64:chain`` (:func:`budget_text`); entries that repeat the previous budget are
+dropped, and a schedule of one entry is that plain budget, which stays valid everywhere. The server's
+``--speculative-num-draft-tokens`` is the schedule's largest width (:func:`draft_tokens`): SGLang sizes its verify
+buffers and KV reservation by it. Shadow-linear reports what one budget would accept: it takes a plain budget.
+
 Server command line
 -------------------
 :func:`sglang_args` and :func:`sglang_env` are the only builders of a DDTree/DFLASH server's SGLang arguments and
@@ -119,11 +131,171 @@ def algorithm(mode: str) -> str | None:
     raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(SERVER_MODES)}")
 
 
-def budget_problem(budget) -> str | None:
-    """Why ``budget`` is not a node budget the toolkit serves (None when it is)."""
+def budget_problem(budget, mode: str | None = None) -> str | None:
+    """Why ``budget`` is not a node budget (or, in ``mode`` tree-verify or unknown, a budget schedule) the toolkit
+    serves; None when it is."""
+    if is_schedule(budget):
+        try:
+            b = parse_budget(budget)
+        except ValueError as e:
+            return f"is not a valid schedule: {e}"
+        if isinstance(b, BudgetSchedule) and mode is not None and mode != TREE_VERIFY:
+            return f"is a schedule ({b}), which only {TREE_VERIFY} serves; {mode} takes one budget"
+        return None
     if type(budget) is not int or not BUDGET_MIN <= budget <= BUDGET_MAX:
-        return f"must be an integer in [{BUDGET_MIN}, {BUDGET_MAX}]"
+        return f"must be an integer in [{BUDGET_MIN}, {BUDGET_MAX}] or a schedule (batch size: budget or {CHAIN})"
     return None
+
+
+CHAIN = "chain"  # a schedule's entry: one branch of the drafter's block (D = block), as DFLASH verifies it
+
+
+class BudgetSchedule:
+    """A budget per batch size (module docstring, *Budget schedule*): ``entries`` is ``((threshold, budget or
+    CHAIN), ...)``, validated by :func:`parse_budget`. Immutable and hashable; ``str()`` is its canonical text."""
+
+    __slots__ = ("entries",)
+
+    def __init__(self, entries):
+        object.__setattr__(self, "entries", tuple((int(t), b) for t, b in entries))
+
+    def __setattr__(self, name, value):
+        raise AttributeError("BudgetSchedule is immutable")
+
+    def __eq__(self, other):
+        return isinstance(other, BudgetSchedule) and self.entries == other.entries
+
+    def __hash__(self):
+        return hash(self.entries)
+
+    def __repr__(self):
+        return f"BudgetSchedule({str(self)!r})"
+
+    def __str__(self):
+        return ",".join(f"{t}:{b}" for t, b in self.entries)
+
+    def as_mapping(self) -> dict:
+        """``{threshold: budget or "chain"}`` (what an inventory writes)."""
+        return dict(self.entries)
+
+    def budget_for(self, batch: int):
+        """The budget (or :data:`CHAIN`) of a step of ``batch`` requests: the entry of the largest threshold
+        ``<= batch``."""
+        if type(batch) is not int or batch < 1:
+            raise ValueError(f"batch size must be an integer >= 1, got {batch!r}")
+        out = self.entries[0][1]
+        for t, b in self.entries:
+            if t > batch:
+                break
+            out = b
+        return out
+
+    @property
+    def largest_budget(self) -> int:
+        """The budget at batch size 1 (the schedule's largest node budget)."""
+        return self.entries[0][1]
+
+    @property
+    def has_chain(self) -> bool:
+        return any(b == CHAIN for _, b in self.entries)
+
+
+def _schedule_items(value):
+    """``(threshold, budget)`` pairs of a mapping or of schedule text (``1:127,4:31``), unvalidated."""
+    if isinstance(value, BudgetSchedule):
+        return list(value.entries)
+    if isinstance(value, dict):
+        return list(value.items())
+    items = []
+    for part in str(value).split(","):
+        t, sep, b = part.strip().partition(":")
+        if not sep:
+            raise ValueError(f"schedule entry {part.strip()!r} is not THRESHOLD:BUDGET")
+        t, b = t.strip(), b.strip()
+        items.append((int(t) if t.isdigit() else t, int(b) if b.isdigit() else b))
+    return items
+
+
+def parse_budget(value):
+    """A node budget (``int``) or a :class:`BudgetSchedule` from an int, its text (``"127"``), a mapping
+    (``{1: 127, 4: 31, 64: "chain"}``) or schedule text (``"1:127,4:31,64:chain"``). Canonical: entries that
+    repeat the previous budget are dropped, and a schedule of one entry is returned as its plain budget.
+    Raises ``ValueError`` saying what is wrong."""
+    if type(value) is int:
+        if not BUDGET_MIN <= value <= BUDGET_MAX:
+            raise ValueError(f"budget {value} must be an integer in [{BUDGET_MIN}, {BUDGET_MAX}]")
+        return value
+    if isinstance(value, str) and ":" not in value:
+        v = value.strip()
+        if not v.isdigit():
+            raise ValueError(f"budget {value!r} is neither an integer nor a schedule THRESHOLD:BUDGET,...")
+        return parse_budget(int(v))
+    if not isinstance(value, (dict, str, BudgetSchedule)):
+        raise ValueError(f"budget must be an integer or a schedule (batch size: budget or {CHAIN}), got {value!r}")
+    items = _schedule_items(value)
+    if not items:
+        raise ValueError("a budget schedule needs at least one entry")
+    out, prev_t, prev_b = [], 0, None
+    for t, b in items:
+        if type(t) is not int or t < 1:
+            raise ValueError(f"schedule threshold {t!r} must be an integer >= 1 (a batch size)")
+        if t <= prev_t:
+            raise ValueError(f"schedule thresholds must ascend: {t} after {prev_t}")
+        if not prev_t and t != 1:
+            raise ValueError(f"a schedule starts at batch size 1, got {t}")
+        if b != CHAIN and (type(b) is not int or not BUDGET_MIN <= b <= BUDGET_MAX):
+            raise ValueError(f"schedule budget at {t} must be an integer in [{BUDGET_MIN}, {BUDGET_MAX}] "
+                             f"or {CHAIN!r}, got {b!r}")
+        if t == 1 and b == CHAIN:
+            raise ValueError(f"a schedule starts with a node budget at batch size 1 ({CHAIN} at every batch size "
+                             "is mode linear)")
+        if prev_b is not None and (prev_b == CHAIN and b != CHAIN or b != CHAIN and b > prev_b):
+            raise ValueError(f"schedule budgets must not increase with the batch size: {b} at {t} after {prev_b}")
+        if b != prev_b:
+            out.append((t, b))
+        prev_t, prev_b = t, b
+    return out[0][1] if len(out) == 1 else BudgetSchedule(out)
+
+
+def is_schedule(budget) -> bool:
+    """Whether ``budget`` is a schedule (a :class:`BudgetSchedule`, a mapping or schedule text), not one budget."""
+    return isinstance(budget, (BudgetSchedule, dict)) or (isinstance(budget, str) and ":" in budget)
+
+
+def budget_text(budget) -> str:
+    """The canonical text of a budget or schedule: what :data:`BUDGET_ENV` carries (``"127"``,
+    ``"1:127,4:31,16:15,64:chain"``)."""
+    return str(parse_budget(budget))
+
+
+def budget_for(budget, batch: int):
+    """The budget (int or :data:`CHAIN`) a step of ``batch`` requests uses: ``budget`` itself when it is one int."""
+    b = parse_budget(budget)
+    return b.budget_for(batch) if isinstance(b, BudgetSchedule) else b
+
+
+def step_width(budget, batch: int, block: int | None) -> int:
+    """The verify width D of a step of ``batch`` requests: :func:`tree_width` of its budget, or the drafter
+    ``block`` for :data:`CHAIN`."""
+    b = budget_for(budget, batch)
+    if b == CHAIN:
+        if block is None:
+            raise ValueError(f"a schedule with {CHAIN} needs the drafter's block size (its width)")
+        return int(block)
+    return tree_width(b)
+
+
+def schedule_widths(budget, block: int | None) -> dict:
+    """``{threshold: D}`` of a budget or schedule (one entry, at 1, for a plain budget)."""
+    b = parse_budget(budget)
+    entries = b.entries if isinstance(b, BudgetSchedule) else ((1, b),)
+    return {t: step_width(b, t, block) for t, _ in entries}
+
+
+def largest_budget(budget) -> int:
+    """The largest node budget of a budget or schedule (the one at batch size 1)."""
+    b = parse_budget(budget)
+    return b.largest_budget if isinstance(b, BudgetSchedule) else b
 
 
 def tree_width(budget: int) -> int:
@@ -131,10 +303,12 @@ def tree_width(budget: int) -> int:
     return budget + 1
 
 
-def draft_tokens(mode: str, budget: int | None, block: int | None) -> int | None:
-    """``--speculative-num-draft-tokens`` D: :func:`tree_width` in tree-verify, the DFlash block in the chain modes,
-    None for plain."""
+def draft_tokens(mode: str, budget, block: int | None) -> int | None:
+    """``--speculative-num-draft-tokens`` D: :func:`tree_width` in tree-verify (a schedule's largest width), the
+    DFlash block in the chain modes, None for plain."""
     if mode == TREE_VERIFY:
+        if is_schedule(budget):
+            return max(schedule_widths(budget, block).values())
         return tree_width(budget)
     return None if mode == PLAIN else block
 
@@ -184,10 +358,11 @@ def gpu_list(gpus) -> tuple:
     return out
 
 
-def sglang_args(mode: str, model: str, draft_model: str | None, *, budget: int | None, block: int | None,
+def sglang_args(mode: str, model: str, draft_model: str | None, *, budget, block: int | None,
                 host: str, port: int, decode_graphs: bool, tp: int = 1, tp_port: tuple | None = None) -> list:
     """SGLang's arguments (after ``python -m sglang.launch_server``) that decide what a server of ``mode`` serves
-    and where: the model, the speculative algorithm and its widths, the attention backend and page size, and the
+    and where: the model, the speculative algorithm and its widths (``budget``: one budget or a
+    :class:`BudgetSchedule`, whose largest width is D), the attention backend and page size, and the
     decode CUDA graphs. A deployed unit and a transient bench/smoke server both start from these; each appends
     its own (the unit: the served model name, metrics and the inventory's extra_args; the transient server: its
     pool caps). ``tp`` > 1: ``--tp-size`` and, where ``tp_port`` (:func:`tp_ports`) is given, the group's
@@ -200,7 +375,7 @@ def sglang_args(mode: str, model: str, draft_model: str | None, *, budget: int |
     if algo is not None:
         if not draft_model:
             raise ValueError(f"mode {mode} needs a draft model")
-        if is_ddtree(mode) and (problem := budget_problem(budget)):
+        if is_ddtree(mode) and (problem := budget_problem(budget, mode)):
             raise ValueError(f"budget {budget!r} {problem}")
         args += ["--speculative-algorithm", algo, "--speculative-draft-model-path", draft_model]
         if block is not None:  # the chain modes' width D (SGLang's DFLASH and the plugin read D from it)
@@ -217,14 +392,17 @@ def sglang_args(mode: str, model: str, draft_model: str | None, *, budget: int |
     return args
 
 
-def sglang_env(mode: str, budget: int | None, gpu) -> list:
+def sglang_env(mode: str, budget, gpu) -> list:
     """The environment a server of ``mode`` needs on its GPU(s) ``gpu`` (an index, or the TP group's indices), in
     order: the GPUs (numbered as nvidia-smi numbers them, so index N is /dev/nvidiaN), NCCL's interface for a TP
-    group (:data:`NCCL_SOCKET_IFNAME`) and, for DDTREE, the plugin allow-list, the mode and the budget."""
+    group (:data:`NCCL_SOCKET_IFNAME`) and, for DDTREE, the plugin allow-list, the mode and the budget (or
+    schedule: :func:`budget_text`)."""
     gpus = gpu_list(gpu)
     env = [("CUDA_DEVICE_ORDER", "PCI_BUS_ID"), ("CUDA_VISIBLE_DEVICES", ",".join(map(str, gpus)))]
     if len(gpus) > 1:
         env += [("NCCL_SOCKET_IFNAME", NCCL_SOCKET_IFNAME)]
     if is_ddtree(mode):
-        env += [(PLUGIN_ALLOWLIST_ENV, PLUGIN_NAME), (MODE_ENV, mode), (BUDGET_ENV, str(budget))]
+        if problem := budget_problem(budget, mode):
+            raise ValueError(f"budget {budget!r} {problem}")
+        env += [(PLUGIN_ALLOWLIST_ENV, PLUGIN_NAME), (MODE_ENV, mode), (BUDGET_ENV, budget_text(budget))]
     return env

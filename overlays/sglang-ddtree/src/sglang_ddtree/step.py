@@ -30,6 +30,31 @@ budget ``B`` and verify width ``D = B + 1``:
    recurrent-state step (deepest accepted node), the mamba-track step mapping
    and the drafter-cache append inputs.
 
+Budget schedule (``contract``'s *Budget schedule*): each step builds the tree
+of its own batch size's budget (:func:`step_budget`; ``chain`` is the tree
+over each depth's top-1 candidate, ``blk - 1`` nodes, ``D = blk``) and verifies
+it at that tree's own width ``B + 1``.  Nothing else of the step depends on
+the budget: every function here reads the width off its tensors, the KV
+window reserved for the server's largest width holds any smaller one, and the
+accept keeps only target-argmax (or target-sampled) tokens, so a request's
+output does not depend on which budget a step used
+(``tests/plugin/test_schedule.py`` runs it across batch-size switches).
+
+Why each width verifies at its own ``D`` rather than padding a smaller tree to
+the server's ``D`` with masked-out nodes: padding is lossless and keeps one
+graph width, but verifies the same ``batch * D`` tokens as the largest budget
+while proposing fewer, so it can only be slower than not switching.  At its own
+width a step verifies ``batch * (B + 1)`` tokens, which is what a smaller budget
+saves at high load.  The cost: SGLang 0.5.17 captures the target's verify
+graphs at one width, the server's ``D`` (the schedule's largest, used at the
+smallest batch sizes, where the step is host-bound and graphs matter most),
+and its graph runner replays a forward only at that width (``can_run_graph``'s
+uniform-width check on ``spec_info.num_tokens_per_req``), so steps at another
+width run the target's verify forward eagerly: no graph beyond today's, more
+launches at the batch sizes whose budget is smaller.  Capturing each batch
+size's graph at its own width would need SGLang's graph runner patched per
+bucket (its width, buffers and replay key are one ``captured_req_width``).
+
 Tensor parallelism (``tp_size > 1``): every rank builds the same tree and accepts the same path because every
 tensor a decision reads is identical on every rank *by construction*, not by hoping that per-rank arithmetic
 agrees:
@@ -69,6 +94,7 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
+from . import contract
 from . import tree as _tree
 from .indexing import (
     accepted_kv_locs,
@@ -79,6 +105,7 @@ from .indexing import (
 from .verify import walk_tree
 
 __all__ = [
+    "step_budget",
     "draft_topk_candidates",
     "tree_accept_counts",
     "TreeAcceptStats",
@@ -101,6 +128,20 @@ __all__ = [
     "shadow_tree_accept",
     "ShadowStats",
 ]
+
+
+# --------------------------------------------------------------------------
+# 0. the step's budget (budget schedule)
+# --------------------------------------------------------------------------
+def step_budget(budget, batch: int, block: int, vocab: int):
+    """``(B, K)`` of the tree a step of ``batch`` requests builds from ``budget`` (one int or a schedule,
+    ``contract.budget_for``): ``K = min(B, vocab)`` candidates per depth; ``chain`` is ``(block - 1, 1)``, the
+    drafter's top-1 at each of its ``block - 1`` depths (one branch, verified at ``D = block``, as DFLASH
+    verifies it). The verify width is ``B + 1`` in both cases."""
+    b = contract.budget_for(budget, int(batch))
+    if b == contract.CHAIN:
+        return int(block) - 1, 1
+    return int(b), min(int(b), int(vocab))
 
 
 # --------------------------------------------------------------------------

@@ -107,8 +107,10 @@ def make_validator(adapter: ModuleType) -> Callable:
         for k, v in server_arg_writes(server_args, cfg, overlap=overlap).items():
             setattr(server_args, k, v)
         logger.info(
-            "DDTREE: mode=%s budget B=%d verify width D=%d topk=%d, overlap scheduling %s (%s) (SGLang %s adapter)",
-            cfg.mode, cfg.budget, cfg.num_draft_tokens, cfg.topk, "on" if overlap else "off", why, adapter.VERSION,
+            "DDTREE: mode=%s budget B=%d%s verify width D=%d topk=%d, overlap scheduling %s (%s) (SGLang %s adapter)",
+            cfg.mode, cfg.budget, "" if cfg.schedule is None else f" (schedule {cfg.schedule}: each step the budget "
+            "of its batch size, verified at its own width; only width D replays the target's verify graph)",
+            cfg.num_draft_tokens, cfg.topk, "on" if overlap else "off", why, adapter.VERSION,
         )
 
     return validate_server_args

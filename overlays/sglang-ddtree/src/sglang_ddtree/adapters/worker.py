@@ -124,6 +124,7 @@ from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
 from sglang.srt.speculative.draft_worker_common import build_block_pos_offsets, make_draft_block_spec_info
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
+from .. import contract
 from ..admission import logprobs_past_dflash, tree_verify_rejection
 from ..compile import with_full_mask
 from ..config import SHADOW_LINEAR, TREE_VERIFY, resolve_ddtree_config
@@ -134,6 +135,7 @@ from ..step import (
     accept_commit,
     draft_topk_candidates,
     mamba_track_steps,
+    step_budget,
     tp_merged_candidates,
     tree_verify_inputs,
 )
@@ -273,6 +275,9 @@ class DDTreeWorkerBase(DFlashWorkerV2):
                 f"DDTREE drafter block {blk} must be in [2, 2*D = {2 * d}]: the scheduler reserves 2*D KV slots "
                 "per request and step and the drafter writes its whole block there."
             )
+        if self.ddtree.schedule is not None and self.ddtree.schedule.has_chain and blk > d:
+            raise ValueError(f"DDTREE budget schedule {self.ddtree.schedule}: chain verifies the drafter block "
+                             f"{blk}, wider than D = {d}; pass --speculative-dflash-block-size {blk}.")
         self.block_size = blk
         self._ddtree_set_drafter_block(blk)
         self._block_pos_offsets = build_block_pos_offsets(length=blk, device=self.device)
@@ -422,8 +427,8 @@ class DDTreeWorkerBase(DFlashWorkerV2):
     def _tree_draft(self, batch) -> _Draft:
         draft_input = batch.spec_info
         device, bs = self.device, len(batch.seq_lens)
-        blk, d = int(self.block_size), int(self.ddtree.num_draft_tokens)
-        w = max(blk, d)
+        blk, d = int(self.block_size), self._step_width(bs)
+        w = max(blk, d)  # within the 2*D slots reserved for the server's D (d <= D)
         prefix = batch.seq_lens
         req_to_token = self.model_runner.req_to_token_pool.req_to_token
         # The step's KV window, reserved by the scheduler (2*D slots from the committed prefix).
@@ -478,11 +483,21 @@ class DDTreeWorkerBase(DFlashWorkerV2):
         """Drafter hidden states -> global top-K per depth -> the tree -> its verify inputs (``QLEN_ONLY`` mask;
         the FULL layout's size depends on the prefix lengths and is written after, eagerly)."""
         bs, depths, h = hidden.shape
-        k = min(self.ddtree.budget, self._vocab_size)
+        budget, k = self._step_budget(bs)
         with record_function("ddtree.draft_topk"), self._ddtree_draft_tp():
             lp, ids = self._draft_candidates(hidden.reshape(-1, h), self._ddtree_lm_head(), k)
         return tree_verify_inputs(lp.view(bs, depths, k), ids.view(bs, depths, k), bonus, prefix,
-                                  self.ddtree.budget, self.ddtree.topk, full_index=self._glue_full_index)
+                                  budget, self.ddtree.topk, full_index=self._glue_full_index)
+
+    def _step_budget(self, bs: int):
+        """``(B, K)`` of a step of ``bs`` requests (``step.step_budget``: the budget schedule's entry for ``bs``;
+        its verify width is ``B + 1``)."""
+        sched = self.ddtree.budget if self.ddtree.schedule is None else self.ddtree.schedule
+        return step_budget(sched, bs, int(self.block_size), self._vocab_size)
+
+    def _step_width(self, bs: int) -> int:
+        """The verify width D of a step of ``bs`` requests (the server's D without a schedule)."""
+        return contract.tree_width(self._step_budget(bs)[0])
 
     def _glue_commit_fn(self, target_predict, candidates, retrieve_index, retrieve_next_token,
                         retrieve_next_sibling, ranks, prefix, window, draft_window_ids, req_pool_indices):
@@ -490,7 +505,7 @@ class DDTreeWorkerBase(DFlashWorkerV2):
         path's KV window written to ``req_to_token`` (idempotent: a re-run writes the same values)."""
         bs, d = ranks.shape
         device = ranks.device
-        m = min(int(self.block_size) - 1, int(self.ddtree.budget)) + 1  # = compile's max_tree_depth + 1
+        m = min(int(self.block_size) - 1, d - 1) + 1  # = compile's max_tree_depth + 1 (this step's B = d - 1)
         predict = torch.zeros((bs * d,), dtype=torch.int32, device=device)
         accept_index = torch.full((bs, m), -1, dtype=torch.int32, device=device)
         accept_num = torch.zeros((bs,), dtype=torch.int32, device=device)
@@ -537,7 +552,8 @@ class DDTreeWorkerBase(DFlashWorkerV2):
         Returns the tree, the compiled inputs, the target's output and, where the adapter
         finished a deferred vocab shard by argmax, the target's greedy ids (else None)."""
         draft_input = batch.spec_info
-        bs, d = len(batch.seq_lens), int(self.ddtree.num_draft_tokens)
+        bs = len(batch.seq_lens)
+        d = self._step_width(bs)  # this batch size's width (the schedule's; the server's D without one)
         with record_function("ddtree.tree_build"):  # drafter top-K, tree, verify inputs: one graph replay
             tree, vin = self._glue_build(draft.hidden, draft_input.bonus_tokens, batch.seq_lens)
         with record_function("ddtree.compile"):
