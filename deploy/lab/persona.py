@@ -83,7 +83,8 @@ def derive_multi_gpu(src: dict[str, str], spec: dict = RTXPRO, seed: str = "lab"
     xml_text = xml[: m.start()] + "".join(blocks) + xml[m.end():]
     xml_text = re.sub(r"<attached_gpus>\d+</attached_gpus>", f"<attached_gpus>{n}</attached_gpus>", xml_text)
 
-    topo_head = "\t".join(["\x1b[4mGPU%d" % 0] + [f"GPU{i}" for i in range(1, n)] + ["CPU Affinity\tNUMA Affinity\tGPU NUMA ID\x1b[0m"])
+    # the header's first cell is empty (the row names' column), as in the captures: "\t\x1b[4mGPU0\tGPU1..."
+    topo_head = "\t".join(["", "\x1b[4mGPU%d" % 0] + [f"GPU{i}" for i in range(1, n)] + ["CPU Affinity\tNUMA Affinity\tGPU NUMA ID\x1b[0m"])
     link = spec.get("link", "NODE")
     numa, cpus = spec.get("numa", lambda i: 0), spec.get("cpus", lambda i: "0-15")
     topo_rows = ["GPU%d\t" % i + "\t".join(" X " if j == i else link for j in range(n))
