@@ -175,6 +175,26 @@ def test_contract_argv_and_env_for_a_group():
         contract.sglang_args("linear", "/m", "/d", budget=None, block=16, host="h", port=1, decode_graphs=True, tp=0)
 
 
+def test_a_group_serves_a_budget_schedule(tmp_path):
+    """A TP group in tree-verify with a budget schedule: the group's argv (--tp-size, its ports) with the schedule's
+    largest width as D, and the group's environment with its GPUs, NCCL's interface and the schedule's text."""
+    i, _ = inv(tmp_path, GROUPS.replace("      0: {gpus: [0, 1, 2, 3], tp: 4}\n",
+                                        "      0: {gpus: [0, 1, 2, 3], tp: 4, mode: tree-verify,\n"
+                                        "          budget: {1: 31, 8: 7, 32: chain}}\n"))
+    g0 = i.hosts["a"].services[0]
+    assert isinstance(g0.budget, contract.BudgetSchedule) and g0.tp == 4
+    args = render.server_args(g0)
+    assert args[args.index("--tp-size") + 1] == "4" and args[args.index("--nccl-port") + 1] == "31001"
+    assert args[args.index("--speculative-num-draft-tokens") + 1] == "32"  # 31 nodes + the root
+    env = dict(render.service_env(g0))
+    assert env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3" and env["NCCL_SOCKET_IFNAME"] == "lo"
+    assert env[contract.BUDGET_ENV] == "1:31,8:7,32:chain"
+    got = problems(tmp_path, GROUPS.replace("      0: {gpus: [0, 1, 2, 3], tp: 4}\n",
+                                            "      0: {gpus: [0, 1, 2, 3], tp: 4, mode: shadow-linear,\n"
+                                            "          budget: {1: 31, 8: 7}}\n"))
+    assert any(re.search(r":11: hosts\.a\.services\.0: budget .* is a schedule", p) for p in got), got
+
+
 def test_the_group_argv_parses_with_sglangs_real_parser(tmp_path):
     sa = pytest.importorskip("sglang.srt.server_args", reason="sglang not installed (requirements)")
     p = argparse.ArgumentParser(exit_on_error=False)
