@@ -67,6 +67,39 @@ def parse_nvidia_smi_header(text: str) -> dict:
     return {"driver": m.group(1), "cuda": m.group(2)} if m else {}
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def parse_topo_matrix(text: str | None) -> dict:
+    """`nvidia-smi topo -m` -> {"links": {"GPU0": {"GPU1": "NV18", ...}, ...}, "cpu_affinity": {"GPU0": "0-47"},
+    "numa": {"GPU0": "0"}}: the GPU-to-GPU cells of the matrix (NIC rows and columns left out). The header is
+    tab-separated and, from driver 5xx, underlined with ANSI escapes even when piped (the real h200-1gpu
+    capture); the matrix ends at the first blank line (the legend follows)."""
+    lines = [_ANSI.sub("", ln) for ln in (text or "").splitlines()]
+    start = next((i for i, ln in enumerate(lines) if re.search(r"(?:^|\t)GPU0(?:\t|$)", ln)
+                  and not ln.startswith("GPU")), None)
+    if start is None:
+        return {"links": {}, "cpu_affinity": {}, "numa": {}}
+    cols = [c.strip() for c in lines[start].split("\t")[1:]]
+    links: dict = {}
+    aff: dict = {}
+    numa: dict = {}
+    for ln in lines[start + 1:]:
+        if not ln.strip():
+            break
+        cells = ln.split("\t")
+        name = cells[0].strip()
+        if not re.fullmatch(r"GPU\d+", name):
+            continue
+        row = dict(zip(cols, (c.strip() for c in cells[1:])))
+        links[name] = {c: v for c, v in row.items() if re.fullmatch(r"GPU\d+", c) and c != name}
+        if row.get("CPU Affinity"):
+            aff[name] = row["CPU Affinity"]
+        if row.get("NUMA Affinity"):
+            numa[name] = row["NUMA Affinity"]
+    return {"links": links, "cpu_affinity": aff, "numa": numa}
+
+
 def parse_proc_driver_version(text: str | None) -> str | None:
     """/proc/driver/nvidia/version -> '580.159.04'."""
     m = re.search(r"NVRM version:.*?\s(\d+\.\d+(?:\.\d+)?)\s", text or "")
@@ -240,9 +273,12 @@ def build_facts(host: str, raw: dict, gathered_at: float | None = None, previous
     gpus = parse_query_gpu_csv(smi_q.get("out", "")) if smi_q.get("rc") == 0 else []
     header = parse_nvidia_smi_header(smi.get("out", "")) if smi.get("rc") == 0 else {}
     driver = parse_proc_driver_version(raw.get("proc_driver")) or header.get("driver") or (gpus[0]["driver"] if gpus else None)
+    topo_raw = raw.get("nvidia_smi_topo") or {}
     nvidia = None
     if raw.get("nvidia_smi_query") is not None or raw.get("proc_driver"):
         nvidia = {"driver": driver, "cuda": header.get("cuda"), "gpus": gpus,
+                  # the GPUs' interconnect (None: the probe did not read it)
+                  "topology": parse_topo_matrix(topo_raw.get("out")) if topo_raw.get("rc") == 0 else None,
                   "error": None if smi_q.get("rc") == 0 else (smi_q.get("err") or "nvidia-smi failed").strip()}
     osr = parse_os_release(raw.get("os_release"))
     ldd = raw.get("ldd") or []

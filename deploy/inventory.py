@@ -4,6 +4,13 @@ Everything is validated before any connection is made; each error names `file:li
 Variables resolve from most general to most specific: fleet `vars` < each group's `vars` (in file
 order) < the host's `vars` < the per-GPU `services` entry.
 
+Services are keyed by GPU index: every GPU of a host runs one server unless a `services` entry groups several
+GPUs into one tensor-parallel server (`services: {0: {gpus: [0, 1, 2, 3], tp: 4}}`), keyed by the group's lowest
+GPU, whose other GPUs then run nothing else. A GPU belongs to at most one service; `tp` (when written) equals the
+number of GPUs; the group's rendezvous ports (contract.tp_ports of the host's `tp_port_base`) may not meet another
+listener of the host. Where the model's config.json is readable here, its attention heads are checked against tp
+(the deploy plan checks them again from the host, with the GPUs' interconnect: deploy/release/hostfit.py).
+
 Which file: `DEPLOY_INVENTORY=path` in the environment, else `inventory/hosts.yaml`.
 """
 from __future__ import annotations
@@ -12,7 +19,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import canary, contract, modes, values
+from . import canary, contract, modes, tp as tpmod, values
 from .yamlpos import PosDict, PosList, YamlPosError, load_yaml
 
 DEFAULT_INVENTORY = "inventory/hosts.yaml"
@@ -156,8 +163,30 @@ VARS: dict[str, tuple] = {
     # expected seconds from a restart to /health 200, instead of deploy/startup.py's table (the gate's start
     # timeout and the rollout estimate follow it)
     "start_seconds": (_in_range(1, 7200), "seconds, an integer in [1, 7200]"),
+    # where a host's TP groups' rendezvous ports start (contract.tp_ports: base + 2 * the group's first GPU)
+    "tp_port_base": (_is_port, "a TCP port (1-65535)"),
 }
-SERVICE_KEYS = {"port": (_is_port, "a TCP port (1-65535)"), "enabled": (lambda v: isinstance(v, bool), "true or false")}
+
+
+def _gpu_index_list(v):
+    if not isinstance(v, list) or not v:
+        return f"must be a non-empty list of GPU indices, got {v!r}"
+    out = [(i, f"GPU index {x!r} must be an integer in [0, 63]") for i, x in enumerate(v)
+           if not isinstance(x, int) or isinstance(x, bool) or not 0 <= x < 64]
+    seen = set()
+    for i, x in enumerate(v):
+        if x in seen:
+            out.append((i, f"GPU index {x} is listed twice"))
+        seen.add(x)
+    return out
+
+
+SERVICE_KEYS = {"port": (_is_port, "a TCP port (1-65535)"), "enabled": (lambda v: isinstance(v, bool), "true or false"),
+                # a tensor-parallel service: its GPUs (the entry's key is the lowest), their count, and whether a
+                # group without peer-to-peer between its GPUs (nvidia-smi topo -m: NODE/SYS) is accepted
+                "gpus": (_gpu_index_list, "a list of GPU indices"),
+                "tp": (_in_range(1, 64), "an integer in [1, 64]"),
+                "accept_no_p2p": (lambda v: isinstance(v, bool), "true or false")}
 SERVICE_VARS = ("model", "draft_model", "served_model_name", "mode", "budget", "block_size", "extra_args", "env",
                 "concurrency", "cuda_graphs")
 DEFAULT_VARS = {
@@ -182,6 +211,7 @@ DEFAULT_VARS = {
     "listen_address": "127.0.0.1",
     "api_key_file": None,
     "router": DEFAULT_ROUTER,
+    "tp_port_base": contract.TP_PORT_BASE,
 }
 SSH_KEYS = {
     "user": (values.ssh_user, "a user name"),
@@ -201,7 +231,8 @@ TOP_KEYS = {"fleet", "reference", "ssh", "settings", "vars", "groups", "hosts"}
 
 @dataclass(frozen=True)
 class Service:
-    """One SGLang server pinned to one GPU."""
+    """One SGLang server on its GPU(s): `gpu` is the first (lowest) of `gpus`, which name the service
+    (`instance`); more than one GPU is a tensor-parallel group (`tp` = their count)."""
 
     host: str
     gpu: int
@@ -222,10 +253,24 @@ class Service:
     # where each of its values came from, "file:line: key" (gpu, port, model, draft_model): what a plan-time
     # refusal of that value names
     where: dict = field(default_factory=dict, hash=False, compare=False)
+    gpus: tuple = ()  # every GPU of the service, lowest first ((gpu,) when not given)
+    tp_port: tuple | None = None  # a TP group's (dist-init, NCCL) ports: contract.tp_ports
+    accept_no_p2p: bool = False  # a TP group over GPUs without peer-to-peer is deployed anyway
+
+    def __post_init__(self):
+        if not self.gpus:
+            object.__setattr__(self, "gpus", (self.gpu,))
+        elif self.gpus[0] != self.gpu:
+            raise ValueError(f"{self.host}: a service's gpu {self.gpu} must be the first of its gpus {self.gpus}")
 
     @property
     def instance(self) -> str:
+        """The service's name on the host (sglang-ddtree@<instance>): its first GPU's, for a TP group too."""
         return f"gpu{self.gpu}"
+
+    @property
+    def tp(self) -> int:
+        return len(self.gpus)
 
 
 @dataclass(frozen=True)
@@ -582,10 +627,14 @@ def _services(c: _Checker, h: PosDict, where: str, hname: str, gpus, resolved: d
         overrides[gpu]["_line"] = sline
         overrides[gpu]["_where"] = {k: f"{c.path}:{o.line_of(k)}: {swhere}.{k}" for k in ("port", "model",
                                                                                            "draft_model") if k in o}
+        _group(c, o, overrides[gpu], gpu, gpus, swhere)
+    covered = _groups_disjoint(c, overrides, where)
     origins = origins or {}
     gpu_at = _gpu_lines(c, h, where)
     out, ports, auto_told = [], {}, False
     for gpu in gpus:
+        if gpu in covered:
+            continue  # a GPU of another service's TP group
         o = overrides.get(gpu, {})
         v = resolved | {k: o[k] for k in SERVICE_VARS if k in o}
         port = o.get("port", resolved["base_port"] + gpu)
@@ -606,12 +655,106 @@ def _services(c: _Checker, h: PosDict, where: str, hname: str, gpus, resolved: d
             line, key = (o["_line"], f"{where}.services.{gpu}") if "budget" in o or "mode" in o else (hline, where)
             c.err(line, key, f"budget {budget} is a schedule, which only {modes.TREE_VERIFY} serves; mode "
                   f"{v['mode']} takes one budget")
+        group = o.get("_gpus") or (gpu,)
+        tp_port = None
+        if len(group) > 1:
+            tp_port = _tp_port(c, o, resolved, gpu, h, where, hline)
+            _local_heads(c, o, v, len(group), where, gpu, hline)
+        sw = _service_where(o, origins, gpu_at.get(gpu, f"{c.path}:{hline}: {where}"), gpu)
+        if "_gpus_at" in o:
+            sw["gpus"] = o["_gpus_at"]
         out.append(Service(hname, gpu, port, v.get("model"), v.get("draft_model"), v.get("served_model_name"),
                            v["mode"], budget, v["block_size"], tuple(v["extra_args"]),
                            tuple(sorted((k, str(x)) for k, x in v["env"].items())), o.get("enabled", True),
                            service_listen(resolved), v.get("concurrency"), cuda_graphs=v["cuda_graphs"],
-                           where=_service_where(o, origins, gpu_at.get(gpu, f"{c.path}:{hline}: {where}"), gpu)))
+                           where=sw, gpus=group, tp_port=tp_port, accept_no_p2p=o.get("accept_no_p2p", False)))
+    _tp_ports_free(c, out, overrides, resolved, where, hname)
     return tuple(out)
+
+
+def _group(c: _Checker, node: PosDict, o: dict, key: int, host_gpus, swhere: str) -> None:
+    """A services entry's TP group into o["_gpus"] (sorted, lowest first), checked: its GPUs are the host's, the
+    entry's key is the lowest, `tp` equals their count; `tp` > 1 without `gpus` is refused (say which GPUs)."""
+    g, tp = o.get("gpus"), o.get("tp")
+    line = node.line_of("gpus") if "gpus" in node else node.line
+    if g is None:
+        if "gpus" not in node and tp not in (None, 1):
+            c.err(node.line_of("tp"), f"{swhere}.tp", f"tp {tp} needs gpus: the {tp} GPU indices of the group "
+                  f"(e.g. gpus: {list(range(key, key + tp))})")
+        if "accept_no_p2p" in node and "gpus" not in node:
+            c.err(node.line_of("accept_no_p2p"), f"{swhere}.accept_no_p2p", "only a TP service (gpus: [...]) "
+                  "has peer-to-peer to accept the lack of")
+        return
+    ok = True
+    items = node.get("gpus")  # the file's list (o's is a plain copy): each item's own line
+    for i, x in enumerate(g):
+        if x not in host_gpus:
+            c.err(items.line_of(i) if isinstance(items, PosList) else line, f"{swhere}.gpus",
+                  f"GPU {x} is not one of this host's GPUs {list(host_gpus)}")
+            ok = False
+    if min(g) != key:
+        c.err(line, f"{swhere}.gpus", f"a TP service is keyed by its lowest GPU: write it under services.{min(g)} "
+              f"(its gpus are {sorted(g)}), not {key}")
+        ok = False
+    if tp is not None and tp != len(g):
+        c.err(node.line_of("tp"), f"{swhere}.tp", f"tp {tp} must equal the number of its gpus ({len(g)}: {list(g)})")
+        ok = False
+    if ok:
+        o["_gpus"] = tuple(sorted(g))
+        o["_gpus_at"] = f"{c.path}:{line}: {swhere}.gpus"
+
+
+def _groups_disjoint(c: _Checker, overrides: dict, where: str) -> set[int]:
+    """The GPUs TP groups hold besides their key; a GPU in two services (two groups, or a group and another
+    GPU's own entry) is refused at the later entry's line."""
+    owner: dict[int, int] = {}
+    for key in sorted(overrides, key=lambda k: overrides[k].get("_line", 0)):
+        o = overrides[key]
+        for x in o.get("_gpus") or (key,):
+            if x in owner and owner[x] != key:
+                c.err(o.get("_line", 0), f"{where}.services.{key}",
+                      f"GPU {x} is already in service {owner[x]}'s gpus: a GPU belongs to one service")
+            owner.setdefault(x, key)
+    return {x for x, k in owner.items() if x != k}
+
+
+def _tp_port(c: _Checker, o: dict, resolved: dict, gpu: int, h: PosDict, where: str, hline: int):
+    try:
+        return contract.tp_ports(resolved["tp_port_base"], gpu)
+    except ValueError as exc:
+        c.err(o.get("_line", hline), f"{where}.services.{gpu}.gpus", f"{exc} (set vars.tp_port_base lower)")
+        return None
+
+
+def _tp_ports_free(c: _Checker, services: list, overrides: dict, resolved: dict, where: str, hname: str) -> None:
+    """A TP group's rendezvous ports may not be another service's HTTP port, or the router's."""
+    taken = {s.port: f"GPU {s.gpu}'s port" for s in services}
+    r = resolved.get("router") or {}
+    if r.get("enabled"):
+        taken |= {r["port"]: "router.port", r["metrics_port"]: "router.metrics_port"}
+    for s in services:
+        for p in s.tp_port or ():
+            if p in taken:
+                c.err(overrides[s.gpu]["_line"], f"{where}.services.{s.gpu}",
+                      f"its TP group's port {p} (tp_port_base {resolved['tp_port_base']} + 2 x GPU {s.gpu}) is "
+                      f"also {taken[p]} on {hname}: move base_port, the router or vars.tp_port_base")
+
+
+def _local_heads(c: _Checker, o: dict, v: dict, tp: int, where: str, gpu: int, hline: int) -> None:
+    """tp against the model's attention heads where its config.json is readable on this machine (a model on
+    the hosts only is checked by the plan, from the host)."""
+    import json
+    for key in ("model", "draft_model"):
+        path = v.get(key)
+        if not path or not os.path.isfile(f"{path}/config.json"):
+            continue
+        try:
+            with open(f"{path}/config.json", encoding="utf-8") as fh:
+                problem = tpmod.heads_problem(json.load(fh), tp)
+        except (OSError, ValueError) as exc:
+            problem = f"not checked: {path}/config.json: {exc}"
+        if problem and not problem.startswith("not checked"):
+            c.err(o.get("_line", hline), f"{where}.services.{gpu}.tp", f"{key} {path}: {problem}")
 
 
 def _service_where(o: dict, origins: dict, gpu_at: str, gpu: int) -> dict[str, str]:

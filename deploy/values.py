@@ -46,7 +46,9 @@ TOKEN_OWNERS = {"", "hf", "hub", "auth", "access", "api", "bearer", "github", "g
 # (allow_abbrev), so a prefix of one of these is refused too.
 RESERVED_FLAGS = ("--host", "--port", "--config", "--api-key", "--admin-api-key", "--model-path",
                   "--served-model-name", "--speculative-algorithm", "--speculative-draft-model-path",
-                  "--speculative-dflash-block-size", "--speculative-num-draft-tokens", "--ssl-keyfile-password")
+                  "--speculative-dflash-block-size", "--speculative-num-draft-tokens", "--ssl-keyfile-password",
+                  # a TP service's group: its size is its GPUs' count, its ports come from contract.tp_ports
+                  "--tp-size", "--tensor-parallel-size", "--dist-init-addr", "--nccl-init-addr", "--nccl-port")
 # SGLang flags of their own that happen to be a prefix of a reserved one (an exact flag is never expanded);
 # tests check this against SGLang's real parser: every other such prefix is an alias of the reserved flag.
 OWN_FLAGS = {"--ssl-keyfile"}

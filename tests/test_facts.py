@@ -125,6 +125,18 @@ def test_derived_blackwell_persona_parses_like_a_capture():
     widths = {len(line) for line in files["nvidia-smi.txt"].splitlines() if line.startswith(("|", "+"))}
     assert widths == {len(cap("nvidia-smi.txt").splitlines()[1])}
     assert "DERIVED" in files["DERIVED.txt"]
+    topo = F.parse_topo_matrix(files["topo.txt"])  # laid out as a capture's: every pair of the eight, PCIe-bridged
+    assert sorted(topo["links"]) == [f"GPU{i}" for i in range(8)]
+    assert {v for row in topo["links"].values() for v in row.values()} == {"NODE"}
+
+
+def test_derived_h200_nvswitch_persona_parses_like_the_nvswitch_capture():
+    """The lab's TP host: its topo matrix reads as the real NVSwitch capture's GPU links (NV18 between every pair)."""
+    topo = F.parse_topo_matrix(persona.persona_files("h200-8gpu", "x")["topo.txt"])
+    nvswitch = F.parse_topo_matrix((Path(__file__).resolve().parent / "captures" / "topo-8gpu-nvswitch.txt")
+                                   .read_text())
+    assert topo["links"] == nvswitch["links"] and len(topo["links"]) == 8
+    assert topo["numa"] == {f"GPU{i}": str(i // 4) for i in range(8)}
 
 
 def test_probe_runs_locally_and_builds_facts(tmp_path):

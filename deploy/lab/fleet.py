@@ -87,6 +87,9 @@ BUILTIN = (LabHost("ct129", 129, "rtxpro6000-8gpu", "cu130"),
            LabHost("ct200", 200, "rtxpro6000-8gpu", "cu128"),
            LabHost("h200", 90, "h200-1gpu", "cu130"))
 MAX_EXTRA = 40
+# The tensor-parallel host (`fab lab.up --tp`): eight H200 on NVSwitch (persona h200-8gpu), with TP services in
+# inventory/lab-tp.yaml.
+TP_HOSTS = (LabHost("ct208", 208, "h200-8gpu", "cu130"),)
 # The GPU lab (`fab lab.up --gpu`, on a machine with an NVIDIA GPU): a reference host and a drifted one, both over
 # this machine's own root with its GPUs bound in (deploy/lab/gpuhost.py says how and why). Their own inventory:
 # inventory/gpulab.yaml.
@@ -520,10 +523,11 @@ def _write_known_hosts() -> None:
     tmp.replace(known_hosts())
 
 
-def up(extra: int = 0, log=print, gpu: bool = False) -> dict:
+def up(extra: int = 0, log=print, gpu: bool = False, tp: bool = False) -> dict:
     """Bring up every lab host that is not running (idempotent). Returns timings for the report.
 
-    gpu: the GPU lab's hosts (GPU_HOSTS) instead of the CPU lab's, on a machine with an NVIDIA GPU."""
+    gpu: the GPU lab's hosts (GPU_HOSTS) instead of the CPU lab's, on a machine with an NVIDIA GPU. tp: the CPU
+    lab's hosts and its tensor-parallel host (TP_HOSTS)."""
     preflight()
     if gpu and not gpuhost.device_nodes():
         raise LabError("the GPU lab needs an NVIDIA GPU on this machine (no /dev/nvidia* device)")
@@ -533,7 +537,7 @@ def up(extra: int = 0, log=print, gpu: bool = False) -> dict:
     wheels = None if gpu else build_lab_wheels(CACHE_DIR / f"wheels{_SUFFIX}")
     control_key()
     _ensure_bridge()
-    hosts = list(GPU_HOSTS) if gpu else lab_hosts(extra)
+    hosts = list(GPU_HOSTS) if gpu else lab_hosts(extra) + (list(TP_HOSTS) if tp else [])
     todo = [h for h in hosts if _pid(h) is None]
     if gpu:
         _gpu_layer(base)  # once, before the hosts that share it

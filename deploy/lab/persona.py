@@ -1,7 +1,8 @@
 """GPU personas for lab hosts: the files the nvidia-smi stand-in replays.
 
 `h200-1gpu` is the real capture from an H200 host (lab/personas/h200-1gpu, from
-shared/fixtures/gpu-hosts). `rtxpro6000-8gpu` is DERIVED from that capture: the same driver and
+shared/fixtures/gpu-hosts). `h200-8gpu` is DERIVED from it too: eight of that H200 on NVSwitch (NV18 between
+every pair in `nvidia-smi topo -m`), the lab's tensor-parallel host. `rtxpro6000-8gpu` is DERIVED from that capture: the same driver and
 CUDA banner, with eight RTX PRO 6000 Blackwell (sm_120) GPUs in place of the H200. No capture of
 such a host exists here; the derived files say so in DERIVED.txt.
 """
@@ -17,6 +18,10 @@ FILES = ("nvidia-smi.txt", "nvidia-smi-q.xml", "query-gpu.csv", "topo.txt")
 
 RTXPRO = {"name": "NVIDIA RTX PRO 6000 Blackwell Server Edition", "memory_mib": 97887, "compute_cap": "12.0",
           "count": 8, "power": "600W"}
+# An HGX H200 board: eight H200 on NVSwitch (every pair NV18 in `nvidia-smi topo -m`), GPUs 0-3 on NUMA node 0,
+# 4-7 on node 1: the lab's tensor-parallel host.
+H200X8 = {"name": "NVIDIA H200", "memory_mib": 143771, "compute_cap": "9.0", "count": 8, "power": "700W",
+          "link": "NV18", "numa": lambda i: i // 4, "cpus": lambda i: "0-47,96-143" if i < 4 else "48-95,144-191"}
 
 
 def capture(name: str = "h200-1gpu") -> dict[str, str]:
@@ -78,9 +83,12 @@ def derive_multi_gpu(src: dict[str, str], spec: dict = RTXPRO, seed: str = "lab"
     xml_text = xml[: m.start()] + "".join(blocks) + xml[m.end():]
     xml_text = re.sub(r"<attached_gpus>\d+</attached_gpus>", f"<attached_gpus>{n}</attached_gpus>", xml_text)
 
-    topo_head = "\t".join(["\x1b[4mGPU%d" % 0] + [f"GPU{i}" for i in range(1, n)] + ["CPU Affinity\tNUMA Affinity\tGPU NUMA ID\x1b[0m"])
-    topo_rows = ["GPU%d\t" % i + "\t".join(" X " if j == i else "NODE" for j in range(n)) + "\t0-15\t0\t\tN/A"
-                 for i in range(n)]
+    # the header's first cell is empty (the row names' column), as in the captures: "\t\x1b[4mGPU0\tGPU1..."
+    topo_head = "\t".join(["", "\x1b[4mGPU%d" % 0] + [f"GPU{i}" for i in range(1, n)] + ["CPU Affinity\tNUMA Affinity\tGPU NUMA ID\x1b[0m"])
+    link = spec.get("link", "NODE")
+    numa, cpus = spec.get("numa", lambda i: 0), spec.get("cpus", lambda i: "0-15")
+    topo_rows = ["GPU%d\t" % i + "\t".join(" X " if j == i else link for j in range(n))
+                 + f"\t{cpus(i)}\t{numa(i)}\t\tN/A" for i in range(n)]
     legend = src["topo.txt"].split("\n\n", 1)[1] if "\n\n" in src["topo.txt"] else ""
     topo_text = "\n".join([topo_head] + topo_rows) + "\n\n" + legend
     return {"nvidia-smi.txt": smi_text, "nvidia-smi-q.xml": xml_text, "query-gpu.csv": csv_text,
@@ -94,4 +102,6 @@ def persona_files(kind: str, seed: str) -> dict[str, str]:
         return capture("h200-1gpu") | {"SOURCE.txt": "Real capture from an H200 host (shared/fixtures/gpu-hosts).\n"}
     if kind == "rtxpro6000-8gpu":
         return derive_multi_gpu(capture("h200-1gpu"), RTXPRO, seed)
+    if kind == "h200-8gpu":
+        return derive_multi_gpu(capture("h200-1gpu"), H200X8, seed)
     raise ValueError(f"unknown GPU persona {kind!r}")

@@ -92,7 +92,7 @@ SUBSET_FLAGS = {  # flag -> type; the subset of SGLang 0.5.23's ServerArgs this 
     "--tp-size": int, "--dp-size": int, "--mem-fraction-static": float, "--context-length": int,
     "--max-running-requests": int, "--log-level": str, "--page-size": int, "--attention-backend": str,
     "--dtype": str, "--trust-remote-code": None, "--enable-metrics": None,
-    "--config": str, "--api-key": str, "--admin-api-key": str,
+    "--config": str, "--api-key": str, "--admin-api-key": str, "--dist-init-addr": str, "--nccl-port": int,
 }
 SECRET_ARGS = ("api_key", "admin_api_key")
 
@@ -545,6 +545,23 @@ def make_handler(state):
     return H
 
 
+def hold_tp_ports(args) -> list:
+    """A TP group's rendezvous ports, held as SGLang's group holds them while it serves (its TCPStore on
+    --dist-init-addr, its NCCL port): a second server given the same ports fails to start here as it would
+    there. Nothing for one GPU."""
+    if int(args.get("tp_size") or 1) <= 1:
+        return []
+    out = []
+    addr = args.get("dist_init_addr")
+    for host, port in ([tuple(addr.rsplit(":", 1))] if addr else []) + (
+            [("127.0.0.1", args["nccl_port"])] if args.get("nccl_port") else []):
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.bind((host, int(port)))  # no SO_REUSEADDR: a port another server holds is refused
+        s.listen(8)
+        out.append(s)
+    return out
+
+
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     args, unknown = parse_args(argv)
@@ -557,6 +574,7 @@ def main(argv=None):
     if os.environ.get("LABSERVER_FAIL_AT_START") == "1":
         sys.stderr.write("labserver: LABSERVER_FAIL_AT_START=1: failing to load the model\n")
         return 1
+    held = hold_tp_ports(args)  # noqa: F841 (held open while the server runs)
     state = State(args, argv)
     srv_cls = ThreadingHTTPServer if ":" not in args["host"] else type(
         "ThreadingHTTPServer6", (ThreadingHTTPServer,), {"address_family": socket.AF_INET6})  # an IPv6 address

@@ -104,7 +104,9 @@ def plan_host(conn, host: Host, plugin: build.Plugin, overlays: list[dict], rele
               rendered: tuple | None = None) -> HostPlan:
     """Read the host (no lock) and plan it (`rendered`: its build.host_files, when already made)."""
     remote = Remote(conn, host.name)
-    models = sorted({s.model for s in host.services if s.mode == contract.TREE_VERIFY and s.enabled and s.model})
+    models = sorted({s.model for s in host.services if s.mode == contract.TREE_VERIFY and s.enabled and s.model}
+                    # a TP group's model and drafter: their attention heads against tp (hostfit.tp_refusals)
+                    | {m for s in host.services if s.enabled and s.tp > 1 for m in (s.model, s.draft_model) if m})
     state = probe(remote, host, instances=[s.instance for s in host.services], models=models,
                   overlays=[{k: o[k] for k in ("package", "version", "path", "sha256", "new_sha256")}
                             for o in overlays],

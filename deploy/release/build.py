@@ -219,12 +219,13 @@ def host_files(host: Host, plugin: Plugin, overlays: list[dict]) -> tuple[dict[s
     services = {}
     for s in host.services:
         env = render.render_env(s, plugin.capabilities, payload)
-        dropin = render.render_dropin(s)
+        dropin = render.render_dropin(s, routermod.settings(host)["drain_timeout"])
         files[f"env/{s.instance}.env"] = env.encode()
         files[f"systemd/{render.dropin_path(s.instance)}"] = dropin.encode()
         services[s.instance] = {
-            "gpu": s.gpu, "port": s.port, "unit": render.unit_name(s.instance), "enabled": s.enabled,
-            "mode": s.mode, "algorithm": render.ALGORITHM[s.mode], "budget": s.budget if type(s.budget) is int else contract.budget_text(s.budget), "block_size": s.block_size,
+            "gpu": s.gpu, "gpus": list(s.gpus), "tp": s.tp, "port": s.port, "unit": render.unit_name(s.instance),
+            "enabled": s.enabled, "mode": s.mode, "algorithm": render.ALGORITHM[s.mode],
+            "budget": s.budget if type(s.budget) is int else contract.budget_text(s.budget), "block_size": s.block_size,
             "model": s.model, "draft_model": s.draft_model, "served_model_name": s.served_model_name,
             # how the gate and status reach it from the host itself; the key file's path (never the key)
             "listen": s.listen, "address": values.connect_address(s.listen),

@@ -1,7 +1,9 @@
 """Does a host's inventory entry fit the host? The deploy plan's checks of the values the inventory gives against
 what the plan's read-only probe saw there, pure: a GPU index the host lacks (nvidia-smi's list), a port another
 service or sshd listens on (deploy/remote/host/fit.py reads who listens), a model or draft model path that is not a
-model directory (one with a config.json). Each refusal names the file:line of the value (deploy/inventory.py keeps
+model directory (one with a config.json), a tensor-parallel group whose GPUs cannot do peer-to-peer (`nvidia-smi
+topo -m`: NODE/SYS) where its service does not say accept_no_p2p, or whose model's attention heads tp does not
+divide (deploy/tp.py). Each refusal names the file:line of the value (deploy/inventory.py keeps
 where every value came from), before anything is staged or restarted.
 
 A port held by this toolkit's own units (a GPU service, the router) is not refused: the rollout restarts, moves or
@@ -9,7 +11,8 @@ stops them itself.
 """
 from __future__ import annotations
 
-from ..facts import parse_query_gpu_csv
+from .. import tp as tpmod
+from ..facts import parse_query_gpu_csv, parse_topo_matrix
 from ..inventory import Host
 from . import render
 from . import router as routermod
@@ -20,9 +23,14 @@ SSH_UNITS = ("ssh.service", "sshd.service", "ssh.socket", "sshd.socket")
 
 def wanted_ports(host: Host) -> list[tuple[int, str, str, str]]:
     """(port, address it binds, what binds it, where the inventory set it) of every listener a deploy of `host`
-    starts: each enabled GPU service and, when enabled, the router and its metrics endpoint."""
+    starts: each enabled GPU service (a TP group's rendezvous ports too) and, when enabled, the router and its metrics endpoint."""
     out = [(s.port, s.listen, s.instance, s.where.get("port") or f"{host.name}: {s.instance}.port")
            for s in host.services if s.enabled]
+    # a TP group's rendezvous ports (contract.tp_ports), on loopback
+    out += [(p, "127.0.0.1", f"{s.instance}'s TP group ({flag})",
+             s.where.get("gpus") or f"{host.name}: {s.instance}.gpus (vars.tp_port_base)")
+            for s in host.services if s.enabled and s.tp_port for p, flag in zip(s.tp_port, ("--dist-init-addr",
+                                                                                             "--nccl-port"))]
     if routermod.enabled(host):
         r = routermod.settings(host)
         out.append((r["port"], host.vars.get("listen_address", "127.0.0.1"), "the router",
@@ -85,10 +93,14 @@ def refusals(host: Host, state: dict) -> tuple[list[str], list[str]]:
             warnings.append(f"WARNING GPU indices not checked ({why})")
         else:
             for s in enabled:
-                if s.gpu not in have:
-                    refused.append(f"{s.where.get('gpu') or host.name + ': gpus'}: {s.instance}: {host.name} has no "
-                                   f"GPU {s.gpu} (nvidia-smi lists " + (", ".join(f"GPU {i}" for i in have) or "none")
-                                   + ")")
+                for g in s.gpus:
+                    if g not in have:
+                        refused.append(f"{s.where.get('gpus' if s.tp > 1 else 'gpu') or host.name + ': gpus'}: "
+                                       f"{s.instance}: {host.name} has no GPU {g} (nvidia-smi lists "
+                                       + (", ".join(f"GPU {i}" for i in have) or "none") + ")")
+        r, w = tp_refusals(host, state)
+        refused += r
+        warnings += w
     listeners = state.get("listeners")
     if isinstance(listeners, dict):
         for port, address, what, where in wanted_ports(host):
@@ -109,4 +121,45 @@ def refusals(host: Host, state: dict) -> tuple[list[str], list[str]]:
                                     []).append(s.instance)
         for (where, why), insts in seen.items():
             refused.append(f"{where}: {why} ({', '.join(insts)})")
+    return refused, warnings
+
+
+def tp_refusals(host: Host, state: dict) -> tuple[list[str], list[str]]:
+    """(refusals, warnings) of the host's TP groups: peer-to-peer between every pair of a group's GPUs per the
+    facts' `nvidia-smi topo -m` (refused, unless the service accepts no P2P; a matrix that did not come back is
+    refused too, never assumed fine), and tp against the model's and draft model's attention heads where the
+    probe read their config.json (state["configs"]); where it did not, a warning says tp was not checked."""
+    refused, warnings = [], []
+    groups = [s for s in host.services if s.enabled and s.tp > 1]
+    if not groups:
+        return refused, warnings
+    topo = (state.get("facts") or {}).get("nvidia_smi_topo")
+    links = parse_topo_matrix(topo.get("out")).get("links") if isinstance(topo, dict) and topo.get("rc") == 0 \
+        else None
+    for s in groups:
+        where = s.where.get("gpus") or f"{host.name}: {s.instance}.gpus"
+        gpus = ", ".join(map(str, s.gpus))
+        why = (tpmod.p2p_problem(links, s.gpus) if links is not None else
+               "the GPUs' interconnect is unknown (nvidia-smi topo -m did not answer: "
+               + (((topo or {}).get("err") or "no facts").strip()[:200] if isinstance(topo, dict) or topo is None
+                  else "no facts") + ")")
+        if why and s.accept_no_p2p:
+            warnings.append(f"WARNING {s.instance} (GPUs {gpus}): {why}; deployed anyway (accept_no_p2p)")
+        elif why:
+            refused.append(f"{where}: {s.instance} (GPUs {gpus}): {why}; set accept_no_p2p: true on the service to "
+                           "deploy it anyway")
+        configs = state.get("configs") or {}
+        for key in ("model", "draft_model"):
+            path = getattr(s, key)
+            c = configs.get(path) if path else None
+            if not isinstance(c, dict) or "config" not in c:
+                if path:
+                    warnings.append(f"WARNING {s.instance}: tp {s.tp} not checked against {key} {path}'s attention "
+                                    "heads (its config.json was not read)")
+                continue
+            problem = tpmod.heads_problem(c["config"], s.tp)
+            if problem and problem.startswith("not checked"):
+                warnings.append(f"WARNING {s.instance}: tp {s.tp} against {key} {path}: {problem}")
+            elif problem:
+                refused.append(f"{s.where.get(key) or where}: {s.instance}: {key} {path}: {problem}")
     return refused, warnings

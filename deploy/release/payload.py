@@ -211,7 +211,8 @@ def restart_payload(host: Host, state: dict, gpus: list[int] | None, no_drain: b
     man = state.get("manifest")
     if not man:
         raise RuntimeError(f"no active release on {host.name}; run fab deploy first")
-    insts = by_gpu(i for i, s in man["services"].items() if s.get("enabled", True) and (gpus is None or s["gpu"] in gpus))
+    insts = by_gpu(i for i, s in man["services"].items() if s.get("enabled", True)
+                   and (gpus is None or any(g in gpus for g in s.get("gpus") or [s["gpu"]])))  # a TP group: any GPU
     # a GPU left out of the router or on an older release (a run that died, a failed gate) restarts too, first
     why = changed_services(man, man, state.get("units") or {}, state.get("services") or {}, state.get("health"),
                            routed(man, state.get("router_view")))

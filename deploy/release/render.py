@@ -37,6 +37,13 @@ DROPIN_TEMPLATE = "gpu-devices.conf.j2"
 GPU_DROPIN = "50-ddtree-gpu.conf"
 # NVIDIA's shared nodes every CUDA process opens (as nvidia-container-toolkit exposes them); /dev/nvidiaN per GPU.
 NVIDIA_SHARED_DEVICES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
+# A TP group's drop-in also allows the NVSwitch fabric's nodes (/dev/nvidia-nvswitchctl, /dev/nvidia-nvswitchN on
+# HGX hosts), by the driver's char major in /proc/devices: nothing where the host has no NVSwitch.
+NVSWITCH_DEVICE_CLASS = "char-nvidia-nvswitch"
+# What NCCL writes outside the cache directory: its shared-memory transport and proxy buffers (/dev/shm/nccl-*).
+NCCL_WRITABLE = ("/dev/shm",)
+STOP_TIMEOUT = 60  # s: the unit's stop timeout (a one-GPU server's SIGTERM shutdown)
+TP_TEARDOWN_S = 10  # s per GPU of a TP group: its scheduler processes' own exit after the main process's drain
 
 # --- the plugin's contract (see module docstring) ---
 PLUGIN_NAME = contract.PLUGIN_NAME
@@ -55,7 +62,7 @@ CACHE_ROOT = "/var/cache/sglang-ddtree"
 CACHE_ENV = (("TRITON_CACHE_DIR", "triton"), ("FLASHINFER_WORKSPACE_BASE", "flashinfer"),
              ("SGLANG_CACHE_DIR", "sglang"), ("SGLANG_DG_CACHE_DIR", "deep_gemm"),
              ("TORCHINDUCTOR_CACHE_DIR", "inductor"))
-RESERVED_ENV = {"CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "SGLANG_ARGS", "SGLANG_HOST", "SGLANG_PORT",
+RESERVED_ENV = {"CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "NCCL_SOCKET_IFNAME", "SGLANG_ARGS", "SGLANG_HOST", "SGLANG_PORT",
                 contract.PLUGIN_ALLOWLIST_ENV, "PYTHONPATH", MODE_ENV, BUDGET_ENV} | {k for k, _d in CACHE_ENV}
 # Flags only a unit passes (what is served is the same as a transient bench/smoke server's of the same service):
 # the name the router and clients use, and the /metrics the drain and `fab status` read.
@@ -107,8 +114,11 @@ def server_args(svc: Service) -> list[str]:
     # adapter captures the target's verify graph with the tree mask (it ran so on an H200); with other versions it
     # refuses graphs, and the plan refuses the host first (coherence.tree_graph_refusal) unless the service says
     # cuda_graphs: false.
+    if svc.tp > 1 and svc.tp_port is None:
+        raise RenderError(f"{where}: a TP group of {svc.tp} GPUs without its ports (contract.tp_ports)")
     args = contract.sglang_args(svc.mode, svc.model, svc.draft_model, budget=svc.budget, block=svc.block_size,
-                                host=svc.listen, port=svc.port, decode_graphs=svc.cuda_graphs)
+                                host=svc.listen, port=svc.port, decode_graphs=svc.cuda_graphs, tp=svc.tp,
+                                tp_port=svc.tp_port)
     if svc.served_model_name:
         args += ["--served-model-name", svc.served_model_name]
     # --enable-metrics: SGLang's Prometheus /metrics, which the drain and `fab status` read
@@ -167,12 +177,13 @@ def service_env(svc: Service, caps: dict | None = None, cache_key: str | None = 
     # of the unit's device drop-in, then DDTREE's allow-list, mode and budget), under the names the wheel declares
     named = {contract.PLUGIN_ALLOWLIST_ENV: c["allowlist_env"], contract.MODE_ENV: c["mode_env"],
              contract.BUDGET_ENV: c["budget_env"]}
-    base = contract.sglang_env(svc.mode, svc.budget, svc.gpu)
-    env = base[:2] + [("SGLANG_HOST", svc.listen), ("SGLANG_PORT", str(svc.port)),
+    base = contract.sglang_env(svc.mode, svc.budget, svc.gpus)
+    n = 3 if svc.tp > 1 else 2  # the GPUs (and a TP group's NCCL interface) first
+    env = base[:n] + [("SGLANG_HOST", svc.listen), ("SGLANG_PORT", str(svc.port)),
                       ("SGLANG_ARGS", " ".join(server_args(svc)))]
     if cache_key:
         env += cache_dirs(svc, cache_key)
-    for k, v in base[2:]:
+    for k, v in base[n:]:
         if named.get(k, k):
             env.append((named.get(k, k), c["plugin"] if k == contract.PLUGIN_ALLOWLIST_ENV else v))
     reserved = RESERVED_ENV | {c["allowlist_env"], c["mode_env"]} | ({c["budget_env"]} if c["budget_env"] else set())
@@ -209,7 +220,7 @@ def render_unit(host: Host) -> str:
     return _jinja().get_template(UNIT_TEMPLATE).render(
         unit_name=UNIT_FILE, release_root=v["release_root"], state_dir=state_dir(host),
         service_user=v["service_user"], exec_start=" ".join(launcher_argv(host)), system_python=SYSTEM_PYTHON,
-        start_timeout=v["start_timeout"], stop_timeout=60, restart_sec=10,
+        start_timeout=v["start_timeout"], stop_timeout=STOP_TIMEOUT, restart_sec=10,
         start_limit_interval=max(600, 3 * v["start_timeout"]), start_limit_burst=3, secrets_file=SECRETS_FILE,
         api_key_file=v.get("api_key_file"), credential=CREDENTIAL, listen_address=listen,
         loopback=values.is_loopback(listen), shared_devices=NVIDIA_SHARED_DEVICES, gpu_dropin=GPU_DROPIN,
@@ -217,8 +228,18 @@ def render_unit(host: Host) -> str:
 
 
 def gpu_devices(svc: Service) -> list[str]:
-    """The device nodes of this service's own GPU(s)."""
-    return [f"/dev/nvidia{svc.gpu}"]
+    """The device nodes of this service's own GPU(s): every GPU of a TP group, no other."""
+    return [f"/dev/nvidia{g}" for g in svc.gpus]
+
+
+def stop_timeout(svc: Service, drain_timeout: int | None = None) -> int:
+    """TimeoutStopSec of a service. A TP group stops as one server: KillMode=mixed sends SIGTERM to SGLang's main
+    process alone, which drains its requests (SGLang's tokenizer manager) and then ends its TP scheduler processes
+    itself; systemd's SIGKILL reaches the group only past this timeout, which covers the router's drain_timeout
+    (what the main process may still be finishing) plus TP_TEARDOWN_S per GPU. One GPU: the unit's STOP_TIMEOUT."""
+    if svc.tp == 1:
+        return STOP_TIMEOUT
+    return max(STOP_TIMEOUT, int(drain_timeout or 0)) + TP_TEARDOWN_S * svc.tp
 
 
 def dropin_path(instance: str) -> str:
@@ -226,10 +247,14 @@ def dropin_path(instance: str) -> str:
     return f"{UNIT_PREFIX}{instance}.service.d/{GPU_DROPIN}"
 
 
-def render_dropin(svc: Service) -> str:
-    """The per-GPU drop-in: DeviceAllow for this service's own GPU (the template unit allows no GPU)."""
-    return _jinja().get_template(DROPIN_TEMPLATE).render(unit=unit_name(svc.instance), dropin=GPU_DROPIN,
-                                                         host=svc.host, gpu=svc.gpu, devices=gpu_devices(svc))
+def render_dropin(svc: Service, drain_timeout: int | None = None) -> str:
+    """The per-service drop-in: DeviceAllow for this service's own GPU(s) (the template unit allows no GPU); a TP
+    group's also allows the NVSwitch nodes, keeps /dev/shm writable for NCCL and sets the stop (stop_timeout:
+    `drain_timeout` is the host router's)."""
+    return _jinja().get_template(DROPIN_TEMPLATE).render(
+        unit=unit_name(svc.instance), dropin=GPU_DROPIN, host=svc.host, gpus=",".join(map(str, svc.gpus)),
+        devices=gpu_devices(svc), tp=svc.tp, nvswitch=NVSWITCH_DEVICE_CLASS, writable=NCCL_WRITABLE,
+        stop_timeout=stop_timeout(svc, drain_timeout))
 
 
 def render_env(svc: Service, caps: dict | None = None, cache_key: str | None = None) -> str:

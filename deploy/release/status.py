@@ -76,6 +76,8 @@ def rows(gathered: list[dict], hosts: dict[str, Host], previous: dict | None = N
                 tps = max(0.0, (fig["generation_tokens"] - prev["generation_tokens"]) / seconds)
             out.append({
                 "host": g["host"], "gpu": ms.get("gpu", inv_svc.gpu if inv_svc else None), "instance": inst,
+                # every GPU of the service (a TP group is one service over its GPUs)
+                "gpus": list(ms.get("gpus") or (inv_svc.gpus if inv_svc else [ms.get("gpu")])),
                 "unit": render.unit_name(inst),
                 "state": f"{u.get('ActiveState', '?')}/{u.get('SubState', '?')}",
                 "restarts": int(u.get("NRestarts") or 0),
@@ -161,7 +163,7 @@ def status_table(rs: list[dict], wide: bool = False):
                 t.add_row(cell(r["host"]), cell("-"), cell(r["error"], "red"), *[cell("")] * 12)
                 continue
             state, color = _state(r)
-            t.add_row(cell(r["host"]), cell(r["gpu"]), cell(state, color), cell(r["port"]), cell(r["health"], color),
+            t.add_row(cell(r["host"]), cell(gpu_cell(r)), cell(state, color), cell(r["port"]), cell(r["health"], color),
                       _router(r), *_figures(r), cell(r["mode"] or "-"), cell(_release(r)),
                       cell("HYBRID-UNSAFE" if r["unsafe"] else "", "bold red"), cell(r["lock"] or ""),
                       cell(r["last_deploy"] or ""))
@@ -175,9 +177,19 @@ def status_table(rs: list[dict], wide: bool = False):
             t.add_row(cell(r["host"]), cell("-"), cell(r["error"], "red"), *[cell("")] * 7)
             continue
         state, color = _state(r)
-        t.add_row(cell(r["host"]), cell(r["gpu"]), cell(r["state"], color), cell(r["health"], color), _router(r),
+        t.add_row(cell(r["host"]), cell(gpu_cell(r)), cell(r["state"], color), cell(r["health"], color), _router(r),
                   *_figures(r), cell(r["mode"] or "-", "bold red" if r["unsafe"] else ""))  # why: in the notes
     return t
+
+
+def gpu_cell(r: dict) -> str:
+    """The GPU column of a service: its index, or a TP group's indices ('0-3' when consecutive, else '0,2')."""
+    gpus = [g for g in r.get("gpus") or [r.get("gpu")] if g is not None]
+    if len(gpus) <= 1:
+        return str(r.get("gpu"))
+    if gpus == list(range(gpus[0], gpus[0] + len(gpus))):
+        return f"{gpus[0]}-{gpus[-1]}"
+    return ",".join(map(str, gpus))
 
 
 def notes(rs: list[dict]) -> list:
@@ -290,7 +302,7 @@ def print_table(rs: list[dict], console=None, router_rows: list[dict] | None = N
 def logs(inv: Inventory, hosts: list[Host], gpus: list[int] | None, n: int, since: str | None,
          router: bool = False) -> list:
     def one(conn, host):
-        insts = [s.instance for s in host.services if gpus is None or s.gpu in gpus]
+        insts = [s.instance for s in host.services if gpus is None or any(g in gpus for g in s.gpus)]
         return Remote(conn, host.name).call("release.logs", host_args(host) | {"instances": insts, "n": n,
                                                                                 "since": since, "router": router},
                                             deadline=DEADLINE)

@@ -10,12 +10,13 @@ from ..lab.drifts import DRIFTS
 
 @task(help={"extra": "also boot N more hosts of the ct200 kind (ct201, ct202, ...) for scale tests",
             "gpu": "the GPU lab instead: gpu-ref and gpu-drift over this machine's own root, with its GPUs "
-                   "(inventory/gpulab.yaml; deploy/lab/gpuhost.py)"})
-def up(c, extra=0, gpu=False):
+                   "(inventory/gpulab.yaml; deploy/lab/gpuhost.py)",
+            "tp": "also boot the tensor-parallel host ct208 (eight H200 on NVSwitch; inventory/lab-tp.yaml)"})
+def up(c, extra=0, gpu=False, tp=False):
     """Boot the lab hosts that are not running (builds the Debian base once); idempotent."""
     from ..lab import fleet
     try:
-        report = fleet.up(int(extra), gpu=bool(gpu))
+        report = fleet.up(int(extra), gpu=bool(gpu), tp=bool(tp))
     except fleet.LabError as exc:
         raise Exit(f"lab.up failed: {exc}", code=1)
     base = report["base_build_seconds"]

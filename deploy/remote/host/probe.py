@@ -266,6 +266,7 @@ def probe(ctx, a):
     banner = key = None
     if smi:
         jobs["nvidia_smi_query"] = [smi, "--query-gpu=" + GPU_QUERY, "--format=csv"]
+        jobs["nvidia_smi_topo"] = [smi, "topo", "-m"]  # the GPUs' interconnect (a TP group's P2P)
         key = banner_key(smi)
         banner = cache_read(ctx.state, "cache-nvidia-smi-banner.json", key)
         if banner is None:  # the banner only changes with the driver or nvidia-smi itself: asked once per driver
@@ -317,6 +318,7 @@ def probe(ctx, a):
         "system_python": sys.version.split()[0],
         "nvidia_smi_query": _fact(res.get("nvidia_smi_query")) if smi else None,
         "nvidia_smi": plain if smi else None,
+        "nvidia_smi_topo": _fact(res.get("nvidia_smi_topo")) if smi else None,
         "proc_driver": read("/proc/driver/nvidia/version"),
         "nvcc": _fact(res.get("nvcc")) if nvcc else None,
         "venv": venv_out.get("v") if venv else None,

@@ -50,6 +50,15 @@ serve_matrix (``sglang_ddtree.servers``). Every server passes ``--attention-back
 tree-verify needs Triton's per-forward tree mask and one KV slot per page (``config``), SGLang's Hopper default
 (FA3) is not in the trimmed sglang-kernel the fleet installs, and the servers that were measured ran so. An
 inventory can still override either with ``extra_args`` (argparse keeps the last value).
+
+Tensor parallelism
+------------------
+A server over several GPUs (``gpus`` of more than one index) runs SGLang with ``--tp-size`` = their count, sees
+exactly those GPUs (``CUDA_VISIBLE_DEVICES=0,1,2,3`` numbered as nvidia-smi numbers them), and is given its TP
+group's rendezvous ports (``--dist-init-addr 127.0.0.1:P --nccl-port P+1``) from :func:`tp_ports`: a pure
+function of the host's TP port base and the group's first GPU, so two groups on one host (which share no GPU)
+never share a port, and a restart never waits on a random port another server took. The group talks over
+loopback (``NCCL_SOCKET_IFNAME=lo``: NCCL's bootstrap sockets stay inside the unit's IPAddressAllow=localhost).
 """
 
 from __future__ import annotations
@@ -336,14 +345,48 @@ def without_pool_flags(args) -> list:
     return out
 
 
-def sglang_args(mode: str, model: str, draft_model: str | None, *, budget: int | None, block: int | None,
-                host: str, port: int, decode_graphs: bool) -> list:
+#: The TP group's rendezvous flags (SGLang 0.5.17 server_args: dist_init_addr, nccl_port, tp_size).
+TP_FLAGS = ("--tp-size", "--dist-init-addr", "--nccl-port")
+#: Ports :func:`tp_ports` gives each GPU index: a group's two ports live at its first GPU's slot.
+TP_PORTS_PER_GPU = 2
+#: The TP port base when the inventory names none (``tp_port_base``).
+TP_PORT_BASE = 31000
+#: The interface NCCL's bootstrap and socket transport use inside one host.
+NCCL_SOCKET_IFNAME = "lo"
+
+
+def tp_ports(base: int, first_gpu: int) -> tuple:
+    """``(dist_init_port, nccl_port)`` of the TP group whose lowest GPU index is ``first_gpu`` on a host whose TP
+    port base is ``base``: ``base + 2*first_gpu`` and the next. Groups on one host share no GPU, so their first
+    GPUs differ and their ports never meet."""
+    if type(first_gpu) is not int or first_gpu < 0:
+        raise ValueError(f"first GPU {first_gpu!r} must be a GPU index (an integer >= 0)")
+    dist = base + TP_PORTS_PER_GPU * first_gpu
+    if type(base) is not int or base < 1 or dist + 1 > 65535:
+        raise ValueError(f"TP ports {dist}/{dist + 1} (base {base!r}, GPU {first_gpu}) are not TCP ports")
+    return dist, dist + 1
+
+
+def gpu_list(gpus) -> tuple:
+    """A server's GPUs as a tuple of distinct indices in the order given (an int is one GPU)."""
+    out = (gpus,) if type(gpus) is int else tuple(gpus)
+    if not out or any(type(g) is not int or g < 0 for g in out) or len(set(out)) != len(out):
+        raise ValueError(f"gpus {gpus!r} must be distinct GPU indices")
+    return out
+
+
+def sglang_args(mode: str, model: str, draft_model: str | None, *, budget, block: int | None,
+                host: str, port: int, decode_graphs: bool, tp: int = 1, tp_port: tuple | None = None) -> list:
     """SGLang's arguments (after ``python -m sglang.launch_server``) that decide what a server of ``mode`` serves
-    and where: the model, the speculative algorithm and its widths, the attention backend and page size, and the
+    and where: the model, the speculative algorithm and its widths (``budget``: one budget or a
+    :class:`BudgetSchedule`, whose largest width is D), the attention backend and page size, and the
     decode CUDA graphs. A deployed unit and a transient bench/smoke server both start from these; each appends
     its own (the unit: the served model name, metrics and the inventory's extra_args; the transient server: its
-    pool caps)."""
+    pool caps). ``tp`` > 1: ``--tp-size`` and, where ``tp_port`` (:func:`tp_ports`) is given, the group's
+    rendezvous ports (a transient server without them lets SGLang pick free ones)."""
     algo = algorithm(mode)
+    if type(tp) is not int or tp < 1:
+        raise ValueError(f"tp {tp!r} must be an integer >= 1")
     args = ["--model-path", model, "--host", host, "--port", str(port),
             "--attention-backend", ATTENTION_BACKEND, "--page-size", str(PAGE_SIZE)]
     if algo is not None:
@@ -358,6 +401,11 @@ def sglang_args(mode: str, model: str, draft_model: str | None, *, budget: int |
             args += ["--speculative-num-draft-tokens", str(draft_tokens(mode, budget, block))]
     if not decode_graphs:
         args += ["--cuda-graph-backend-decode", "disabled"]
+    if tp > 1:
+        args += ["--tp-size", str(tp)]
+        if tp_port is not None:
+            dist, nccl = tp_port
+            args += ["--dist-init-addr", f"127.0.0.1:{dist}", "--nccl-port", str(nccl)]
     return args
 
 
@@ -367,11 +415,15 @@ def server_path(venv: str) -> str:
     return f"{venv.rstrip('/')}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin"
 
 
-def sglang_env(mode: str, budget, gpu: int) -> list:
-    """The environment a server of ``mode`` needs on GPU ``gpu``, in order: the GPU (numbered as nvidia-smi
-    numbers it, so index N is /dev/nvidiaN) and, for DDTREE, the plugin allow-list, the mode and the budget (or
+def sglang_env(mode: str, budget, gpu) -> list:
+    """The environment a server of ``mode`` needs on its GPU(s) ``gpu`` (an index, or the TP group's indices), in
+    order: the GPUs (numbered as nvidia-smi numbers them, so index N is /dev/nvidiaN), NCCL's interface for a TP
+    group (:data:`NCCL_SOCKET_IFNAME`) and, for DDTREE, the plugin allow-list, the mode and the budget (or
     schedule: :func:`budget_text`)."""
-    env = [("CUDA_DEVICE_ORDER", "PCI_BUS_ID"), ("CUDA_VISIBLE_DEVICES", str(gpu))]
+    gpus = gpu_list(gpu)
+    env = [("CUDA_DEVICE_ORDER", "PCI_BUS_ID"), ("CUDA_VISIBLE_DEVICES", ",".join(map(str, gpus)))]
+    if len(gpus) > 1:
+        env += [("NCCL_SOCKET_IFNAME", NCCL_SOCKET_IFNAME)]
     if is_ddtree(mode):
         if problem := budget_problem(budget, mode):
             raise ValueError(f"budget {budget!r} {problem}")

@@ -55,6 +55,25 @@ launches at the batch sizes whose budget is smaller.  Capturing each batch
 size's graph at its own width would need SGLang's graph runner patched per
 bucket (its width, buffers and replay key are one ``captured_req_width``).
 
+Tensor parallelism (``tp_size > 1``): every rank builds the same tree and accepts the same path because every
+tensor a decision reads is identical on every rank *by construction*, not by hoping that per-rank arithmetic
+agrees:
+
+* the tree: each rank ranks only its own vocab shard of the target's LM head (:func:`draft_topk_candidates`);
+  :func:`tp_merged_candidates` all-gathers the shards' candidates (an all-gather hands every rank the same
+  bytes, whatever each rank's own hidden states were) and :func:`merge_vocab_shards` merges them with a fixed
+  rule (stable sort, rank-major order: ties to the lower token id). The builder is deterministic on equal
+  inputs (``tree_kernels``: its atomic collect is followed by a rank-by-counting select over unique keys; the
+  heap replay is bit-identical to the reference), so the trees are equal bit for bit. A broadcast of rank 0's
+  tree would be a second collective per step for what the gather, which the vocab-parallel head needs anyway,
+  already guarantees.
+* the accept: greedy reads the verify logits, which SGLang's logits processor all-gathers over the vocab
+  shards on every rank, so every rank's argmax is the same; sampling draws random coins and may differ at float
+  ties between ranks, so rank 0 decides and the others take its result (:func:`follow_rank0`, a broadcast).
+
+``tests/plugin/test_tp_ranks.py`` runs both over two gloo processes whose ranks hold different shards (and
+different local noise), and fails if their trees or accepted paths could differ.
+
 KV bookkeeping under SGLang's spec-v2 over-allocation: the scheduler reserves
 ``req_to_token[prefix : prefix + 2*D]`` for every request before the step, the
 verify writes the ``D`` slots ``req_to_token[prefix : prefix + D]`` in slot
@@ -91,6 +110,8 @@ __all__ = [
     "tree_accept_counts",
     "TreeAcceptStats",
     "merge_vocab_shards",
+    "tp_merged_candidates",
+    "follow_rank0",
     "build_tree_from_candidates",
     "tree_accept_greedy_reference",
     "accept_slots_from_flat",
@@ -169,6 +190,33 @@ def merge_vocab_shards(values: torch.Tensor, ids: torch.Tensor, lse: torch.Tenso
     top = order[:, :k]
     lp = torch.gather(cat_v, 1, top).double() - glse.double().unsqueeze(1)
     return lp, torch.gather(cat_i, 1, top)
+
+
+def tp_merged_candidates(values: torch.Tensor, ids: torch.Tensor, lse: torch.Tensor, k: int, world_size: int,
+                         all_gather_into_tensor=None):
+    """The global top-``k`` of this rank's shard candidates (:func:`draft_topk_candidates`: ``[R, k]`` values and
+    ids, ``[R]`` lse) and every other rank's: ``all_gather_into_tensor(out_flat, in_flat)`` (the TP group's, as
+    SGLang's GroupCoordinator names it) gathers them rank-major, then :func:`merge_vocab_shards`. Every rank
+    merges the same gathered bytes with the same rule, so every rank gets the same candidates (module
+    docstring). ``world_size`` 1: the shard is the vocabulary, nothing is gathered."""
+    if world_size > 1:
+        gathered = []
+        for t in (values, ids, lse):
+            g = torch.empty((world_size,) + tuple(t.shape), dtype=t.dtype, device=t.device)
+            all_gather_into_tensor(g.view(-1), t.contiguous().view(-1))
+            gathered.append(g)
+        values, ids, lse = gathered
+    else:
+        values, ids, lse = values.unsqueeze(0), ids.unsqueeze(0), lse.unsqueeze(0)
+    return merge_vocab_shards(values, ids, lse, k)
+
+
+def follow_rank0(tensors, world_size: int, broadcast) -> None:
+    """Make every rank's ``tensors`` rank 0's, in place: ``broadcast(tensor, src=0)`` over the TP group, for the
+    results a rank computes from its own random draws (the sampled accept: module docstring)."""
+    if world_size > 1:
+        for t in tensors:
+            broadcast(t, src=0)
 
 
 def build_tree_from_candidates(

@@ -33,7 +33,7 @@ from sglang.srt.distributed import get_tp_group
 from sglang.srt.runtime_context import get_exec
 from sglang.srt.speculative.eagle_utils import _verify_coins, verify_tree_greedy_func
 
-from ..step import build_tree_from_candidates, shadow_tree_accept
+from ..step import build_tree_from_candidates, follow_rank0, shadow_tree_accept
 from . import v0_5_17
 from .worker import DDTreeWorkerBase
 
@@ -158,10 +158,8 @@ class DDTreeWorker(DDTreeWorkerBase):
         pass  # every rank computes the same argmax of the same gathered logits
 
     def _ddtree_sync_sampled(self, *tensors) -> None:
-        tp_group = get_tp_group()
-        if tp_group.world_size > 1:  # ranks may sample differently at float ties; rank 0 decides
-            for t in tensors:
-                tp_group.broadcast(t, src=0)
+        tp_group = get_tp_group()  # ranks may sample differently at float ties; rank 0 decides
+        follow_rank0(tensors, tp_group.world_size, tp_group.broadcast)
 
     def _ddtree_draft_window_ids(self, draft, window):
         return window  # the drafter's KV pool shares the target's location ids

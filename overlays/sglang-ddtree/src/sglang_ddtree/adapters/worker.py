@@ -135,8 +135,8 @@ from ..step import (
     accept_commit,
     draft_topk_candidates,
     mamba_track_steps,
-    merge_vocab_shards,
     step_budget,
+    tp_merged_candidates,
     tree_verify_inputs,
 )
 from ..glue_graphs import GlueGraph, glue_graph_level
@@ -347,17 +347,9 @@ class DDTreeWorkerBase(DFlashWorkerV2):
             hs = hidden_states[a : a + chunk].to(weight.dtype)
             v, i, l = draft_topk_candidates(torch.matmul(hs, weight[:num_org].T), k, vocab_start=start)
             vals.append(v), ids.append(i), lses.append(l)
-        v, i, l = torch.cat(vals), torch.cat(ids), torch.cat(lses)
-        if tp > 1:
-            gathered = []
-            for t in (v, i, l):
-                g = torch.empty((tp,) + tuple(t.shape), dtype=t.dtype, device=t.device)
-                tp_group.all_gather_into_tensor(g.view(-1), t.contiguous().view(-1))
-                gathered.append(g)
-            v, i, l = gathered
-        else:
-            v, i, l = v.unsqueeze(0), i.unsqueeze(0), l.unsqueeze(0)
-        return merge_vocab_shards(v, i, l, k)
+        # every rank merges the same gathered shards: the same candidates, hence the same tree (step's docstring)
+        return tp_merged_candidates(torch.cat(vals), torch.cat(ids), torch.cat(lses), k, tp,
+                                    tp_group.all_gather_into_tensor)
 
     # ----- shadow-linear: the drafter's candidates of DFlash's own chain step ------
     def _greedy_sample_from_vocab_parallel_head(self, *, hidden_states, lm_head, chunk_size: int = 256):
