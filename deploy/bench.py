@@ -189,6 +189,7 @@ class BenchPlan:
     rounds: int = 1  # the whole list this many times over, a fresh server each time (medians reported)
     cpus: str | None = None  # the host's CPUs every bench server is pinned to (the load generator gets the rest)
     overlap: str = "default"  # tree-verify's scheduler: default, off, on or both (one of each a round)
+    cache_key: str | None = None  # the active payload's JIT cache folder of the GPU's service (smoke.jit_source)
 
     def agent_args(self) -> dict:
         return {"gpu": self.gpu, "modes": list(self.modes), "budgets": list(self.budgets),
@@ -197,7 +198,7 @@ class BenchPlan:
                 "prompt_len": self.prompt_len, "seed": self.seed, "tiny": self.tiny, "model": self.model,
                 "draft_model": self.draft_model, "venv": self.venv, "user": self.user, "prefix": self.prefix,
                 "server_args": list(self.server_args), "prompts": self.prompts, "rounds": self.rounds,
-                "cpus": self.cpus, "overlap": self.overlap}
+                "cpus": self.cpus, "overlap": self.overlap} | smokemod.jit_args(self.instance, self.cache_key)
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -284,7 +285,25 @@ def plan_bench(host: Host, probe: dict, *, gpu: int | None = None, modes_: tuple
                      server_args=(tuple(contract.without_pool_flags(svc.extra_args)) if svc is not None and not tiny
                                   else ()) + tuple(server_args),
                      deadline=float(deadline), prompts=prompts, prompts_source=prompts_source,
-                     warnings=tuple(warnings), rounds=rounds, cpus=cpus, overlap=overlap)
+                     warnings=tuple(warnings), rounds=rounds, cpus=cpus, overlap=overlap,
+                     cache_key=smokemod.jit_source(svc, probe))
+
+
+def jit_start_lines(rec: dict) -> list[str]:
+    """Which servers started warm (MiB already in their JIT caches) and which cold (every kernel compiled at
+    start: its start-up, not its figures, is slower), a line; none for a report without it."""
+    warm, cold = [], []
+    for r in rec["report"]["runs"]:
+        mib = r.get("jit_cache_mib")
+        if mib is None:
+            continue
+        (warm if mib > 0 else cold).append(run_label(r) + (f" ({mib:.0f} MiB)" if mib > 0 else ""))
+    out = []
+    if warm:
+        out.append("started warm (JIT caches): " + ", ".join(warm))
+    if cold:
+        out.append("started cold (empty JIT caches): " + ", ".join(cold))
+    return out
 
 
 def paired_lines(report: dict) -> list[str]:
@@ -770,10 +789,11 @@ def run(inv: Inventory, host: Host, on_plan=None, dry_run: bool = False, **kw) -
         return {"plan": plan.to_json(), "command": host_command(plan), "result": None, "exit": EXIT_OK,
                 "line": "dry run: nothing started", "record": None, "saved": None}
     code, line, rep = outcome(res)
+    jit = smokemod.jit_line(res)  # how its servers started: warm (a copy of the service's JIT caches) or cold
     out = {"plan": plan.to_json(), "result": {k: res.get(k) for k in ("rc", "timed_out", "seconds")},
-           "exit": code, "line": line, "record": None, "saved": None}
+           "exit": code, "line": line, "record": None, "saved": None, "jit": jit}
     if rep is not None and any(run["levels"] for run in rep["runs"]):
-        rec = result_record(plan, rep)
+        rec = result_record(plan, rep) | {"jit": jit}
         out["record"] = rec
         out["saved"] = str(save_result(inv.path, rec))
     return out

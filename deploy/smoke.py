@@ -12,6 +12,7 @@ length the server reports, an unsupported request rejected alone. A host without
 """
 from __future__ import annotations
 
+import re
 import secrets
 from dataclasses import asdict, dataclass
 
@@ -45,14 +46,40 @@ class SmokePlan:
     tokens: int
     prefix: str
     deadline: float
+    cache_key: str | None = None  # the active payload's JIT cache folder of the GPU's service (jit_source)
 
     def agent_args(self) -> dict:
         return {"gpu": self.gpu, "mode": self.mode, "family": self.family, "budget": self.budget,
                 "prompts": self.prompts, "tokens": self.tokens, "venv": self.venv, "user": self.user,
-                "prefix": self.prefix}
+                "prefix": self.prefix} | jit_args(self.instance, self.cache_key)
 
     def to_json(self) -> dict:
         return asdict(self)
+
+
+def jit_source(svc, probe: dict) -> str | None:
+    """The JIT cache folder (render.cache_dirs' payload key) the GPU's service keeps for the active release, which
+    the transient servers' caches are seeded from; None where the GPU has no service or the release no payload."""
+    man = probe.get("manifest") if isinstance(probe.get("manifest"), dict) else {}
+    digest = man.get("payload_digest")
+    if svc is None or not (isinstance(digest, str) and re.fullmatch(r"[0-9a-f]{64}", digest)):
+        return None
+    return digest[:16]
+
+
+def jit_args(instance: str | None, cache_key: str | None) -> dict:
+    """The host op's arguments naming the service caches to seed from (both null: the servers start cold)."""
+    return {"instance": instance if cache_key else None, "cache_key": cache_key}
+
+
+def jit_line(res: dict) -> str | None:
+    """How the run's transient servers started (the host op's `jit_cache`), or None for an agent without it."""
+    jit = res.get("jit_cache") if isinstance(res, dict) else None
+    if not isinstance(jit, dict):
+        return None
+    from .remote.host.jitcache import line
+
+    return "JIT caches " + line(jit)[:600]
 
 
 def gpu_and_service(host: Host, gpu: int | None, refused: type, hint: str):
@@ -101,7 +128,8 @@ def plan_smoke(host: Host, probe: dict, gpu: int | None = None, mode: str | None
     return SmokePlan(host=host.name, gpu=gpu, instance=svc.instance if svc else None, mode=mode, family=family,
                      family_reason=reason, budget=b, release=probe["current"], venv=host.vars["venv"],
                      user=host.vars["service_user"], prompts=int(prompts), tokens=int(tokens),
-                     prefix=f"ddtree-smoke-{secrets.token_hex(6)}", deadline=float(deadline))
+                     prefix=f"ddtree-smoke-{secrets.token_hex(6)}", deadline=float(deadline),
+                     cache_key=jit_source(svc, probe))
 
 
 def outcome(res: dict) -> tuple[int, str]:
@@ -155,4 +183,4 @@ def run(inv: Inventory, host: Host, gpu: int | None = None, mode: str | None = N
     if plan is None:
         return {"plan": None, "result": None, "exit": EXIT_CANNOT_RUN, "line": f"refused: {res}"}
     code, line = outcome(res)
-    return {"plan": plan.to_json(), "result": res, "exit": code, "line": line}
+    return {"plan": plan.to_json(), "result": res, "exit": code, "line": line, "jit": jit_line(res)}

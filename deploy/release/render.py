@@ -55,13 +55,10 @@ SECRET_KEY_RE = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|CREDENTIAL|PR
 # JIT caches: under the unit's CacheDirectory (/var/cache/sglang-ddtree/gpuN, kept by systemd across restarts),
 # one folder per payload (plugin source + overlays + launcher: what a release changes in the code that compiles),
 # so a restart or a rollback to the same payload finds its kernels compiled, and a new payload never picks up
-# another's. Names from the sources: Triton's TRITON_CACHE_DIR, FlashInfer's FLASHINFER_WORKSPACE_BASE (its JIT
-# cache is $BASE/.cache/flashinfer), SGLang 0.5.17's SGLANG_CACHE_DIR and SGLANG_DG_CACHE_DIR
-# (sglang/srt/environ.py), torch's TORCHINDUCTOR_CACHE_DIR.
-CACHE_ROOT = "/var/cache/sglang-ddtree"
-CACHE_ENV = (("TRITON_CACHE_DIR", "triton"), ("FLASHINFER_WORKSPACE_BASE", "flashinfer"),
-             ("SGLANG_CACHE_DIR", "sglang"), ("SGLANG_DG_CACHE_DIR", "deep_gemm"),
-             ("TORCHINDUCTOR_CACHE_DIR", "inductor"))
+# another's. The variables and folder names are the contract's (transient bench/smoke servers seed theirs from
+# these folders).
+CACHE_ROOT = contract.JIT_CACHE_ROOT
+CACHE_ENV = contract.JIT_CACHE_ENV
 RESERVED_ENV = {"CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "NCCL_SOCKET_IFNAME", "SGLANG_ARGS", "SGLANG_HOST", "SGLANG_PORT",
                 contract.PLUGIN_ALLOWLIST_ENV, "PYTHONPATH", MODE_ENV, BUDGET_ENV} | {k for k, _d in CACHE_ENV}
 # Flags only a unit passes (what is served is the same as a transient bench/smoke server's of the same service):

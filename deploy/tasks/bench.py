@@ -102,7 +102,11 @@ def bench(c, host, gpu=None, modes=None, budgets=None, concurrency=None, graphs=
                 print(f"[{host}] paired by round: {line}")
             for line in lib.schedule_lines(rec):
                 print(f"[{host}] {line}")
+            for line in lib.jit_start_lines(rec):
+                print(f"[{host}] {line}")
             print(f"[{host}] kept {out['saved']}" + (f", plot {out['plot']}" if out.get("plot") else ""))
+        if out.get("jit"):
+            print(f"[{host}] servers' {out['jit']}")
         print(f"[{host}] {out['line']}")
     if out["exit"]:
         print(f"bench: {host}: {out['line']}", file=sys.stderr)

@@ -36,6 +36,8 @@ def smoke(c, host, gpu=None, mode=None, budget=None, prompts=8, tokens=32, timeo
     if json:
         print(jsonlib.dumps(out, indent=1))
     else:
+        if out.get("jit"):
+            print(f"[{host}] {out['jit']}")
         print(f"[{host}] {out['line']}")
         rep = (out.get("result") or {}).get("report") or {}
         for k, v in (rep.get("checks") or {}).items():

@@ -14,7 +14,7 @@ import re
 
 from . import contract
 from .registry import Failure, op
-from .smoke import TOOLS_MODULE, USER_RE, run_transient
+from .smoke import TOOLS_MODULE, USER_RE, check_jit, run_transient
 
 PREFIX_RE = re.compile(r"ddtree-bench-[0-9a-f]{8,32}\Z")
 CPUS_RE = re.compile(r"[0-9]{1,4}(-[0-9]{1,4})?(,[0-9]{1,4}(-[0-9]{1,4})?){0,63}\Z")  # 0-3,8 (AllowedCPUs=)
@@ -71,6 +71,7 @@ def check_args(a):
         raise Failure("bad-args", "user must be a plain user name")
     if not PREFIX_RE.match(a.get("prefix") or ""):
         raise Failure("bad-args", "prefix must be ddtree-bench-<hex>")
+    check_jit(a)
     words = a.get("server_args") or []
     if not (isinstance(words, list) and len(words) <= 64 and all(isinstance(w, str) and WORD_RE.match(w)
                                                                   for w in words)):
@@ -128,4 +129,4 @@ def run(ctx, a):
     check_args(a)
     inputs = {"prompts.json": json.dumps(a["prompts"])} if a.get("prompts") is not None else None
     return run_transient(ctx, a["venv"], a["prefix"], lambda python, report, rmax, work: bench_argv(
-        python, a, report, rmax, work), a.get("tools"), inputs=inputs)
+        python, a, report, rmax, work), a.get("tools"), inputs=inputs, jit=a)

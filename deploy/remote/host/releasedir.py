@@ -17,13 +17,14 @@ import os
 import shutil
 import tarfile
 
+from . import contract
 from .fsutil import append_jsonl, check_path, naming, now_iso, read_json, sha256_file, trusted_dir, write_json
 from .proc import run
 from .wheels import WheelError, check_wheel
 
 ENV_MODE = 0o600       # env files: root only, from creation (systemd reads them as root)
 FILE_MODE = 0o644
-CACHE_ROOT = "/var/cache/sglang-ddtree"   # the GPU unit's CacheDirectory= parent (render.CACHE_ROOT)
+CACHE_ROOT = contract.JIT_CACHE_ROOT  # the GPU unit's CacheDirectory= parent (render.CACHE_ROOT)
 
 
 def current_release(root):

@@ -19,7 +19,7 @@ import re
 import shutil
 import tempfile
 
-from . import contract, proc
+from . import contract, jitcache, proc
 from . import venv as venvmod
 from . import wheels
 from .fsutil import Unsafe
@@ -58,6 +58,7 @@ def _check(a):
         raise Failure("bad-args", "user must be a plain user name")
     if not PREFIX_RE.match(a.get("prefix") or ""):
         raise Failure("bad-args", "prefix must be ddtree-smoke-<hex>")
+    check_jit(a)
 
 
 def check_tools(t):
@@ -110,13 +111,31 @@ def stop_units(prefix):
     proc.run(["systemctl", "reset-failed", pattern], timeout=20)
 
 
-def run_transient(ctx, venv, prefix, build_argv, tools, inputs=None, cap=4000):
+def check_jit(a):
+    """The op's `instance` and `cache_key` (the GPU's service and its active payload; both null: none)."""
+    problem = jitcache.check(a.get("instance"), a.get("cache_key"))
+    if problem:
+        raise Failure("bad-args", problem)
+
+
+def seed_jit(ctx, a):
+    """The transient servers' JIT cache variables (a copy of the GPU's service caches, jitcache.seed) and what
+    the seeding found; never fails the op (the servers then start cold)."""
+    try:
+        return jitcache.seed(a.get("instance"), a.get("cache_key"), a.get("user"),
+                             deadline_s=min(jitcache.DEADLINE_S, ctx.deadline.left(floor=0) / 4))
+    except OSError as exc:
+        return {}, {"state": "cold", "warning": "the transient JIT cache directory: %s" % exc}
+
+
+def run_transient(ctx, venv, prefix, build_argv, tools, inputs=None, cap=4000, jit=None):
     """Run one of the tools' host modules (smoke, bench) with `venv`'s interpreter under the op's deadline: the
     tools wheel (`tools`: check_tools' fields; the bytes on the call's stdin) is installed into the private work
     directory first and put on the module's PYTHONPATH, its report file (`build_argv(python, report, runtime_max,
     work)` names it) is read back, every transient unit named `prefix-*` is stopped afterwards whatever happened,
     and the work directory is removed. `inputs`: {file name: text} written into that directory first (0600,
-    root's) for the module to read."""
+    root's) for the module to read. `jit`: the op's arguments naming the GPU's service (check_jit): its servers'
+    JIT caches are seeded from the service's first (seed_jit), the result's `jit_cache` says how."""
     check_tools(tools)
     try:
         venvmod.check_runnable(venv)
@@ -133,6 +152,8 @@ def run_transient(ctx, venv, prefix, build_argv, tools, inputs=None, cap=4000):
             with os.fdopen(fd, "w") as fh:
                 fh.write(text)
         env = dict(os.environ, PYTHONPATH=install_tools(ctx, python, tools, work))
+        jit_env, jit_res = seed_jit(ctx, jit) if jit is not None else ({}, None)
+        env.update(jit_env)
         left = ctx.deadline.left(floor=30.0)
         res = proc.run(build_argv(python, report, runtime_max, work), timeout=max(30, left - 20), merge=False,
                        cap=cap, env=env)
@@ -144,7 +165,7 @@ def run_transient(ctx, venv, prefix, build_argv, tools, inputs=None, cap=4000):
         except (OSError, ValueError):
             pass
         return {"rc": res["rc"], "timed_out": res["timed_out"], "report": doc, "stderr": res["err"][-3000:],
-                "argv": res["argv"], "seconds": res.get("seconds")}
+                "argv": res["argv"], "seconds": res.get("seconds"), "jit_cache": jit_res}
     finally:
         stop_units(prefix)
         shutil.rmtree(work, ignore_errors=True)
@@ -155,4 +176,4 @@ def run(ctx, a):
     _check(a)
     return run_transient(ctx, a["venv"], a["prefix"],
                          lambda python, report, runtime_max, work: smoke_argv(python, a, report, a["prefix"],
-                                                                                 runtime_max), a.get("tools"))
+                                                                                 runtime_max), a.get("tools"), jit=a)

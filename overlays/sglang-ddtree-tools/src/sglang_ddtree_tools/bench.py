@@ -536,16 +536,34 @@ def stream_request(base: str, input_ids: Sequence[int], max_new: int, timeout: f
     return rec
 
 
-# The JIT caches a deployed service keeps per release under its CacheDirectory (deploy/release/render.py's
-# CACHE_ENV: Triton, FlashInfer, SGLang's own and DeepGEMM's, torch inductor's), here under one root a run owns.
-JIT_CACHE_ENV = (("TRITON_CACHE_DIR", "triton"), ("FLASHINFER_WORKSPACE_BASE", "flashinfer"),
-                 ("SGLANG_CACHE_DIR", "sglang"), ("SGLANG_DG_CACHE_DIR", "deep_gemm"),
-                 ("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("XDG_CACHE_HOME", "xdg"))
+# The JIT caches a deployed service keeps per release under its CacheDirectory (the contract's JIT_CACHE_ENV:
+# Triton, FlashInfer, SGLang's own and DeepGEMM's, torch inductor's) and the default caches' XDG_CACHE_HOME, here
+# under one root a run owns.
+JIT_CACHE_ENV = contract.JIT_CACHE_ENV + (contract.XDG_CACHE_ENV,)
 
 
 def jit_cache_env(root: str) -> Dict[str, str]:
     """Every JIT cache of a server under ``root`` (empty at first: a cold start; kept: a warm one)."""
     return {k: os.path.join(root, sub) for k, sub in JIT_CACHE_ENV}
+
+
+def jit_cache_mib(env: Dict[str, str]) -> float:
+    """MiB of files in a server's JIT caches (``env``'s :data:`JIT_CACHE_ENV` folders) before it starts."""
+    total, seen = 0, set()
+    for k, _sub in JIT_CACHE_ENV:
+        top = env.get(k)
+        if not top or top in seen or not os.path.isdir(top):
+            continue
+        seen.add(top)
+        for root, _dirs, files in os.walk(top):
+            for f in files:
+                try:
+                    st = os.lstat(os.path.join(root, f))
+                except OSError:
+                    continue
+                if not os.path.islink(os.path.join(root, f)):
+                    total += st.st_size
+    return round(total / 2 ** 20, 1)
 
 
 def first_request_figures(rec: "RequestRecord", start_s: float) -> dict:
@@ -725,7 +743,11 @@ def _one_server(a, run: RunSpec, rnd: int, entry: dict, prompts, target, drafter
     srv = Server(run_argv, env, os.path.join(logdir, slug + ".log"), launcher=a.launcher, cpus=cpus,
                  user=a.user, runtime_max_s=a.runtime_max,
                  unit=f"{a.unit_prefix}-{slug}" if a.unit_prefix else None)
-    log(f"{title}: starting ({used:.0f} of {total:.0f} MiB in use on GPU {a.gpu})")
+    jit_mib = jit_cache_mib(env)  # 0: a cold start (every kernel compiled); more: its caches were kept or seeded
+    if rnd == 0:
+        entry.update(jit_cache_mib=jit_mib)
+    log(f"{title}: starting ({used:.0f} of {total:.0f} MiB in use on GPU {a.gpu}; JIT caches "
+        + (f"warm, {jit_mib:.0f} MiB)" if jit_mib else "cold)"))
     # each CPU's speed with nothing of this bench running (hostload: a host-bound step is as fast as its CPU)
     speeds = cpu_speeds()
     entry["cpu_ms"] = {"before": _keyed(speeds)}
@@ -1089,7 +1111,9 @@ def main(argv=None) -> int:
                 argv = trainkit_argv(a.python, out, a.family, a.seed)
                 log(f"bench: training the tiny {a.family} pair on GPU {a.gpu} (seed {a.seed}): {' '.join(argv)}")
                 t0 = time.time()
-                env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(a.gpu), PYTHONUNBUFFERED="1")
+                # not the servers' JIT caches (another user's directories, where the host agent seeded them)
+                env = {k: v for k, v in os.environ.items() if k not in dict(JIT_CACHE_ENV)}
+                env.update(CUDA_VISIBLE_DEVICES=str(a.gpu), PYTHONUNBUFFERED="1")
                 try:  # the kit's progress goes where ours goes (stderr), never into the table on stdout
                     kit_out = sys.stderr.fileno()
                 except (AttributeError, ValueError, OSError):

@@ -275,7 +275,9 @@ def parse_report(doc) -> dict:
         out_runs.append({"mode": mode, "budget": budget if mode in BUDGETED else None,
                          "block": block, "graphs": graphs, "status": r.get("status"), "error": clip(r.get("error")),
                          "levels": out_levels}
-                        | {k: r[k] for k in ("overlap", "overlap_schedule") if isinstance(r.get(k), bool)})
+                        | {k: r[k] for k in ("overlap", "overlap_schedule") if isinstance(r.get(k), bool)}
+                        # MiB in its JIT caches when its first server started (0: cold); absent from older tools
+                        | ({"jit_cache_mib": r["jit_cache_mib"]} if _nonneg(r.get("jit_cache_mib")) else {}))
     paired = _parse_paired(doc.get("paired"), {run_label(r) for r in out_runs} if not p else set(), p)
     if p:
         raise BadReport(p)

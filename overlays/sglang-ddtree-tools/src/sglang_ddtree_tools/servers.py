@@ -225,7 +225,7 @@ def cpu_list(cpus) -> str:
 
 
 #: The cache directory (under /var/cache) of a transient server run as another user (Server's ``user``).
-TRANSIENT_CACHE = "ddtree-transient"
+TRANSIENT_CACHE = contract.TRANSIENT_CACHE
 
 
 class Server:
@@ -235,9 +235,9 @@ class Server:
     ENV_KEEP = ("CUDA_DEVICE_ORDER", "CUDA_VISIBLE_DEVICES", "PYTHONUNBUFFERED", PLUGIN_ALLOWLIST_ENV, MODE_ENV,
                 BUDGET_ENV,
                 "PATH", "HOME", "SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK", "PYTHONPATH",
-                # the JIT caches (bench --cold-warm points them at a run's own directories)
-                "TRITON_CACHE_DIR", "FLASHINFER_WORKSPACE_BASE", "SGLANG_CACHE_DIR", "SGLANG_DG_CACHE_DIR",
-                "TORCHINDUCTOR_CACHE_DIR", "XDG_CACHE_HOME", "SGLANG_DDTREE_GLUE_GRAPHS", OVERLAP_ENV)
+                "SGLANG_DDTREE_GLUE_GRAPHS", OVERLAP_ENV) + tuple(
+        # the JIT caches (the host agent points them at a copy of the service's; bench --cold-warm at a run's own)
+        k for k, _d in contract.JIT_CACHE_ENV + (contract.XDG_CACHE_ENV,))
 
     def __init__(self, argv, env, log_path, launcher="auto", runtime_max_s=1800, user=None, unit=None, cpus=None):
         """``cpus``: CPU ids every process of the server is pinned to (``AllowedCPUs=`` of the unit, or the

@@ -323,6 +323,22 @@ def overlap_asked(value) -> bool:
     return str(value or "").strip().lower() in OVERLAP_ON
 
 
+# ----------------------------------------------------------------------------- the JIT caches
+#: Where a deployed service keeps its JIT caches: the unit's CacheDirectory, <root>/<instance>/<payload key>/.
+JIT_CACHE_ROOT = "/var/cache/sglang-ddtree"
+#: Each JIT cache's variable and its folder under a payload's cache directory. Names from the sources: Triton's
+#: TRITON_CACHE_DIR, FlashInfer's FLASHINFER_WORKSPACE_BASE (its JIT cache is $BASE/.cache/flashinfer), SGLang
+#: 0.5.17's SGLANG_CACHE_DIR and SGLANG_DG_CACHE_DIR (sglang/srt/environ.py), torch's TORCHINDUCTOR_CACHE_DIR.
+JIT_CACHE_ENV = (("TRITON_CACHE_DIR", "triton"), ("FLASHINFER_WORKSPACE_BASE", "flashinfer"),
+                 ("SGLANG_CACHE_DIR", "sglang"), ("SGLANG_DG_CACHE_DIR", "deep_gemm"),
+                 ("TORCHINDUCTOR_CACHE_DIR", "inductor"))
+#: The other cache a transient server is given a folder for (its default caches: Triton's and FlashInfer's
+#: fallbacks, torch's kernels) beside :data:`JIT_CACHE_ENV`'s.
+XDG_CACHE_ENV = ("XDG_CACHE_HOME", "xdg")
+#: The cache directory (under /var/cache) of the transient bench and smoke servers run as the service user.
+TRANSIENT_CACHE = "ddtree-transient"
+
+
 # ----------------------------------------------------------------------------- the server
 #: Flags a server's place (not what it serves): the only words in which two servers of one service may differ.
 PLACE_FLAGS = ("--host", "--port")
