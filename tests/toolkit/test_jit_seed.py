@@ -192,3 +192,30 @@ def test_the_seeded_env_reaches_the_systemd_run_unit(roots, tmp_path, monkeypatc
         assert f"--setenv={k}={dest / d}" in argv
     assert f"--property=CacheDirectory={hostcontract.TRANSIENT_CACHE}" in argv
 
+
+
+def test_each_server_says_whether_it_started_warm_or_cold(tmp_path):
+    """The tools' bench measures a server's JIT caches before it starts; the control side keeps that per run
+    (checked like the rest) and says which started warm and which cold."""
+    pb = pytest.importorskip("sglang_ddtree_tools.bench")
+    from tests.toolkit.test_fab_bench import report
+
+    root = tmp_path / "jit"
+    env = pb.jit_cache_env(str(root))
+    for d in env.values():
+        os.makedirs(d)
+    assert pb.jit_cache_mib(env) == 0  # empty: a cold start
+    (root / "triton" / "k.cubin").write_bytes(b"x" * (3 << 20))
+    (root / "xdg" / "other").write_bytes(b"x" * (1 << 20))
+    (root / "triton" / "ln").symlink_to(root / "xdg" / "other")  # a link is not counted twice
+    assert pb.jit_cache_mib(env) == 4.0
+    doc = report()
+    doc["runs"][0]["jit_cache_mib"] = 0
+    doc["runs"][2]["jit_cache_mib"] = 812.5
+    doc["runs"][3]["jit_cache_mib"] = "lots"  # not a number: dropped, like any field out of range
+    rep = bench.parse_report(doc)
+    assert [r.get("jit_cache_mib") for r in rep["runs"]] == [0, None, 812.5, None]
+    lines = bench.jit_start_lines({"report": rep})
+    assert len(lines) == 2 and lines[0].startswith("started warm") and "(812 MiB)" in lines[0]
+    assert lines[1].startswith("started cold") and bench.run_label(rep["runs"][0]) in lines[1]
+    assert bench.jit_start_lines({"report": bench.parse_report(report())}) == []  # tools from before it
