@@ -123,7 +123,7 @@ def seed_jit(ctx, a):
     the seeding found; never fails the op (the servers then start cold)."""
     try:
         return jitcache.seed(a.get("instance"), a.get("cache_key"), a.get("user"),
-                             deadline_s=min(jitcache.DEADLINE_S, ctx.deadline.left(floor=0) / 4))
+                             deadline_s=ctx.deadline.left(cap=4 * jitcache.DEADLINE_S) / 4)
     except OSError as exc:
         return {}, {"state": "cold", "warning": "the transient JIT cache directory: %s" % exc}
 
