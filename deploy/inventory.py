@@ -93,9 +93,11 @@ ROUTER_KEYS = {
     "port": (_is_port, "a TCP port (1-65535)"),
     "metrics_port": (_is_port, "a TCP port (1-65535)"),
     "drain_timeout": (_in_range(0, 7200), "seconds, an integer in [0, 7200]"),
+    # how long the router holds a request no worker can take (a one-GPU host's restart) before answering 503
+    "hold_secs": (_in_range(0, 3600), "seconds, an integer in [0, 3600]"),
     "policy": (lambda v: v in ROUTER_POLICIES, "one of " + ", ".join(ROUTER_POLICIES)),
 }
-DEFAULT_ROUTER = {"enabled": True, "port": 8000, "metrics_port": 29000, "drain_timeout": 300,
+DEFAULT_ROUTER = {"enabled": True, "port": 8000, "metrics_port": 29000, "drain_timeout": 300, "hold_secs": 90,
                   "policy": "cache_aware"}
 
 

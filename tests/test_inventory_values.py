@@ -164,15 +164,17 @@ def test_router_settings_merge_per_key_and_are_checked_with_file_lines(tmp_path)
         "    vars: {budget: 8}\n", "    vars: {budget: 8, router: {policy: round_robin}}\n")
     inv = load_inventory(write(tmp_path, text))
     assert inv.hosts["a"].vars["router"] == {"enabled": True, "port": 8100, "metrics_port": 29000,
-                                             "drain_timeout": 45, "policy": "cache_aware"}
+                                             "drain_timeout": 45, "hold_secs": 90, "policy": "cache_aware"}
     assert inv.hosts["b"].vars["router"]["policy"] == "round_robin" and inv.hosts["b"].vars["router"]["port"] == 8100
     path = tmp_path / "inv.yaml"
     bad = GOOD.replace("  budget: 16\n", "  budget: 16\n  router:\n    port: 70000\n    drain_timeout: -1\n"
-                                          "    policy: fastest\n    enabled: 'yes'\n    colour: red\n")
+                                          "    policy: fastest\n    enabled: 'yes'\n    colour: red\n"
+                                          "    hold_secs: 3601\n")
     p = errors(tmp_path, bad)
     assert has(p, path, 8, "vars.router: port: must be a TCP port") and has(p, path, 9, "drain_timeout: must be seconds")
     assert has(p, path, 10, "policy: must be one of cache_aware") and has(p, path, 11, "enabled: must be true or false")
     assert has(p, path, 12, "colour: unknown key"), p
+    assert has(p, path, 13, "hold_secs: must be seconds, an integer in [0, 3600]"), p
     # the router's port may not be a GPU service's
     p = errors(tmp_path, GOOD.replace("  budget: 16\n", "  budget: 16\n  router: {port: 30001}\n"))
     assert has(p, path, 13, "hosts.a.router.port: port 30001 is also used by GPU 1 on a"), p

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from .. import bench, canary, startup
 from . import hybrid
+from . import router as routermod
 
 
 def family(configs: dict, model: str | None) -> str | None:
@@ -36,6 +37,32 @@ def timed_gates(gates: dict, host, manifest: dict | None) -> dict:
     return gates
 
 
+def outage_lines(host, batches: list[list[str]], expected: dict[str, float]) -> list[str]:
+    """What clients of `host`'s router see while a restart batch takes out every worker it routes to (a one-GPU
+    host's only server, or a batch as wide as the host): the router holds their requests for `router.hold_secs`
+    (router.retry_policy), and one line says whether the batch's expected outage (its slowest start plus the
+    gate) fits in the hold or how long past it requests get 503. Nothing for a host without a router, or whose
+    every batch leaves a worker serving."""
+    if not routermod.enabled(host):
+        return []
+    serving = {s.instance for s in host.services if s.enabled}
+    hold = int(routermod.settings(host).get("hold_secs", 0))
+    out = []
+    for insts in batches:
+        if not insts or not serving or not serving <= set(insts):
+            continue
+        outage = round(max(expected.get(i, startup.COLD_START_S) for i in insts) + startup.GATE_S)
+        head = f"while {', '.join(insts)} restart{'s' if len(insts) == 1 else ''} no worker serves"
+        if outage <= hold:
+            out.append(f"{head}: the router holds new requests up to {hold} s (router.hold_secs; expected outage "
+                       f"~{outage} s)")
+        else:
+            out.append(f"WARNING {head} for ~{outage} s, longer than the router holds a request "
+                       f"({hold} s, router.hold_secs): requests waiting longer get 503 (raise router.hold_secs, or "
+                       f"serve this model on a second GPU)")
+    return out
+
+
 def plan(inventory_path: str, plans: dict, plugin_digest: str | None, parallel: int, out) -> dict:
     """Give every restart batch's gates of `plans` ({host: HostPlan}) their start timeout and canary, print what
     each canary checks (and where its accept floor came from, or that it has none) and the expected rollout
@@ -56,6 +83,8 @@ def plan(inventory_path: str, plans: dict, plugin_digest: str | None, parallel: 
                                f"(expected start ~{round(expected.get(i, 0))} s)", []).append(i)
         for line, insts in grouped.items():
             out(n, f"gate of {', '.join(insts)}: {line}")
+        for line in outage_lines(host, [b["instances"] for b in batches], expected):
+            out(n, line)
         per_host.append([[expected.get(i, startup.COLD_START_S) for i in b["instances"]] for b in batches])
     est = startup.rollout_estimate(per_host, parallel)
     if est["gpus"]:

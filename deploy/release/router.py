@@ -10,7 +10,9 @@ then listen on loopback only). Pure rendering and the drain's spec; nothing here
   `--host/--port` the host's endpoint, `--worker-urls` every enabled GPU service on loopback (so a router that
   restarts comes back with every worker), `--prometheus-host 127.0.0.1` (its default is 0.0.0.0), health checks
   every 1 s with 2 failures to drop a worker (a killed server stops receiving within ~3 s; the router's default
-  is 60 s x 3), the inventory's `policy`.
+  is 60 s x 3), the inventory's `policy`, and the hold (`retry_policy`): a request that no worker can take --
+  the router holds none while a one-GPU host restarts its server, or while a dropped worker is not yet back -- is
+  retried with a capped backoff for the inventory's `hold_secs` before the client gets a 503.
 - Drain: the agent removes a GPU's worker through the router's API (`DELETE /workers/{id}`), waits for the server's
   own counters (sglang:num_running_reqs + num_queue_reqs on its /metrics) to reach 0 within `drain_timeout`, and
   after the gate and one warm-up request adds it back (`POST /workers {"url", "api_key"}`): drain_spec() is what it
@@ -37,6 +39,13 @@ LAUNCHER = Path(__file__).with_name("router_launch.py")
 HEALTH_INTERVAL = 1     # s between the router's health checks of a worker
 HEALTH_FAILURES = 2     # consecutive failures before it stops routing to one
 SHUTDOWN_GRACE = 30     # s the router waits for in-flight requests when it stops
+# The hold's backoff between a request's attempts: RETRY_INITIAL_MS x RETRY_MULTIPLIER^k, capped at RETRY_MAX_MS,
+# each scaled by a random factor within 1 +- RETRY_JITTER. The cap keeps a held request at most ~1 s behind its
+# worker's return; an attempt with no worker to pick costs the router nothing but the pick.
+RETRY_INITIAL_MS = 100
+RETRY_MULTIPLIER = 2.0
+RETRY_MAX_MS = 1000
+RETRY_JITTER = 0.1
 
 
 class RouterError(RuntimeError):
@@ -93,6 +102,33 @@ def worker_url(port: int) -> str:
     return f"http://127.0.0.1:{port}"
 
 
+def backoffs_ms(attempts: int, jitter: float = 0.0) -> list[float]:
+    """The waits between `attempts` attempts of one request (sglang-router's exponential backoff: the k-th wait is
+    RETRY_INITIAL_MS x RETRY_MULTIPLIER^k capped at RETRY_MAX_MS), each scaled by (1 + jitter)."""
+    waits, w = [], float(RETRY_INITIAL_MS)
+    for _ in range(attempts - 1):
+        waits.append(min(w, RETRY_MAX_MS) * (1.0 + jitter))
+        w = min(w * RETRY_MULTIPLIER, RETRY_MAX_MS)
+    return waits
+
+
+def retry_policy(hold_secs: int) -> dict:
+    """The router's retry settings for a hold of `hold_secs`: the fewest attempts whose waits, each at its shortest
+    (jitter -RETRY_JITTER), add up to at least the hold. sglang-router counts the first try among its
+    `retry_max_retries` and retries a response of 408, 429 or 5xx -- its own 503 "no available workers" among
+    them -- picking a worker afresh each time; 0 holds nothing (one attempt)."""
+    if not isinstance(hold_secs, int) or isinstance(hold_secs, bool) or hold_secs < 0:
+        raise ValueError(f"hold_secs must be a non-negative integer, got {hold_secs!r}")
+    attempts, total = 1, 0.0
+    for w in backoffs_ms(hold_secs * 10 + 2, -RETRY_JITTER):  # more waits than any hold needs (each >= 90 ms)
+        if total >= hold_secs * 1000:
+            break
+        total += w
+        attempts += 1
+    return {"max_retries": attempts, "initial_backoff_ms": RETRY_INITIAL_MS, "max_backoff_ms": RETRY_MAX_MS,
+            "backoff_multiplier": RETRY_MULTIPLIER, "jitter_factor": RETRY_JITTER}
+
+
 def router_args(host: Host, workers: bool = True) -> list[str]:
     """The router's command line (sglang-router 0.3.2 flags), without the API key (the launcher sets it)."""
     r = settings(host)
@@ -105,6 +141,12 @@ def router_args(host: Host, workers: bool = True) -> list[str]:
             "--health-check-interval-secs", str(HEALTH_INTERVAL), "--health-failure-threshold", str(HEALTH_FAILURES),
             "--health-check-timeout-secs", "2", "--shutdown-grace-period-secs", str(SHUTDOWN_GRACE),
             "--log-level", "info"]
+    retry = retry_policy(r.get("hold_secs", 0))
+    args += ["--retry-max-retries", str(retry["max_retries"]),
+             "--retry-initial-backoff-ms", str(retry["initial_backoff_ms"]),
+             "--retry-max-backoff-ms", str(retry["max_backoff_ms"]),
+             "--retry-backoff-multiplier", str(retry["backoff_multiplier"]),
+             "--retry-jitter-factor", str(retry["jitter_factor"])]
     if urls:
         args += ["--worker-urls", *urls]
     for a in args:
@@ -143,7 +185,7 @@ def manifest_entry(host: Host, w: Wheel, router_files: dict[str, bytes]) -> dict
     listen = host.vars.get("listen_address", "127.0.0.1")
     return {"enabled": True, "unit": UNIT, "listen": listen, "address": values.connect_address(listen),
             "port": r["port"], "metrics_port": r["metrics_port"], "drain_timeout": r["drain_timeout"],
-            "policy": r["policy"], "api_key_file": host.vars.get("api_key_file"), "venv": venv_path(host, w),
+            "hold_secs": r.get("hold_secs", 0), "policy": r["policy"], "api_key_file": host.vars.get("api_key_file"), "venv": venv_path(host, w),
             "wheel": {"name": w.name, "version": w.version, "sha256": w.sha256, "path": f"wheels/{w.name}"},
             "digest": render.sha256("\0".join([router_files[f"systemd/{UNIT}"].decode(),
                                                " ".join(router_args(host, workers=False)),

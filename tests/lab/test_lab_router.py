@@ -3,8 +3,9 @@ through a credential (never argv, unit or journal), GPU servers on loopback behi
 restart -- under streaming load, with a worker that never drains, and with the router down (refused at the plan;
 --no-drain restarts anyway, loudly). `fab status` figures are checked against what the load generator sent.
 
-Hosts: h200 (1 GPU) for the unit and the key; ct129 restricted to 2 GPUs for the drain (a host needs a second GPU
-to keep serving while one restarts). Order matters: each test starts from the state the previous one left.
+Hosts: h200 (1 GPU) for the unit, the key and the router's hold (its only server restarts: the router holds the
+requests that arrive meanwhile); ct129 restricted to 2 GPUs for the drain (the second GPU serves while one
+restarts). Order matters: each test starts from the state the previous one left.
 """
 from __future__ import annotations
 
@@ -120,6 +121,30 @@ def test_router_unit_is_hardened_keyed_and_the_only_endpoint(env, fab):
     assert loadgen.summary(load.results)["failed"] == 0, loadgen.summary(load.results)
     [row] = status_json(fab, inv, "h200")
     assert row["router"] == "in/healthy" and row["health"] == "ok", row
+
+
+def test_a_one_gpu_hosts_restart_under_load_is_held_by_the_router_not_failed(env, fab):
+    """h200 has one GPU: while its server restarts the router has no worker. The router holds what arrives
+    (router.hold_secs, sglang-router's retries) and hands it to the server once it is back: no request fails,
+    the ones that arrived during the restart only wait."""
+    lab, inv = env["lab"], env["h200"]
+    load = loadgen.Load([(router_url(lab, "h200"), KEY)], clients=4, total=10000, time_cap=120,
+                        max_new_tokens=16).start()
+    time.sleep(1.5)
+    t0 = time.monotonic()
+    r = fab("restart", "--hosts", "h200", inventory=inv)
+    restart_s = time.monotonic() - t0
+    time.sleep(1.0)
+    load.stop()
+    out = strip_ansi(r.stdout)
+    assert r.returncode == 0, out + r.stderr
+    assert "gpu0 out of the router" in out and "gpu0 back in the router" in out, out
+    s = loadgen.summary(load.results)
+    print(f"\nfab restart h200 (1 GPU) under 4 streaming clients ({restart_s:.1f} s): {s}")
+    assert s["failed"] == 0 and s["completed"] > 10, s
+    # some requests waited out the restart in the router: longer than any request of the steady state
+    longest = max(x.latency for x in load.results if x.ok)
+    assert longest > 2 * s["p50"], (longest, s)
 
 
 def test_status_figures_match_what_the_load_generator_sent(env, fab):

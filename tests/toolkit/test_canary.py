@@ -12,6 +12,7 @@ import pytest
 
 from deploy import canary, startup
 from deploy.inventory import InventoryError, parse_inventory
+from deploy.release import gateplan
 from deploy.remote.host import gate as agent
 from deploy.yamlpos import load_yaml
 
@@ -50,6 +51,29 @@ def test_rollout_estimate_counts_batches_and_runs_hosts_in_parallel():
     assert batched["seconds"] == round(300 + startup.GATE_S)
     line = startup.estimate_line(two)
     assert line.startswith(f"expected rollout time ~{two['seconds']} s (4 GPUs in 4 batches x ~")
+
+
+# ---------------------------------------------------------------- a host left without a worker
+
+def test_a_batch_that_takes_every_worker_out_says_how_long_the_router_holds(tmp_path):
+    one = inv(tmp_path, "router: {hold_secs: 120}\n").hosts["a"]  # one GPU: its restart leaves the router empty
+    [line] = gateplan.outage_lines(one, [["gpu0"]], {"gpu0": 60.0})
+    assert "no worker serves" in line and "up to 120 s" in line and f"~{round(60 + startup.GATE_S)} s" in line
+    [warn] = gateplan.outage_lines(one, [["gpu0"]], {"gpu0": 600.0})
+    assert warn.startswith("WARNING") and "503" in warn and "router.hold_secs" in warn
+    none = inv(tmp_path, "router: {hold_secs: 0}\n").hosts["a"]
+    assert gateplan.outage_lines(none, [["gpu0"]], {"gpu0": 1.0})[0].startswith("WARNING")
+    off = inv(tmp_path, "router: {enabled: false}\n").hosts["a"]
+    assert gateplan.outage_lines(off, [["gpu0"]], {"gpu0": 600.0}) == []
+
+
+def test_a_host_that_keeps_a_worker_serving_has_no_outage(tmp_path):
+    p = tmp_path / "two.yaml"
+    p.write_text("reference: a\nhosts:\n  a:\n    address: 10.0.0.1\n    gpus: 2\n")
+    two = parse_inventory(load_yaml(str(p)), str(p)).hosts["a"]
+    assert gateplan.outage_lines(two, [["gpu0"], ["gpu1"]], {}) == []
+    [line] = gateplan.outage_lines(two, [["gpu0", "gpu1"]], {})  # a batch as wide as the host
+    assert "gpu0, gpu1 restart no worker serves" in line
 
 
 # ---------------------------------------------------------------- the inventory's canary
@@ -205,7 +229,6 @@ def test_linear_mode_canary_checks_the_accept_length_only(tmp_path, labserver): 
 def test_gate_plan_gives_each_gate_a_timeout_from_its_family_and_prints_the_estimate(tmp_path):
     import types
 
-    from deploy.release import gateplan
     i = inv(tmp_path, """\
         mode: tree-verify
         budget: 127

@@ -59,7 +59,8 @@ def real_router_args(tmp_path, argv: list[str]) -> dict:
             "import router_launch; a = router_launch.router_args(json.loads(sys.argv[3]), api_key='Kinprocess0123456789'); "
             "print(json.dumps({k: getattr(a, k) for k in ('host', 'port', 'worker_urls', 'policy', 'prometheus_host', "
             "'prometheus_port', 'health_check_interval_secs', 'health_failure_threshold', 'api_key', "
-            "'shutdown_grace_period_secs')}))")
+            "'shutdown_grace_period_secs', 'retry_max_retries', 'retry_initial_backoff_ms', 'retry_max_backoff_ms', "
+            "'retry_backoff_multiplier', 'retry_jitter_factor', 'disable_retries')}))")
     r = subprocess.run([sys.executable, "-I", "-c", code, str(d), str(ROOT / "deploy" / "release"), json.dumps(argv)],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
@@ -70,12 +71,50 @@ def test_arguments_are_the_real_routers_flags(tmp_path):
     h = host(tmp_path, listen_address="10.0.0.1", api_key_file="/etc/ddtree/k.yaml")
     args = routermod.router_args(h)
     parsed = real_router_args(tmp_path, args)
+    retry = routermod.retry_policy(h.vars["router"]["hold_secs"])
     assert parsed == {"host": "10.0.0.1", "port": 8000, "worker_urls": ["http://127.0.0.1:30000", "http://127.0.0.1:30001"],
                       "policy": "cache_aware", "prometheus_host": "127.0.0.1", "prometheus_port": 29000,
                       "health_check_interval_secs": 1, "health_failure_threshold": 2,
-                      "api_key": "Kinprocess0123456789", "shutdown_grace_period_secs": 30}
+                      "api_key": "Kinprocess0123456789", "shutdown_grace_period_secs": 30,
+                      "retry_max_retries": retry["max_retries"], "retry_initial_backoff_ms": retry["initial_backoff_ms"],
+                      "retry_max_backoff_ms": retry["max_backoff_ms"],
+                      "retry_backoff_multiplier": retry["backoff_multiplier"],
+                      "retry_jitter_factor": retry["jitter_factor"], "disable_retries": False}
+    assert retry["max_retries"] > 1  # the default hold is not zero
     # the GPU servers behind it listen on loopback only
     assert {s.listen for s in h.services} == {"127.0.0.1"}
+
+
+@pytest.mark.parametrize("hold", [0, 1, 2, 7, 30, 90, 601, 3600])
+def test_the_hold_is_the_fewest_attempts_whose_shortest_waits_span_it(hold):
+    p = routermod.retry_policy(hold)
+    n = p["max_retries"]
+    shortest = routermod.backoffs_ms(n, -p["jitter_factor"])
+    assert sum(shortest) >= hold * 1000
+    assert n == 1 or sum(routermod.backoffs_ms(n - 1, -p["jitter_factor"])) < hold * 1000
+    assert n >= 1 and all(w <= p["max_backoff_ms"] for w in routermod.backoffs_ms(n))
+    if hold:  # never past the hold by more than the jitter and one capped wait
+        assert sum(routermod.backoffs_ms(n, p["jitter_factor"])) <= hold * 1000 * (1 + p["jitter_factor"]) / (
+            1 - p["jitter_factor"]) + p["max_backoff_ms"] * (1 + p["jitter_factor"])
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "90", True, None])
+def test_a_hold_that_is_not_whole_seconds_is_refused(bad):
+    with pytest.raises(ValueError, match="hold_secs"):
+        routermod.retry_policy(bad)
+
+
+def test_the_hold_follows_the_inventory_and_changes_the_routers_digest(tmp_path):
+    h = host(tmp_path)
+    none = dataclasses.replace(h, vars=dict(h.vars, router=dict(h.vars["router"], hold_secs=0)))
+    longer = dataclasses.replace(h, vars=dict(h.vars, router=dict(h.vars["router"], hold_secs=300)))
+    parsed = {n: real_router_args(tmp_path, routermod.router_args(x)) for n, x in
+              (("none", none), ("default", h), ("longer", longer))}
+    assert parsed["none"]["retry_max_retries"] == 1
+    assert parsed["default"]["retry_max_retries"] < parsed["longer"]["retry_max_retries"]
+    w = routermod.Wheel(Path("/nonexistent.whl"), "sglang_router-0.3.2-x.whl", "0.3.2", "0" * 64)
+    digests = {routermod.manifest_entry(x, w, routermod.files(x, w))["digest"] for x in (none, h, longer)}
+    assert len(digests) == 3
 
 
 def test_the_launcher_refuses_a_key_on_its_command_line(tmp_path):
