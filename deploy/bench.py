@@ -190,6 +190,7 @@ class BenchPlan:
     cpus: str | None = None  # the host's CPUs every bench server is pinned to (the load generator gets the rest)
     overlap: str = "default"  # tree-verify's scheduler: default, off, on or both (one of each a round)
     cache_key: str | None = None  # the active payload's JIT cache folder of the GPU's service (smoke.jit_source)
+    env: tuple = ()  # the GPU's service environment (smoke.service_env): the bench servers run with it
 
     def agent_args(self) -> dict:
         return {"gpu": self.gpu, "modes": list(self.modes), "budgets": list(self.budgets),
@@ -198,7 +199,8 @@ class BenchPlan:
                 "prompt_len": self.prompt_len, "seed": self.seed, "tiny": self.tiny, "model": self.model,
                 "draft_model": self.draft_model, "venv": self.venv, "user": self.user, "prefix": self.prefix,
                 "server_args": list(self.server_args), "prompts": self.prompts, "rounds": self.rounds,
-                "cpus": self.cpus, "overlap": self.overlap} | smokemod.jit_args(self.instance, self.cache_key)
+                "cpus": self.cpus, "overlap": self.overlap,
+                "env": dict(self.env)} | smokemod.jit_args(self.instance, self.cache_key)
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -286,7 +288,7 @@ def plan_bench(host: Host, probe: dict, *, gpu: int | None = None, modes_: tuple
                                   else ()) + tuple(server_args),
                      deadline=float(deadline), prompts=prompts, prompts_source=prompts_source,
                      warnings=tuple(warnings), rounds=rounds, cpus=cpus, overlap=overlap,
-                     cache_key=smokemod.jit_source(svc, probe))
+                     cache_key=smokemod.jit_source(svc, probe), env=smokemod.service_env(svc))
 
 
 def jit_start_lines(rec: dict) -> list[str]:

@@ -47,11 +47,12 @@ class SmokePlan:
     prefix: str
     deadline: float
     cache_key: str | None = None  # the active payload's JIT cache folder of the GPU's service (jit_source)
+    env: tuple = ()  # the GPU's service environment, (name, value) pairs: the servers run with it (service_env)
 
     def agent_args(self) -> dict:
         return {"gpu": self.gpu, "mode": self.mode, "family": self.family, "budget": self.budget,
                 "prompts": self.prompts, "tokens": self.tokens, "venv": self.venv, "user": self.user,
-                "prefix": self.prefix} | jit_args(self.instance, self.cache_key)
+                "prefix": self.prefix, "env": dict(self.env)} | jit_args(self.instance, self.cache_key)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -65,6 +66,16 @@ def jit_source(svc, probe: dict) -> str | None:
     if svc is None or not (isinstance(digest, str) and re.fullmatch(r"[0-9a-f]{64}", digest)):
         return None
     return digest[:16]
+
+
+def service_env(svc) -> tuple:
+    """What the GPU's service sets in its unit from the inventory's `env` (e.g. a kernel check a trimmed wheel needs
+    skipped), for the run's transient servers: they start as the service does. The names the run sets itself
+    (its GPU, PATH, the mode and budget, the JIT caches, tree-verify's scheduler, which bench measures apart) are
+    left out; the host checks the rest again."""
+    from .remote.host.smoke import ENV_SET_BY_RUN  # the host op's own rule (imported where used)
+
+    return tuple((k, v) for k, v in (svc.env if svc is not None else ()) if k not in ENV_SET_BY_RUN)
 
 
 def jit_args(instance: str | None, cache_key: str | None) -> dict:
@@ -129,7 +140,7 @@ def plan_smoke(host: Host, probe: dict, gpu: int | None = None, mode: str | None
                      family_reason=reason, budget=b, release=probe["current"], venv=host.vars["venv"],
                      user=host.vars["service_user"], prompts=int(prompts), tokens=int(tokens),
                      prefix=f"ddtree-smoke-{secrets.token_hex(6)}", deadline=float(deadline),
-                     cache_key=jit_source(svc, probe))
+                     cache_key=jit_source(svc, probe), env=service_env(svc))
 
 
 def outcome(res: dict) -> tuple[int, str]:

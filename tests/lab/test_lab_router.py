@@ -35,10 +35,11 @@ def env(lab, tmp_path_factory):
     hosts = {h: {"vars": dict(keyed, listen_address=lab.hosts[h].address)} for h in ("h200", "ct129")}
     hosts["ct129"]["gpus"] = 2
     yield {"lab": lab, "tmp": tmp, "h200": lab_inventory(tmp, "h200.yaml", keep=["h200"], hosts={"h200": hosts["h200"]}),
-           **{f"h200-hold{hold}": lab_inventory(tmp, f"h200-hold{hold}.yaml", keep=["h200"], hosts={"h200": dict(
+           **{f"h200-hold{name}": lab_inventory(tmp, f"h200-hold{name}.yaml", keep=["h200"], hosts={"h200": dict(
                hosts["h200"], vars=dict(hosts["h200"]["vars"], router={"hold_secs": hold},
                                       start_seconds=SLOW_START_S + 2),
-               services={0: {"env": {"LABSERVER_LOAD_SECONDS": str(SLOW_START_S)}}})}) for hold in (0, 90)},
+               services={0: {"env": {"LABSERVER_LOAD_SECONDS": str(SLOW_START_S + extra)}}})})
+              for hold, extra, name in ((0, 0, "0"), (90, 0, "90"), (90, 1, "90b"))},
            "ct129": lab_inventory(tmp, "ct129.yaml", keep=["ct129"], hosts={"ct129": hosts["ct129"]}),
            "stuck": lab_inventory(tmp, "stuck.yaml", keep=["ct129"], hosts={"ct129": dict(
                hosts["ct129"], vars=dict(hosts["ct129"]["vars"], router={"drain_timeout": 2}),
@@ -128,13 +129,13 @@ def test_router_unit_is_hardened_keyed_and_the_only_endpoint(env, fab):
     assert row["router"] == "in/healthy" and row["health"] == "ok", row
 
 
-def restart_under_load(lab, fab, inv, host, clients=4):
-    """`fab restart` of `host` while `clients` stream through its router; (restart's output, load summary, the
-    longest latency of a completed request)."""
+def restart_under_load(lab, fab, inv, host, clients=4, command="restart"):
+    """`fab COMMAND` (restart or rollback) of `host` while `clients` stream through its router; (its output, the
+    load summary, the longest latency of a completed request)."""
     load = loadgen.Load([(router_url(lab, host), KEY)], clients=clients, total=10000, time_cap=120,
                         max_new_tokens=16).start()
     time.sleep(1.5)
-    r = fab("restart", "--hosts", host, inventory=inv)
+    r = fab(command, "--hosts", host, *(["--yes"] if command == "rollback" else []), inventory=inv)
     time.sleep(1.0)
     load.stop()
     out = strip_ansi(r.stdout)
@@ -166,6 +167,16 @@ def test_a_one_gpu_hosts_restart_under_load_is_held_by_the_router_not_failed(env
         else:
             assert s["failed"] == 0 and s["completed"] > 10, s
             assert longest >= SLOW_START_S - 1, (longest, s)  # held through the restart, not refused
+    # a new release of gpu0 (its load time changed), the router's arguments the same: the plan says the outage fits
+    r = fab("deploy", "--yes", "--hosts", "h200", inventory=env["h200-hold90b"])
+    out = strip_ansi(r.stdout)
+    assert r.returncode == 0 and "sglang-router (re)started" not in out, out + r.stderr
+    [said] = [line for line in out.splitlines() if "while gpu0 restarts no worker serves" in line]
+    assert "WARNING" not in said and "holds new requests up to 90 s" in said, said
+    # and the rollback to the release before, under load: held, not failed
+    out, s, longest = restart_under_load(lab, fab, env["h200-hold90"], "h200", command="rollback")
+    print(f"fab rollback h200 (1 GPU) under 4 streaming clients, hold_secs 90: {s}, longest {longest:.1f} s")
+    assert s["failed"] == 0 and s["completed"] > 10 and longest >= SLOW_START_S - 1, (longest, s)
 
 
 def test_status_figures_match_what_the_load_generator_sent(env, fab):

@@ -121,3 +121,15 @@ def test_a_lost_port_race_is_told_from_a_servers_own_failure():
            "max_mamba_cache_size=-137")
     assert not lost_port_race("server exited during start-up:\n" + own)
     assert not lost_port_race("server not healthy after 300s:\n[Errno 98] somewhere else")
+
+
+def test_a_failed_run_writes_its_error_into_the_report_file(tmp_path, monkeypatch):
+    """The host agent reads the --json file, not stdout: a server that fails to start must still say why there."""
+    def fails(**_kw):
+        raise RuntimeError("server exited during start-up: OSError: [Errno 13] Permission denied: '/models'")
+    monkeypatch.setattr(smoke, "gpu_device_problem", lambda gpu: None)
+    monkeypatch.setattr(smoke, "run_smoke", fails)
+    report = tmp_path / "report.json"
+    assert smoke.main(["--json", str(report), "--mode", "linear"]) == smoke.EXIT_FAILED
+    doc = json.loads(report.read_text())
+    assert doc["ok"] is False and "Permission denied: '/models'" in doc["error"], doc

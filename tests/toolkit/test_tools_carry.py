@@ -85,3 +85,27 @@ def test_the_modules_run_from_the_tools_package():
     assert hostsmoke.tools_install_argv("/v/bin/python", "/w/x.whl", "/w/tools")[1:] == [
         "-m", "pip", "install", "--isolated", "--no-index", "--no-deps", "--no-compile", "--disable-pip-version-check",
         "--no-input", "--no-cache-dir", "--target", "/w/tools", "/w/x.whl"]
+
+
+def test_run_transient_hands_the_service_env_to_the_module_as_a_file(wheel, tmp_path, monkeypatch):
+    """The module gets `--service-env FILE` (the checked env, JSON) and reads it while the run's directory exists;
+    the directory is gone afterwards."""
+    monkeypatch.setattr(hostsmoke.venvmod, "check_runnable", lambda venv: None)
+    monkeypatch.setattr(hostsmoke, "stop_units", lambda prefix: None)  # no systemd here: nothing was started
+    script = ("import json, sys; f = sys.argv[sys.argv.index('--service-env') + 1]; "
+              "json.dump({'argv': sys.argv[1:], 'env': json.load(open(f))}, open(sys.argv[1], 'w'))")
+    seen = {}
+
+    def build(python, report, runtime_max, work):
+        seen["work"] = work
+        return [sys.executable, "-c", script, report]
+
+    env = {"SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK": "1"}
+    res = hostsmoke.run_transient(ctx(wheel.data), os.path.dirname(os.path.dirname(sys.executable)),
+                                  "ddtree-smoke-0123456789ab", build, wheel.agent_args(), service_env=env)
+    assert res["rc"] == 0, res
+    assert res["report"]["env"] == env and res["report"]["argv"][-2] == "--service-env"
+    assert not os.path.exists(seen["work"])
+    with pytest.raises(Failure, match="set by the run"):  # refused before anything is installed or run
+        hostsmoke.run_transient(ctx(wheel.data), "/nonexistent", "ddtree-smoke-0123456789ab", build,
+                                wheel.agent_args(), service_env={"PATH": "/tmp"})

@@ -129,4 +129,4 @@ def run(ctx, a):
     check_args(a)
     inputs = {"prompts.json": json.dumps(a["prompts"])} if a.get("prompts") is not None else None
     return run_transient(ctx, a["venv"], a["prefix"], lambda python, report, rmax, work: bench_argv(
-        python, a, report, rmax, work), a.get("tools"), inputs=inputs, jit=a)
+        python, a, report, rmax, work), a.get("tools"), inputs=inputs, jit=a, service_env=a.get("env"))

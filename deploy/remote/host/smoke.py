@@ -61,6 +61,34 @@ def _check(a):
     check_jit(a)
 
 
+# the service environment a transient server of the GPU runs with (the unit's own `env`, deploy/values.py's rules:
+# a name, and a value an EnvironmentFile would keep as it is); the names the contract or the run sets are refused
+ENV_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}\Z")
+ENV_VALUE_RE = re.compile(r"(?:[!#%&(-\[\]-_a-~]+(?: [!#%&(-\[\]-_a-~]+)*)?\Z")
+ENV_MAX = 64
+ENV_SET_BY_RUN = frozenset({"PATH", "HOME", "PYTHONPATH", "PYTHONUNBUFFERED", "CUDA_VISIBLE_DEVICES",
+                            "CUDA_DEVICE_ORDER", "NCCL_SOCKET_IFNAME", "LD_PRELOAD", contract.PLUGIN_ALLOWLIST_ENV,
+                            contract.MODE_ENV, contract.BUDGET_ENV, contract.OVERLAP_ENV, contract.XDG_CACHE_ENV[0]}
+                           | {k for k, _d in contract.JIT_CACHE_ENV})
+
+
+def check_service_env(env):
+    """The op's `env` (the GPU's service environment, or absent): {} or a dict the servers may run with; raises
+    Failure naming the first bad entry."""
+    if env is None:
+        return {}
+    if not (isinstance(env, dict) and len(env) <= ENV_MAX):
+        raise Failure("bad-args", "env must be a mapping of at most %d variables" % ENV_MAX)
+    for k, v in env.items():
+        if not (isinstance(k, str) and ENV_KEY_RE.match(k)):
+            raise Failure("bad-args", "env: %r is not a variable name" % (k if isinstance(k, str) else type(k)))
+        if k in ENV_SET_BY_RUN:
+            raise Failure("bad-args", "env: %s is set by the run itself" % k)
+        if not (isinstance(v, str) and len(v) <= 4096 and ENV_VALUE_RE.match(v)):
+            raise Failure("bad-args", "env: the value of %s is not a plain string" % k)
+    return dict(env)
+
+
 def check_tools(t):
     """The `tools` argument: {wheel: a sglang-ddtree-tools wheel file name, size, sha256}; raises Failure."""
     if not isinstance(t, dict):
@@ -128,15 +156,20 @@ def seed_jit(ctx, a):
         return {}, {"state": "cold", "warning": "the transient JIT cache directory: %s" % exc}
 
 
-def run_transient(ctx, venv, prefix, build_argv, tools, inputs=None, cap=4000, jit=None):
+def run_transient(ctx, venv, prefix, build_argv, tools, inputs=None, cap=4000, jit=None, service_env=None):
     """Run one of the tools' host modules (smoke, bench) with `venv`'s interpreter under the op's deadline: the
     tools wheel (`tools`: check_tools' fields; the bytes on the call's stdin) is installed into the private work
     directory first and put on the module's PYTHONPATH, its report file (`build_argv(python, report, runtime_max,
     work)` names it) is read back, every transient unit named `prefix-*` is stopped afterwards whatever happened,
     and the work directory is removed. `inputs`: {file name: text} written into that directory first (0600,
     root's) for the module to read. `jit`: the op's arguments naming the GPU's service (check_jit): its servers'
-    JIT caches are seeded from the service's first (seed_jit), the result's `jit_cache` says how."""
+    JIT caches are seeded from the service's first (seed_jit), the result's `jit_cache` says how. `service_env`:
+    the GPU's service environment (check_service_env), handed to the module as `--service-env FILE` so that its
+    servers run with what the service's unit sets."""
     check_tools(tools)
+    service_env = check_service_env(service_env)
+    if service_env:
+        inputs = dict(inputs or {}, **{"service-env.json": json.dumps(service_env)})
     try:
         venvmod.check_runnable(venv)
     except (Unsafe, venvmod.VenvError) as exc:
@@ -155,7 +188,10 @@ def run_transient(ctx, venv, prefix, build_argv, tools, inputs=None, cap=4000, j
         jit_env, jit_res = seed_jit(ctx, jit) if jit is not None else ({}, None)
         env.update(jit_env)
         left = ctx.deadline.left(floor=30.0)
-        res = proc.run(build_argv(python, report, runtime_max, work), timeout=max(30, left - 20), merge=False,
+        argv = build_argv(python, report, runtime_max, work)
+        if service_env:
+            argv += ["--service-env", os.path.join(work, "service-env.json")]
+        res = proc.run(argv, timeout=max(30, left - 20), merge=False,
                        cap=cap, env=env)
         doc = None
         try:
@@ -176,4 +212,5 @@ def run(ctx, a):
     _check(a)
     return run_transient(ctx, a["venv"], a["prefix"],
                          lambda python, report, runtime_max, work: smoke_argv(python, a, report, a["prefix"],
-                                                                                 runtime_max), a.get("tools"), jit=a)
+                                                                                 runtime_max), a.get("tools"), jit=a,
+                         service_env=a.get("env"))

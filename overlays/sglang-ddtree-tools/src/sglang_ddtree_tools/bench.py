@@ -92,7 +92,8 @@ from sglang_ddtree.contract import BUDGETED_MODES as BUDGETED, DFLASH, OVERLAP_E
 from .hostload import LevelWatch, cpu_speeds, host_line, sched_cpu_ms, speed_line
 from .spy import format_summary, spy_argv, summarize
 from .servers import (Server, ServerSpec, cpu_list, free_port, get, gpu_device_problem, gpu_memory_mib, gpu_name,
-                      map_concurrent, parse_cpus, server_argv, server_env, server_mem_fraction, wait_healthy)
+                      load_service_env, map_concurrent, parse_cpus, server_argv, server_env, server_mem_fraction,
+                      wait_healthy)
 from .paired import report_section, section_line
 from .report import (BENCH_MODES, BUDGETED, MODE_ALIASES, SCHEMA, failure_summary, name_run, parse_modes,  # noqa: F401
                      run_label, validate_report)
@@ -718,7 +719,7 @@ def _one_server(a, run: RunSpec, rnd: int, entry: dict, prompts, target, drafter
     argv = server_argv(a.python, spec, port)
     if rnd == 0:
         entry.update(server_argv=argv[1:], gpu_used_mib_before=used, mem_fraction=frac)
-    env = server_env(spec, a.gpu, python=a.python)
+    env = server_env(spec, a.gpu, python=a.python, service=getattr(a, "service_env_vars", None))
     env.update(overlap_env(run.overlap))  # this server's scheduler, asked of the plugin (its validator still decides)
     cold_warm = a.cold_warm and rnd == 0
     if cold_warm:  # fresh, empty JIT caches for this run: its first start is cold, its restart warm
@@ -741,7 +742,7 @@ def _one_server(a, run: RunSpec, rnd: int, entry: dict, prompts, target, drafter
         else:
             cpus = None
     srv = Server(run_argv, env, os.path.join(logdir, slug + ".log"), launcher=a.launcher, cpus=cpus,
-                 user=a.user, runtime_max_s=a.runtime_max,
+                 user=a.user, runtime_max_s=a.runtime_max, keep=env_keep(a),
                  unit=f"{a.unit_prefix}-{slug}" if a.unit_prefix else None)
     jit_mib = jit_cache_mib(env)  # 0: a cold start (every kernel compiled); more: its caches were kept or seeded
     if rnd == 0:
@@ -902,6 +903,11 @@ def _profile_run(a, entry: dict, base: str, prompts, out_dir: str, log) -> None:
         log(f"    profile FAILED: {entry['profile_error'][:300]}")
 
 
+def env_keep(a) -> tuple:
+    """The service environment's names a transient unit keeps (``--service-env``)."""
+    return tuple(getattr(a, "service_env_vars", None) or ())
+
+
 def _warm_restart(a, entry: dict, argv, env, prompts, logdir: str, slug: str, log, baseline: float) -> None:
     """The same server again with the caches its first start filled: its first request is the warm one."""
     port = free_port()
@@ -910,7 +916,8 @@ def _warm_restart(a, entry: dict, argv, env, prompts, logdir: str, slug: str, lo
     base = f"http://127.0.0.1:{port}"
     wait_gpu_released(a.gpu, baseline)
     srv = Server(argv, env, os.path.join(logdir, slug + "-warm.log"), launcher=a.launcher, cpus=a.cpus, user=a.user,
-                 runtime_max_s=a.runtime_max, unit=f"{a.unit_prefix}-{slug}-warm" if a.unit_prefix else None)
+                 runtime_max_s=a.runtime_max, keep=env_keep(a),
+                 unit=f"{a.unit_prefix}-{slug}-warm" if a.unit_prefix else None)
     try:
         srv.start()
         start = wait_healthy(base, srv, a.start_timeout)
@@ -983,6 +990,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--spy-rate", type=int, default=1000, help="py-spy samples a second (default 1000: 1 ms each)")
     ap.add_argument("--python", default=sys.executable, help="the interpreter SGLang runs from (default this one)")
     ap.add_argument("--user", help="run the servers as this user (systemd-run --uid)")
+    ap.add_argument("--service-env", help="a JSON file of the GPU's service environment: the servers run with it")
     ap.add_argument("--unit-prefix", help="name the transient units <prefix>-<run> (so a caller can stop them all)")
     ap.add_argument("--runtime-max", type=int, default=1800, help="RuntimeMaxSec of each transient unit")
     ap.add_argument("--start-timeout", type=float, default=600)
@@ -1033,6 +1041,10 @@ def parse_args(argv=None):
             a.client_cpus = pin_clients(a.cpus)
         except ValueError as e:
             ap.error(f"--cpus: {e}")
+    try:
+        a.service_env_vars = load_service_env(a.service_env)
+    except (OSError, ValueError) as e:
+        ap.error(f"--service-env: {e}")
     return a
 
 

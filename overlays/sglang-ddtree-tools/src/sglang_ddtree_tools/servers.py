@@ -46,7 +46,7 @@ HARNESS_FLAGS = {"--skip-tokenizer-init": 0, "--grammar-backend": 1, "--cuda-gra
                  "--mem-fraction-static": 1, "--max-total-tokens": 1, "--max-mamba-cache-size": 1}
 
 __all__ = [
-    "MODES", "ServerSpec", "server_argv", "server_env", "gpu_device_problem", "shared_gpu_fraction", "lost_port_race",
+    "MODES", "ServerSpec", "server_argv", "server_env", "load_service_env", "gpu_device_problem", "shared_gpu_fraction", "lost_port_race",
     "parse_cpus", "cpu_list",
     "server_mem_fraction", "gpu_memory_mib", "gpu_name", "free_port", "Server", "post", "get", "wait_healthy",
     "map_concurrent",
@@ -115,12 +115,14 @@ def server_argv(python: str, spec: ServerSpec, port: int, host: str = "127.0.0.1
 
 
 def server_env(spec: ServerSpec, gpu: int, base: Optional[Dict[str, str]] = None,
-               python: Optional[str] = None) -> Dict[str, str]:
-    """The server's environment: ``base`` (default: this process's) with the contract's
-    (:func:`sglang_ddtree.contract.sglang_env`: its one GPU, the plugin allow-list, DDTREE's mode and budget) and,
-    given the server's ``python``, the PATH a deployed unit has (:func:`sglang_ddtree.contract.server_path`: its
-    venv's bin first, where FlashInfer's JIT finds ``ninja``)."""
+               python: Optional[str] = None, service: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    """The server's environment: ``base`` (default: this process's), then ``service`` (the deployed service's own
+    inventory ``env``, which its unit sets: a transient server of that GPU runs as the service does), then the
+    contract's (:func:`sglang_ddtree.contract.sglang_env`: its one GPU, the plugin allow-list, DDTREE's mode and
+    budget: these win) and, given the server's ``python``, the PATH a deployed unit has
+    (:func:`sglang_ddtree.contract.server_path`: its venv's bin first, where FlashInfer's JIT finds ``ninja``)."""
     env = dict(os.environ if base is None else base)
+    env.update(service or {})
     env["PYTHONUNBUFFERED"] = "1"
     if python:
         env["PATH"] = contract.server_path(os.path.dirname(os.path.dirname(os.path.abspath(python))))
@@ -128,6 +130,19 @@ def server_env(spec: ServerSpec, gpu: int, base: Optional[Dict[str, str]] = None
         env.pop(k, None)
     env.update(contract.sglang_env(spec.mode, spec.budget, gpu))
     return env
+
+
+def load_service_env(path: Optional[str]) -> Dict[str, str]:
+    """``--service-env FILE``: a JSON object of the GPU's service environment (names to strings; the host agent
+    checked and wrote it); {} without a file. Raises ValueError on anything else."""
+    if not path:
+        return {}
+    with open(path) as fh:
+        doc = json.load(fh)
+    if not (isinstance(doc, dict) and all(isinstance(k, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k)
+                                          and isinstance(v, str) for k, v in doc.items())):
+        raise ValueError(f"{path}: the service environment must map variable names to strings")
+    return doc
 
 
 def gpu_device_problem(gpu: int, dev: str = "/dev") -> Optional[str]:
@@ -239,10 +254,13 @@ class Server:
         # the JIT caches (the host agent points them at a copy of the service's; bench --cold-warm at a run's own)
         k for k, _d in contract.JIT_CACHE_ENV + (contract.XDG_CACHE_ENV,))
 
-    def __init__(self, argv, env, log_path, launcher="auto", runtime_max_s=1800, user=None, unit=None, cpus=None):
+    def __init__(self, argv, env, log_path, launcher="auto", runtime_max_s=1800, user=None, unit=None, cpus=None,
+                 keep=()):
         """``cpus``: CPU ids every process of the server is pinned to (``AllowedCPUs=`` of the unit, or the
-        process's affinity, which its children inherit); None leaves the scheduler's choice."""
+        process's affinity, which its children inherit); None leaves the scheduler's choice. ``keep``: names of
+        ``env`` a ``systemd-run`` unit gets besides :attr:`ENV_KEEP` (the service's own environment)."""
         self.argv, self.env, self.log_path = argv, env, log_path
+        self.keep = frozenset(keep)
         self.cpus = sorted(set(cpus)) if cpus else None
         self.unit_name = unit
         self.launcher = launcher if launcher != "auto" else (
@@ -255,7 +273,7 @@ class Server:
     def start(self) -> None:
         if self.launcher == "systemd-run":
             self.unit = self.unit_name or f"ddtree-smoke-{os.getpid()}-{int(time.time() * 1000) % 10**8}"
-            keep = {k: v for k, v in self.env.items() if k in self.ENV_KEEP}
+            keep = {k: v for k, v in self.env.items() if k in self.ENV_KEEP or k in self.keep}
             argv = ["systemd-run", f"--unit={self.unit}", "--collect", "--quiet",
                     f"--property=RuntimeMaxSec={self.runtime_max_s}", f"--property=StandardOutput=file:{self.log_path}",
                     f"--property=StandardError=file:{self.log_path}", "--property=KillMode=control-group"]

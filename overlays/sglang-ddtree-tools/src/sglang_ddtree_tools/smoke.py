@@ -48,7 +48,7 @@ from sglang_ddtree.contract import DFLASH, LINEAR, PLAIN, SHADOW_LINEAR, TREE_VE
 # the transient servers (argv, environment, launch, health, teardown, GPU sizing) live in .servers, shared with
 # the benchmark; re-exported here because gpu_checks and older callers use them through this module
 from .servers import (MODES, Server, ServerSpec, free_port, gpu_device_problem, gpu_memory_mib,  # noqa: F401
-                      server_argv, server_env, shared_gpu_fraction, wait_healthy)
+                      load_service_env, server_argv, server_env, shared_gpu_fraction, wait_healthy)
 from .servers import get as _get
 from .servers import map_concurrent
 from .servers import post as _post
@@ -192,7 +192,7 @@ class SmokeResult:
 def run_smoke(*, mode: str, family: str, gpu: int, python: str, workdir: str, prompts: int, tokens: int,
               budget: int, margin: float, launcher: str, start_timeout: float, concurrency: int,
               user: Optional[str] = None, unit_prefix: Optional[str] = None, runtime_max: int = 1800,
-              log=print) -> SmokeResult:
+              service_env: Optional[Dict[str, str]] = None, log=print) -> SmokeResult:
     from . import tiny
 
     res = SmokeResult(ok=True)
@@ -211,8 +211,9 @@ def run_smoke(*, mode: str, family: str, gpu: int, python: str, workdir: str, pr
         bases = []
         for s in specs:
             port = free_port()
-            srv = Server(server_argv(python, s, port), server_env(s, gpu, python=python), os.path.join(workdir, f"{s.mode}.log"),
-                         launcher=launcher, user=user, runtime_max_s=runtime_max,
+            srv = Server(server_argv(python, s, port), server_env(s, gpu, python=python, service=service_env),
+                         os.path.join(workdir, f"{s.mode}.log"), launcher=launcher, user=user,
+                         runtime_max_s=runtime_max, keep=service_env or (),
                          unit=f"{unit_prefix}-{s.mode}" if unit_prefix else None)
             servers.append(srv)
             srv.start()
@@ -257,6 +258,15 @@ def run_smoke(*, mode: str, family: str, gpu: int, python: str, workdir: str, pr
     return res
 
 
+def emit(report: dict, path: Optional[str]) -> None:
+    """The report on stdout and, given ``path`` (``--json``), in that file: every outcome, a failure included,
+    so that a caller reading the file (the host agent's smoke op) always learns why."""
+    if path:
+        with open(path, "w") as fh:
+            json.dump(report, fh, indent=1)
+    print(json.dumps(report))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m sglang_ddtree_tools.smoke", description=__doc__.split("\n")[0])
     ap.add_argument("--mode", choices=MODES, default=TREE_VERIFY)
@@ -274,15 +284,12 @@ def main(argv=None) -> int:
     ap.add_argument("--unit-prefix", help="name the transient units <prefix>-<mode> (so a caller can stop them all)")
     ap.add_argument("--runtime-max", type=int, default=1800, help="RuntimeMaxSec of each transient unit")
     ap.add_argument("--json", help="write the report here too")
+    ap.add_argument("--service-env", help="a JSON file of the GPU's service environment: the servers run with it")
     a = ap.parse_args(argv)
     problem = gpu_device_problem(a.gpu)
     if problem:
         print(f"smoke: cannot run: {problem}", file=sys.stderr)
-        report = {"ok": False, "cannot_run": problem}
-        if a.json:
-            with open(a.json, "w") as fh:
-                json.dump(report, fh, indent=1)
-        print(json.dumps(report))
+        emit({"ok": False, "cannot_run": problem}, a.json)
         return EXIT_CANNOT_RUN
     workdir = tempfile.mkdtemp(prefix="ddtree-smoke-")  # 0700: private to the smoke run
     if a.user:
@@ -292,19 +299,15 @@ def main(argv=None) -> int:
                         prompts=a.prompts, tokens=a.tokens, budget=a.budget, margin=a.margin, launcher=a.launcher,
                         start_timeout=a.start_timeout, concurrency=a.concurrency, user=a.user,
                         unit_prefix=a.unit_prefix, runtime_max=a.runtime_max,
+                        service_env=load_service_env(a.service_env),
                         log=lambda m: print(m, file=sys.stderr, flush=True))
     except Exception as e:  # noqa: BLE001 - one clear line, non-zero exit
-        report = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-        print(json.dumps(report))
+        emit({"ok": False, "error": f"{type(e).__name__}: {e}"}, a.json)  # the caller reads the file, not stdout
         return EXIT_FAILED
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    report = {"ok": res.ok, "mode": a.mode, "family": a.family, "gpu": a.gpu, "checks": res.checks,
-              "problems": res.problems}
-    if a.json:
-        with open(a.json, "w") as fh:
-            json.dump(report, fh, indent=1)
-    print(json.dumps(report))
+    emit({"ok": res.ok, "mode": a.mode, "family": a.family, "gpu": a.gpu, "checks": res.checks,
+          "problems": res.problems}, a.json)
     return EXIT_OK if res.ok else EXIT_FAILED
 
 
