@@ -50,3 +50,27 @@ def test_writes_seeded_weights_that_load_and_vary(family, tmp_path):
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
     assert not torch.equal(a["fc.weight"], c["fc.weight"])
     assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.0.self_attn.q_proj.weight"} <= set(a)
+
+
+def test_written_models_are_readable_by_the_servers_user_whatever_the_writer_chose(tmp_path, monkeypatch):
+    """transformers' shard writer leaves 0600 files: a server run as the service user could list the model folder
+    but not open its weights. write_family leaves every file 0644 (the folder's owner decides who gets in)."""
+    import os
+    import stat
+
+    from sglang_ddtree_tools import tiny as tinymod
+
+    def private(out, family, seed):
+        out.mkdir(parents=True, exist_ok=True)
+        for n in ("model.safetensors", "config.json"):
+            fd = os.open(out / n, os.O_WRONLY | os.O_CREAT, 0o600)
+            os.close(fd)
+        (out / "sub").mkdir(mode=0o700)
+    monkeypatch.setattr(tinymod, "_write_target", private)
+    monkeypatch.setattr(tinymod, "_write_drafter", private)
+    paths = tinymod.write_family(tmp_path, "hybrid")
+    for d in paths.values():
+        assert stat.S_IMODE(os.stat(d).st_mode) == 0o755
+        assert stat.S_IMODE(os.stat(os.path.join(d, "sub")).st_mode) == 0o755
+        for n in ("model.safetensors", "config.json"):
+            assert stat.S_IMODE(os.stat(os.path.join(d, n)).st_mode) == 0o644

@@ -150,12 +150,25 @@ def _write_drafter(out: Path, family: str, seed: int) -> None:
 
 
 def write_family(out_dir: str | os.PathLike, family: str, seed: int = 0) -> dict:
-    """Write ``<family>-target`` and ``<family>-drafter`` under ``out_dir``; returns their paths."""
+    """Write ``<family>-target`` and ``<family>-drafter`` under ``out_dir``; returns their paths.
+
+    Every file is left readable (0644, folders 0755) whatever mode its writer chose (transformers' shard writer
+    leaves 0600 files): the servers that load the models run as the service user, and who may read them is
+    decided by ``out_dir``'s own mode and owner (the smoke run's is private to that user)."""
     root = Path(out_dir)
     target, drafter = root / f"{family}-target", root / f"{family}-drafter"
     target.mkdir(parents=True, exist_ok=True)
     _write_target(target, family, seed)
     _write_drafter(drafter, family, seed)
+    for d in (target, drafter):
+        d.chmod(0o755)
+        for dirpath, dirs, files in os.walk(d):
+            for n in dirs:
+                os.chmod(os.path.join(dirpath, n), 0o755)
+            for n in files:
+                p = os.path.join(dirpath, n)
+                if not os.path.islink(p):
+                    os.chmod(p, 0o644)
     return {"target": str(target), "drafter": str(drafter)}
 
 
