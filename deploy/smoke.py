@@ -149,7 +149,9 @@ def outcome(res: dict) -> tuple[int, str]:
     if rep.get("cannot_run"):
         return EXIT_CANNOT_RUN, f"cannot run: {rep['cannot_run']}"
     if res.get("timed_out"):
-        return EXIT_FAILED, "the smoke test did not finish within its deadline (its servers were stopped)"
+        tail = (res.get("stderr") or "").strip().splitlines()[-2:]
+        return EXIT_FAILED, ("the smoke test did not finish within its deadline (its servers were stopped; raise "
+                             "--timeout)" + (f"; it had said: {' | '.join(tail)}" if tail else ""))
     if not rep:
         tail = (res.get("stderr") or "").strip().splitlines()[-3:]
         return EXIT_FAILED, f"the smoke module exited {res.get('rc')} without a report: {' | '.join(tail)}"

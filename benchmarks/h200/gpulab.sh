@@ -46,7 +46,7 @@ inventory() {  # the inventory the chroot's fab reads: INV (default inventory/gp
       grep -q "^  mode: $MODE$" "$out" || { echo "no mode line in $inv" >&2; return 1; }
     fi
     # fab bench keeps its results beside the inventory (bench/HOST/RELEASE.json): the copy reads the original's
-    [ -e "$B/tmp/bench" ] || ln -s "/src/$(dirname "$inv")/bench" "$B/tmp/bench"
+    [ -L "$B/tmp/bench" ] || ln -s "/src/$(dirname "$inv")/bench" "$B/tmp/bench"
     inv=${out#"$B"}
   fi
   echo "$inv"

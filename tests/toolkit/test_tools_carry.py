@@ -109,3 +109,28 @@ def test_run_transient_hands_the_service_env_to_the_module_as_a_file(wheel, tmp_
     with pytest.raises(Failure, match="set by the run"):  # refused before anything is installed or run
         hostsmoke.run_transient(ctx(wheel.data), "/nonexistent", "ddtree-smoke-0123456789ab", build,
                                 wheel.agent_args(), service_env={"PATH": "/tmp"})
+
+
+def test_the_smoke_servers_must_start_before_the_deadline_leaves_no_time_to_say_why(tmp_path):
+    """The module gets a start timeout inside the op's deadline (the module's own parser reads it), so a slow
+    start ends with the server's reason rather than the deadline's kill."""
+    smokemod = pytest.importorskip("sglang_ddtree_tools.smoke")
+    a = {"gpu": 0, "mode": "tree-verify", "family": "hybrid", "budget": 31, "prompts": 4, "tokens": 32}
+    report = str(tmp_path / "r.json")
+    for runtime_max in (45, 135, 885):
+        argv = hostsmoke.smoke_argv("/v/bin/python", a, report, "ddtree-smoke-0123456789ab", runtime_max)
+        st = float(argv[argv.index("--start-timeout") + 1])
+        assert st == max(20, runtime_max - hostsmoke.START_MARGIN_S)
+        r = subprocess.run([sys.executable, "-c", "import sys; from sglang_ddtree_tools import smoke; "
+                            "smoke.gpu_device_problem = lambda g: 'no GPU here'; sys.exit(smoke.main(sys.argv[1:]))"]
+                           + argv[3:], capture_output=True, text=True, timeout=120)
+        assert r.returncode == smokemod.EXIT_CANNOT_RUN, r.stderr  # every word parsed, then refused for the GPU
+
+
+def test_a_deadline_says_what_the_smoke_had_reached():
+    from deploy import smoke as ctl
+
+    code, line = ctl.outcome({"timed_out": True, "stderr": "GPU 0: 9 of 80 MiB in use\nplain: healthy after 41s\n"})
+    assert code == ctl.EXIT_FAILED and "did not finish within its deadline" in line
+    assert line.endswith("it had said: GPU 0: 9 of 80 MiB in use | plain: healthy after 41s"), line
+    assert "it had said" not in ctl.outcome({"timed_out": True, "stderr": ""})[1]

@@ -33,14 +33,18 @@ REPORT_MAX = 8 << 20  # a report larger than this is not read (the control side 
 TOOLS_DIST = "sglang-ddtree-tools"  # the tools' distribution (the control side's deploy/tools.py DIST)
 TOOLS_MODULE = "sglang_ddtree_tools"
 TOOLS_MAX = 16 << 20  # the tools wheel is pure Python, a few hundred KiB
+START_MARGIN_S = 40  # what the smoke needs after its servers are up: generate, re-score, the unsupported request
 
 
 def smoke_argv(python, a, report, prefix, runtime_max):
-    """The smoke module's command line (the control side shows the same fields in its plan)."""
+    """The smoke module's command line (the control side shows the same fields in its plan). Its servers must be
+    healthy START_MARGIN_S before the op's deadline: a server that starts too slowly is then reported by the module
+    with its log's last exception line, not cut off by the deadline with nothing said."""
     argv = [python, "-m", TOOLS_MODULE + ".smoke", "--gpu", str(a["gpu"]), "--mode", a["mode"],
             "--family", a["family"], "--budget", str(a["budget"]), "--prompts", str(a["prompts"]),
             "--tokens", str(a["tokens"]), "--launcher", "systemd-run", "--unit-prefix", prefix,
-            "--runtime-max", str(int(runtime_max)), "--json", report]
+            "--runtime-max", str(int(runtime_max)),
+            "--start-timeout", str(max(20, int(runtime_max) - START_MARGIN_S)), "--json", report]
     if a.get("user"):
         argv += ["--user", a["user"]]
     return argv
