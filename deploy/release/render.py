@@ -51,7 +51,7 @@ MODE_ENV = contract.MODE_ENV
 BUDGET_ENV = contract.BUDGET_ENV
 ALGORITHM = {m: contract.algorithm(m) for m in contract.MODES}
 
-SECRET_KEY_RE = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|CREDENTIAL|PRIVATE_KEY)", re.I)
+SECRET_KEY_RE = re.compile("(" + "|".join(contract.SECRET_NAME_MARKERS) + ")", re.I)  # contract.secret_name
 # JIT caches: under the unit's CacheDirectory (/var/cache/sglang-ddtree/gpuN, kept by systemd across restarts),
 # one folder per payload (plugin source + overlays + launcher: what a release changes in the code that compiles),
 # so a restart or a rollback to the same payload finds its kernels compiled, and a new payload never picks up

@@ -50,6 +50,7 @@ def test_the_plans_carry_the_services_env_less_what_the_run_sets(tmp_path):
     ({"CUDA_VISIBLE_DEVICES": "0,1"}, "set by the run"),
     ({hostcontract.MODE_ENV: "tree-verify"}, "set by the run"),
     ({"TRITON_CACHE_DIR": "/tmp/x"}, "set by the run"),
+    ({"HF_TOKEN": "hf_abc"}, "looks like a secret"),
     ({"A": "x\nExecStart=/bin/sh"}, "not a plain string"),
     ({"A": "$(id)"}, "not a plain string"),
     ({"A": 1}, "not a plain string"),
@@ -96,3 +97,12 @@ def test_load_service_env_refuses_what_is_not_a_name_to_string_map(tmp_path):
         f.write_text(json.dumps(bad))
         with pytest.raises(ValueError, match="variable names to strings"):
             servers.load_service_env(str(f))
+
+
+def test_the_hosts_secret_rule_is_the_renderers():
+    from deploy.release import render
+
+    for name in ("HF_TOKEN", "hf_token", "DB_PASSWORD", "OPENAI_API_KEY", "NCCL_DEBUG", "SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK",
+                 "TOKENIZERS_PARALLELISM"):
+        assert hostcontract.secret_name(name) == bool(render.SECRET_KEY_RE.search(name)), name
+    assert hostcontract.secret_name("hf_token") and not hostcontract.secret_name("NCCL_DEBUG")

@@ -88,6 +88,9 @@ def check_service_env(env):
             raise Failure("bad-args", "env: %r is not a variable name" % (k if isinstance(k, str) else type(k)))
         if k in ENV_SET_BY_RUN:
             raise Failure("bad-args", "env: %s is set by the run itself" % k)
+        if contract.secret_name(k):  # systemd-run's argv would show it
+            raise Failure("bad-args", "env: %s looks like a secret: secrets never go into a server's environment "
+                          "by argument" % k)
         if not (isinstance(v, str) and len(v) <= 4096 and ENV_VALUE_RE.match(v)):
             raise Failure("bad-args", "env: the value of %s is not a plain string" % k)
     return dict(env)

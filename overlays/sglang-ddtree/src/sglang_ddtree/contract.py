@@ -337,6 +337,15 @@ JIT_CACHE_ENV = (("TRITON_CACHE_DIR", "triton"), ("FLASHINFER_WORKSPACE_BASE", "
 XDG_CACHE_ENV = ("XDG_CACHE_HOME", "xdg")
 #: The cache directory (under /var/cache) of the transient bench and smoke servers run as the service user.
 TRANSIENT_CACHE = "ddtree-transient"
+#: Parts of a variable name that mark it a secret (any case): such a variable never goes into a unit, a release or
+#: a server's environment by argument; secrets live in a 0600 file on the host.
+SECRET_NAME_MARKERS = ("TOKEN", "SECRET", "PASSWORD", "PASSWD", "API_KEY", "CREDENTIAL", "PRIVATE_KEY")
+
+
+def secret_name(name: str) -> bool:
+    """Whether an environment variable's name looks like a secret's (:data:`SECRET_NAME_MARKERS`)."""
+    upper = str(name).upper()
+    return any(m in upper for m in SECRET_NAME_MARKERS)
 
 
 # ----------------------------------------------------------------------------- the server
