@@ -164,3 +164,28 @@ def test_expected_accept_matches_a_simulation_through_the_plugins_tree():
     assert abs(chain / n - e["chain"]) < 0.03
     assert abs(tree_acc / n - e["tree"]) < 0.03
     assert e["tree"] > e["chain"]
+
+
+def test_decode_walk_visits_the_anchors_where_each_step_stopped():
+    # anchor 0 commits 3 (next at 3), anchor 3 commits 2 (next at 5), anchor 5 commits 1 (next at 6: past the row)
+    w = markov.decode_walk([[3, 9, 9, 2, 9, 1]])
+    assert (w["tokens"], w["steps"]) == (6, 3)
+    assert (w["anchor_tokens"], w["anchors"]) == (33, 6)
+    assert markov.decode_walk(torch.tensor([[3, 9, 9, 2, 9, 1], [1, 1, 1, 1, 1, 1]])) == {
+        "tokens": 12, "steps": 9, "anchor_tokens": 39, "anchors": 12}
+
+
+def test_decode_walk_is_below_the_every_anchor_mean_when_stretches_differ():
+    """An easy stretch (every anchor accepts 8) is crossed in one step per 8 tokens, a hard one (1) in one step per
+    token: a server's accept length weights the hard stretch by its steps, the every-anchor mean by its length."""
+    row = [8] * 64 + [1] * 64
+    w = markov.decode_walk([row])
+    assert w["anchor_tokens"] / w["anchors"] == 4.5
+    assert (w["tokens"], w["steps"]) == (128, 8 + 64)  # 128 / 72 = 1.78 tokens a step
+    flat = markov.decode_walk([[4] * 128])  # the same drafter quality everywhere: both figures agree
+    assert flat["tokens"] / flat["steps"] == flat["anchor_tokens"] / flat["anchors"] == 4
+
+
+def test_decode_walk_refuses_a_step_that_commits_nothing():
+    with pytest.raises(ValueError, match="at least its bonus"):
+        markov.decode_walk([[2, 0, 1]])

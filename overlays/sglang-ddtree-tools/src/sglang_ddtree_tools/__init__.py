@@ -16,6 +16,8 @@ run (installed into the run's private work directory, on ``PYTHONPATH`` of that 
 * :mod:`sglang_ddtree_tools.tiny`         - tiny seeded models
 * :mod:`sglang_ddtree_tools.markov`       - a seeded synthetic language with known branching; exact accept estimator
 * :mod:`sglang_ddtree_tools.trainkit`     - ``python -m sglang_ddtree_tools.trainkit``: trained tiny pairs
+* :mod:`sglang_ddtree_tools.replay`       - ``python -m sglang_ddtree_tools.replay``: a kit's prompts decoded as a
+  server does, step by step: the accept length a server should report with that pair
 """
 
 from importlib.metadata import PackageNotFoundError, version as _version

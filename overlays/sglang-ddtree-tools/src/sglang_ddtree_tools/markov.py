@@ -125,6 +125,7 @@ __all__ = [
     "make_source",
     "expected_accept",
     "accept_lengths",
+    "decode_walk",
     "tree_rank_tuples",
 ]
 
@@ -387,3 +388,35 @@ def accept_lengths(logits: torch.Tensor, truth: torch.Tensor, budgets: Sequence[
         tree = build_tree_from_candidates(lp.view(r, length, k).cpu(), cid.view(r, length, k).cpu(), int(b))
         out[f"tree_B{b}"] = tree_walk_accept(tree, truth.cpu())
     return out
+
+
+def decode_walk(lengths) -> Dict[str, int]:
+    """What greedy speculative decoding of a text reports, from the accept length at each of its anchors.
+
+    ``lengths``: one row per text (a list of lists or an int tensor ``[N, A]``); ``lengths[s][i]`` is the accept
+    length (bonus included, >= 1) of a step whose bonus token sits at the text's anchor ``i``, anchor 0 being the
+    first decode step's.  A step at anchor ``i`` commits ``lengths[s][i]`` tokens and the next step's bonus is at
+    anchor ``i + lengths[s][i]``: a server visits those anchors only, the ones right after a rejection, so its
+    accept length is *not* the mean over every anchor (which weights each position once and so counts the easy
+    stretches that one step crosses whole many times over).  The walk stops at the first anchor past the row (no
+    full block left there, as a request's last steps are cut by its token limit).
+
+    Returns ``{"tokens": committed tokens, "steps": decode steps}`` summed over the texts: ``tokens / steps`` is
+    what SGLang reports as the accept length of these requests (``completion_tokens / spec_verify_ct``, pooled),
+    and ``"anchor_tokens"`` / ``"anchors"`` the per-anchor sum and count, for the mean over every anchor."""
+    rows = lengths.tolist() if hasattr(lengths, "tolist") else [list(r) for r in lengths]
+    tokens = steps = anchor_tokens = anchors = 0
+    for s, row in enumerate(rows):
+        bad = next((i for i, n in enumerate(row) if int(n) < 1), None)
+        if bad is not None:
+            raise ValueError(f"accept length {row[bad]} at text {s}, anchor {bad}: every step commits at least its "
+                             "bonus token")
+        i = 0
+        while i < len(row):
+            n = int(row[i])
+            tokens += n
+            steps += 1
+            i += n
+        anchor_tokens += sum(int(x) for x in row)
+        anchors += len(row)
+    return {"tokens": tokens, "steps": steps, "anchor_tokens": anchor_tokens, "anchors": anchors}

@@ -34,9 +34,13 @@ What it does, per family
    :func:`~sglang_ddtree.step.merge_vocab_shards`,
    :func:`~sglang_ddtree.step.build_tree_from_candidates`); plus the per-depth rank
    histogram of the true token and :func:`sglang_ddtree_tools.markov.expected_accept` on
-   the measured profile.  Accept lengths count the bonus token, as SGLang's do.  An
-   average over anchors, not a served figure: serving visits anchors where the last
-   step stopped.
+   the measured profile.  Accept lengths count the bonus token, as SGLang's do.  Each
+   is given twice: the mean over every anchor, and the figure a server decoding the
+   same prompts reports (``offline["decode"]``, :func:`sglang_ddtree_tools.markov.decode_walk`):
+   a server visits only the anchors where its last step stopped, right after a
+   rejection, so its accept length is lower than the mean over every anchor whenever
+   the drafter is better on some stretches than on others.  Hold a served accept
+   length against ``decode``.
 
 The drafter is SGLang 0.5.17's DFlash computation
 -------------------------------------------------
@@ -673,13 +677,28 @@ def draft_rows(drafter, embed, lm_head, seq, feats, anchors, block: int, mask_id
     return logits[:, 1:], labels[:, 0, 1:]
 
 
+def _walk_mean(lengths, n: int) -> float:
+    """:func:`markov.decode_walk`'s accept length over ``n`` texts whose per-anchor lengths are ``lengths``
+    (text-major, as :func:`offline_accept` lays its rows out), less each text's last anchor: a step there that
+    accepts its whole block would end one token past the text."""
+    from .markov import decode_walk
+
+    w = decode_walk(lengths.view(n, -1)[:, :-1])
+    return round(w["tokens"] / max(1, w["steps"]), 3)
+
+
 def offline_accept(drafter, target, prompts, gen_tokens, p: Preset, device, budgets=BUDGETS, rows: int = 512) -> dict:
-    """Chain (blocks 8 and 16) and DDTree (``budgets``) accept lengths at every anchor of the greedy text.
+    """Chain (blocks 8 and 16) and DDTree (``budgets``) accept lengths of the drafter on the greedy text.
 
     Anchors: every position ``p`` of the target's greedy continuation with a full block inside it
     (``prompt_len <= p <= S - blk``).  Trees: the plugin's candidate path (top-K per depth with the
     tie rule, K = B) and ``build_tree_from_candidates`` on CPU tensors (its torch builder, identical
-    to the Triton one), walked with the true continuation."""
+    to the Triton one), walked with the true continuation.
+
+    Two figures per chain and tree: ``chain_block<k>`` / ``tree_B<b>`` are the mean over every anchor (how good
+    the drafter is at an arbitrary position); ``decode["chain_block<k>"]`` / ``decode["tree_B<b>"]`` are what a
+    server decoding these prompts greedily reports (:func:`markov.decode_walk`: it visits only the anchors where
+    its last step stopped, the hard ones), the figure to hold a served accept length against."""
     torch = _torch()
     from .markov import accept_lengths, expected_accept
 
@@ -693,6 +712,8 @@ def offline_accept(drafter, target, prompts, gen_tokens, p: Preset, device, budg
     blocks = sorted({b for b in (8, 16) if b <= p.block} | {p.block})
     kmax = min(max(budgets), p.vocab)
     res: Dict[str, object] = {}
+    decode: Dict[str, float] = {}
+    res["decode"] = decode
     for blk in blocks:
         anc = torch.arange(plen, s - blk + 1, device=device)
         row_seq = torch.arange(n, device=device).repeat_interleave(anc.numel())
@@ -715,6 +736,7 @@ def offline_accept(drafter, target, prompts, gen_tokens, p: Preset, device, budg
                 trees[b].append(acc[f"tree_B{b}"])
         chain_t = torch.cat(chain).float()
         res[f"chain_block{blk}"] = round(float(chain_t.mean()), 3)
+        decode[f"chain_block{blk}"] = _walk_mean(torch.cat(chain), n)
         if blk != p.block:
             continue
         rk = torch.cat(ranks)
@@ -725,6 +747,7 @@ def offline_accept(drafter, target, prompts, gen_tokens, p: Preset, device, budg
             t = torch.cat(trees[b]).float()
             res[f"tree_B{b}"] = round(float(t.mean()), 3)
             res[f"tree_B{b}_over_chain"] = round(float(t.mean()) / float(chain_t.mean()), 3)
+            decode[f"tree_B{b}"] = _walk_mean(torch.cat(trees[b]), n)
         # the estimator on the measured profile (mean sorted probabilities, the truth's rank frequencies):
         # how far the independence model is from the direct measurement above
         prof = prof_sum / rk.shape[0]
@@ -851,6 +874,8 @@ def run(out_dir: str, seed: int, families, device: str, preset: Preset, preset_n
         est = offline_accept(drafter, target, prompts, gen_tokens, p, dev)
         _log(f"{family}: offline accept ({est.get('anchors')} anchors, {time.time() - t_o:.1f}s): "
              + ", ".join(f"{k} {v}" for k, v in est.items() if k.startswith(("chain", "tree"))))
+        _log(f"{family}: decoded as a server does (the anchors where each step stopped): "
+             + ", ".join(f"{k} {v}" for k, v in est["decode"].items()))
         _log(f"{family}: truth rank per depth [r0, r1, r2, r3+]: {est.get('truth_rank_hist_per_depth', [])[:6]}")
         write_target(target, tcfg, part / f"{family}-target")
         write_drafter(drafter, dcfg, part / f"{family}-drafter")
@@ -880,7 +905,8 @@ def run(out_dir: str, seed: int, families, device: str, preset: Preset, preset_n
         o, g = fm["offline"], fm["greedy"]
         _log(f"SUMMARY {fam}: target greedy = source greedy on {g['greedy_all_equal']}/{g['prompts']} prompts "
              f"(prefix agreement {g['greedy_prefix_agreement']}, teacher-forced {g['teacher_forced_agreement']}); "
-             + "; ".join(f"{k} {v}" for k, v in o.items() if k.startswith(("chain", "tree"))))
+             + "; ".join(f"{k} {v}" for k, v in o.items() if k.startswith(("chain", "tree")))
+             + "; decoded: " + "; ".join(f"{k} {v}" for k, v in o["decode"].items()))
     return manifest
 
 
