@@ -73,3 +73,6 @@ def test_an_unknown_step_or_missing_arguments_are_refused(tmp_path):
     r = subprocess.run(["bash", str(DEVICE), "bench", "hybrid"], capture_output=True, text=True, env=_env(tmp_path),
                        cwd=ROOT, timeout=60)
     assert r.returncode != 0 and "MODES" in r.stderr
+    r = subprocess.run(["bash", str(DEVICE), "replay", "dense"], capture_output=True, text=True, env=_env(tmp_path),
+                       cwd=ROOT, timeout=60)
+    assert r.returncode != 0 and "BUDGETS" in r.stderr

@@ -21,6 +21,9 @@
 #                                                         -> $OUT/bench-FAMILY-gGLUE[-GRAPHS][-ovOVERLAP][-TAG].{json,txt,png}
 #                             and the logs (with SPY=1 the py-spy captures; with RAW_TRACES=1 the DDTREE servers'
 #                             profiler traces) -> $OUT/bench-...-raw.tgz (only the logs where that passes 16 MB)
+#   replay FAMILY BUDGETS     python -m sglang_ddtree_tools.replay on the kit's prompts (128 tokens, cuda): the
+#                             accept length a server with this pair should report, to hold bench's against
+#                             -> $OUT/replay-FAMILY.{json,txt}
 #   matrix FAMILY BUDGETS     python -m ddtree_checks.serve_matrix (item 6, 64 x 128, conc 1 and 8;
 #                             MATRIX_OVERLAP=both serves each tree-verify budget on both schedulers)
 #                             -> $OUT/matrix-FAMILY.{json,txt}
@@ -31,7 +34,7 @@ export PYTHONPATH=$SITE:$PWD/overlays/sglang-ddtree/gpu_checks SGLANG_SKIP_SGL_K
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" "$SITE"
-step=${1:?step: install, setup, cpuspeed, glue, kit, unkit, bench or matrix}; shift
+step=${1:?step: install, setup, cpuspeed, glue, kit, unkit, bench, replay or matrix}; shift
 # never `pkill -f sglang.launch_server`: the pattern is in this shell's own command line when a caller passes it
 stop_servers() { pkill -f "[s]glang.launch_server" 2>/dev/null; sleep 2; pkill -9 -f "[s]glang.launch_server" 2>/dev/null; true; }
 case "$step" in
@@ -114,6 +117,12 @@ print(round((time.perf_counter() - t) * 1000, 1))')"
     [ "$(stat -c %s "$OUT/$name-raw.tgz")" -lt 16000000 ] || \
       (cd "$o" && tar czf "$OUT/$name-raw.tgz" logs)
     exit $rc;;
+  replay)
+    fam=${1:?FAMILY} budgets=${2:?BUDGETS}
+    set -o pipefail
+    timeout "${REPLAY_TIMEOUT:-400}" python3 -m sglang_ddtree_tools.replay /tmp/tiny --family "$fam" \
+      --budgets "$budgets" --new 128 --device cuda ${PROMPTS:+--prompts "$PROMPTS"} --json "$OUT/replay-$fam.json" \
+      2>&1 | tee "$OUT/replay-$fam.txt";;
   matrix)
     # FAMILIES: one or more (space-separated: each family's matrix runs as its own process, side by side - the
     # lossless statistic is not a speed figure, and the two together take the time of one)
