@@ -17,7 +17,31 @@ def sudo_inventory(lab, tmp_path):
     assert "\n  user: root\n" in text
     p = tmp_path / "lab-sudo.yaml"
     p.write_text(text.replace("\n  user: root\n", "\n  user: deploy\n"))
+    _deploy_can_log_in(lab)
     return p
+
+
+def _deploy_can_log_in(lab, within: float = 30.0) -> None:
+    """Every lab host lets `deploy` in before the test starts. A host whose sshd refuses non-root logins for a
+    while (PAM's nologin while its systemd is not yet, or no longer, fully up) is waited for, up to ``within``;
+    one that still refuses fails here with sshd's own words, not as the toolkit's failure further on."""
+    import dataclasses
+    import time
+
+    from labstate import ssh
+
+    deadline = time.time() + within
+    for name, h in lab.hosts.items():
+        inv = dataclasses.replace(lab, hosts={**lab.hosts, name: dataclasses.replace(h, user="deploy")})
+        while True:
+            r = ssh(inv, name, "true", check=False)
+            if r.returncode == 0:
+                break
+            if time.time() > deadline:
+                why = ssh(lab, name, "journalctl -q --no-pager -n 5 -u ssh; ls -l /run/nologin /etc/nologin 2>&1",
+                          check=False)
+                pytest.fail(f"{name}: deploy cannot log in: {r.stderr.strip()}\n{why.stdout}")
+            time.sleep(1)
 
 
 def torch_versions(fab, inv):
