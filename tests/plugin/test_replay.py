@@ -80,3 +80,17 @@ def test_cli_refuses_a_folder_that_is_no_kit(tmp_path, capsys):
     with pytest.raises(SystemExit):
         replay.main([str(tmp_path)])
     assert "prompts.jsonl" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("line, msg", [("not json", ":2: not a JSON object"), ('{"input_ids": [1, 99999]}', ":2: input_ids"),
+                                       ('{"input_ids": []}', ":2: input_ids"), ('{"ids": [1]}', ":2: not a JSON")])
+def test_a_bad_prompt_line_is_named_by_its_number(kit, tmp_path, line, msg):
+    import shutil
+
+    out, _ = kit
+    bad = tmp_path / "kit"
+    shutil.copytree(out, bad)
+    first = (out / "prompts.jsonl").read_text().splitlines()[0]
+    (bad / "prompts.jsonl").write_text(first + "\n" + line + "\n")
+    with pytest.raises(SystemExit, match=msg):
+        replay.replay_family(bad, "dense", budgets=(), new=8)

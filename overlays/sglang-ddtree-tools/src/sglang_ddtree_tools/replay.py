@@ -148,17 +148,15 @@ def replay_family(kit: Path, family: str, budgets: Sequence[int], new: int, bloc
     target, drafter, dcfg = load_pair(kit, family, device)
     blk = int(block or dcfg["dflash_config"]["block_size"])
     mask_id = int(dcfg["dflash_config"]["mask_token_id"])
-    rows = [json.loads(x) for x in (kit / "prompts.jsonl").read_text().splitlines() if x.strip()]
+    rows = _prompts(kit / "prompts.jsonl", int(target.config.vocab_size))
     rows = rows[:prompts] if prompts else rows
-    if not rows:
-        raise SystemExit(f"replay: {kit / 'prompts.jsonl'} has no prompt")
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
     out: Dict[str, object] = {"family": family, "block": blk, "new": new, "prompts": len(rows), "modes": {}}
     for mode, budget in [("chain", None)] + [(f"tree_B{b}", int(b)) for b in budgets]:
         tokens = steps = 0
         per_anchor, texts_equal = [], 0
         for r in rows:
-            prompt = [int(t) for t in r["input_ids"]]
+            prompt = r
             got = decode(target, drafter, prompt, new, blk, mask_id, budget)
             with torch.no_grad():
                 ids = torch.tensor([prompt], device=device)
@@ -188,6 +186,26 @@ def replay_family(kit: Path, family: str, budgets: Sequence[int], new: int, bloc
             "walk_steps": walk["steps"],
             "every_anchor": round(walk["anchor_tokens"] / max(1, walk["anchors"]), 4),
             "texts_equal_greedy": texts_equal}
+    return out
+
+
+def _prompts(path: Path, vocab: int) -> List[List[int]]:
+    """The kit's held-out prompts (``input_ids`` of each line), every id checked against the target's vocabulary;
+    a bad line is named by its number."""
+    out = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            ids = json.loads(line)["input_ids"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise SystemExit(f"replay: {path}:{n}: not a JSON object with input_ids ({e})")
+        if not isinstance(ids, list) or not ids or \
+                not all(type(t) is int and 0 <= t < vocab for t in ids):
+            raise SystemExit(f"replay: {path}:{n}: input_ids must be a non-empty list of token ids in [0, {vocab})")
+        out.append(ids)
+    if not out:
+        raise SystemExit(f"replay: {path} has no prompt")
     return out
 
 
