@@ -13,7 +13,7 @@ DEVICE = ROOT / "benchmarks" / "h200" / "device.sh"
 
 
 def test_both_scripts_parse():
-    for name in ("device.sh", "batches.sh"):
+    for name in ("device.sh", "batches.sh", "gpulab.sh"):
         r = subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "h200" / name)], capture_output=True, text=True)
         assert r.returncode == 0, r.stderr
 
@@ -76,3 +76,29 @@ def test_an_unknown_step_or_missing_arguments_are_refused(tmp_path):
     r = subprocess.run(["bash", str(DEVICE), "replay", "dense"], capture_output=True, text=True, env=_env(tmp_path),
                        cwd=ROOT, timeout=60)
     assert r.returncode != 0 and "BUDGETS" in r.stderr
+
+
+def _gpulab_inventory(tmp_path, **env):
+    """gpulab.sh's inventory() as the fab step calls it, with the chroot's /tmp in tmp_path; the loaded copy."""
+    import re
+
+    from deploy.inventory import load_inventory
+
+    script = (ROOT / "benchmarks" / "h200" / "gpulab.sh").read_text()
+    fn = re.search(r"^inventory\(\) \{.*?^\}$", script, re.S | re.M).group(0)
+    base = tmp_path / "base"
+    r = subprocess.run(["bash", "-c", fn + '\nB="$0"; inventory', str(base)], capture_output=True, text=True,
+                       cwd=ROOT, env=dict(os.environ, **env), timeout=60)
+    assert r.returncode == 0, r.stderr
+    rel = r.stdout.strip()
+    return rel, (load_inventory(str(base / rel.lstrip("/"))) if rel.startswith("/tmp/") else None)
+
+
+def test_gpulab_serves_the_kits_dense_pair_with_family_dense(tmp_path):
+    rel, _ = _gpulab_inventory(tmp_path, FAMILY="hybrid")
+    assert rel == "inventory/gpulab.yaml"  # nothing asked of the copy: the inventory itself
+    rel, inv = _gpulab_inventory(tmp_path, FAMILY="dense", BUDGET="63")
+    v = inv.hosts["gpu-ref"].vars  # fleet vars resolved into each host
+    assert (v["model"], v["draft_model"], v["served_model_name"], v["budget"]) == \
+        ("/models/dense-target", "/models/dense-drafter", "tiny-dense", 63)
+    assert (tmp_path / "base" / "tmp" / "bench").is_symlink()  # fab bench's kept results: the original's

@@ -19,7 +19,8 @@
 #                      hosts' routers while a `fab` command runs; same INV and BUDGET); output $OUT/load-<n>.txt.
 #   host NAME CMD...   there: CMD on lab host NAME (gpu-ref, gpu-drift) over its sshd, as root; output
 #                      $OUT/host-<n>.txt (e.g. `systemd-analyze security sglang-ddtree@gpu0.service`).
-#   kit / kitwait [S]  there: trains the kit's hybrid pair on the GPU in the background (FAMILY, SEED), gives its
+#   kit / kitwait [S]  there: trains the kit's hybrid pair on the GPU in the background (FAMILY=hybrid|dense|both,
+#                      SEED; a later step's FAMILY=dense serves the dense pair: inventory() below), gives its
 #                      models a tokenizer (kit_tokenizer.py) and puts them, readable by the service user, in $KIT;
 #                      kitwait waits up to S seconds.
 #   down               there: `fab lab.down`, then the chroot's mounts.
@@ -33,10 +34,18 @@ step=${1:?step: prepare, up, kit, kitwait, sglang, fab, load, diag or down}; shi
 
 inventory() {  # the inventory the chroot's fab reads: INV (default inventory/gpulab.yaml), or its copy with the
   # fleet's node budget BUDGET=N and/or mode MODE=M (MODE=auto needs CONCURRENCY=N: what fab bench's result is for)
+  # and/or the kit's dense pair in place of its hybrid one (FAMILY=dense; the kit trained with FAMILY=both)
   local inv=${INV:-inventory/gpulab.yaml}
-  if [ -n "${BUDGET:-}${MODE:-}" ]; then
-    local out=$B/tmp/inventory-${BUDGET:-x}-${MODE:-x}.yaml
+  local fam=
+  [ "${FAMILY:-hybrid}" = dense ] && fam=dense
+  if [ -n "${BUDGET:-}${MODE:-}$fam" ]; then
+    local out=$B/tmp/inventory-${BUDGET:-x}-${MODE:-x}${fam:+-$fam}.yaml
     mkdir -p "$B/tmp"; cp "$inv" "$out"
+    if [ -n "$fam" ]; then
+      sed -i "s#^\(  [a-z_]*model: /models/\)hybrid-#\1dense-#; s/^  served_model_name: tiny-hybrid/  served_model_name: tiny-dense/" "$out"
+      grep -q "^  model: /models/dense-target" "$out" && grep -q "^  draft_model: /models/dense-drafter" "$out" || \
+        { echo "no hybrid model lines in $inv" >&2; return 1; }
+    fi
     if [ -n "${BUDGET:-}" ]; then
       sed -i "s/^  budget: [0-9]*\( *#.*\)\?$/  budget: $BUDGET/" "$out"
       grep -q "^  budget: $BUDGET$" "$out" || { echo "no budget line in $inv" >&2; return 1; }
