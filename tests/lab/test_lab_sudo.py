@@ -2,10 +2,13 @@
 `sudo -n` and root's SFTP (sftp-server started through sudo), the facts probe runs unprivileged."""
 from __future__ import annotations
 
+import dataclasses
 import json
+import time
 from pathlib import Path
 
 import pytest
+from labstate import ssh
 
 # ct200 as lab.up built it (+cu128), whatever ran on the lab before: tests/labstate.py
 pytestmark = [pytest.mark.lab, pytest.mark.usefixtures("lab_as_built")]
@@ -25,11 +28,6 @@ def _deploy_can_log_in(lab, within: float = 30.0) -> None:
     """Every lab host lets `deploy` in before the test starts. A host whose sshd refuses non-root logins for a
     while (PAM's nologin while its systemd is not yet, or no longer, fully up) is waited for, up to ``within``;
     one that still refuses fails here with sshd's own words, not as the toolkit's failure further on."""
-    import dataclasses
-    import time
-
-    from labstate import ssh
-
     deadline = time.time() + within
     for name, h in lab.hosts.items():
         inv = dataclasses.replace(lab, hosts={**lab.hosts, name: dataclasses.replace(h, user="deploy")})

@@ -36,12 +36,7 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-__all__ = ["Step", "decode", "load_pair", "replay_family", "main"]
-
-
-class Step(dict):
-    """One decode step: ``anchor`` (the bonus token's position in the text), ``accept`` (tokens it committed:
-    the accepted drafts and the target's next token), ``drafts`` (the candidates it verified)."""
+__all__ = ["decode", "load_pair", "replay_family", "main"]
 
 
 def _torch():
@@ -79,8 +74,12 @@ def _forward(target, ids):
 def decode(target, drafter, prompt: Sequence[int], new: int, block: int, mask_id: int,
            budget: Optional[int] = None) -> Dict[str, object]:
     """Greedy speculative decoding of one prompt for ``new`` tokens: DFLASH's chain (``budget`` None) or DDTREE's
-    tree of ``budget`` nodes.  Returns ``{"tokens": the emitted ids, "steps": [Step, ...]}``; the first token
-    (the prefill's) belongs to no step, and a step cut by ``new`` counts the tokens it kept."""
+    tree of ``budget`` nodes.  Returns ``{"tokens": the emitted ids, "steps": [...]}``, a step being ``{"anchor":
+    its bonus token's position after the prompt, "accept": tokens it committed (the accepted drafts and the
+    target's next token), "drafts": the candidates it verified}``; the first token (the prefill's) belongs to no
+    step, and a step cut by ``new`` counts the tokens it kept.  As in SGLang, a step's drafter context is the
+    features its previous verify forward captured (the prefill's for the first step): one target pass a chain
+    step."""
     torch = _torch()
     from . import trainkit
 
@@ -88,34 +87,35 @@ def decode(target, drafter, prompt: Sequence[int], new: int, block: int, mask_id
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
     seq = list(prompt)
     plen = len(seq)
-    steps: List[Step] = []
+    steps: List[dict] = []
     with torch.no_grad():
-        logits, _ = _forward(target, torch.tensor([seq], device=dev))
+        logits, feats = _forward(target, torch.tensor([seq], device=dev))
         seq.append(int(logits[0, -1].argmax()))
         while len(seq) - plen < new:
-            p = len(seq) - 1  # the bonus token's position: the context is [0, p)
+            p = len(seq) - 1  # the bonus token's position: the context is [0, p), the features of positions < p
             ids = torch.tensor([seq], device=dev)
-            _, feats = _forward(target, ids)
-            dl, _ = trainkit.draft_rows(drafter, embed, lm_head, ids, feats, torch.tensor([p], device=dev), block,
+            ctx = torch.cat([feats[:, :p], feats.new_zeros(1, 1, feats.shape[-1])], 1)  # the bonus: masked out
+            dl, _ = trainkit.draft_rows(drafter, embed, lm_head, ids, ctx, torch.tensor([p], device=dev), block,
                                         mask_id)
             if budget is None:
                 chain = dl[0].argmax(-1).tolist()
-                logits, _ = _forward(target, torch.tensor([seq + chain], device=dev))
+                logits, feats = _forward(target, torch.tensor([seq + chain], device=dev))
                 want = logits[0, p:].argmax(-1).tolist()  # want[j]: the target's token at p + j + 1
                 a = 0
                 while a < len(chain) and chain[a] == want[a]:
                     a += 1
                 got, drafts = chain[:a] + [want[a]], len(chain)
             else:
-                got, drafts = _tree_step(target, dl[0], seq, int(budget))
+                got, drafts, feats = _tree_step(target, dl[0], seq, int(budget))
             keep = got[:new - (len(seq) - plen)]
             seq.extend(keep)
-            steps.append(Step(anchor=p - plen, accept=len(keep), drafts=drafts))
+            steps.append({"anchor": p - plen, "accept": len(keep), "drafts": drafts})
     return {"tokens": seq[plen:], "steps": steps}
 
 
 def _tree_step(target, depth_logits, seq: List[int], budget: int):
-    """One DDTREE step: the plugin's tree from ``depth_logits`` [blk-1, V], verified greedily node by node."""
+    """One DDTREE step: the plugin's tree from ``depth_logits`` [blk-1, V], verified greedily node by node.
+    Returns (the committed tokens, the drafts verified, the features of the last forward: the accepted path's)."""
     torch = _torch()
     from sglang_ddtree.step import build_tree_from_candidates, draft_topk_candidates, merge_vocab_shards
 
@@ -128,12 +128,12 @@ def _tree_step(target, depth_logits, seq: List[int], budget: int):
     parents, tokens, valid = tree.parents[0].tolist(), tree.token_ids[0].tolist(), tree.valid[0].tolist()
     node, path = 0, []
     while True:
-        logits, _ = _forward(target, torch.tensor([seq + path], device=dev))
+        logits, feats = _forward(target, torch.tensor([seq + path], device=dev))
         nxt = int(logits[0, -1].argmax())
         child = next((i for i in range(len(parents)) if valid[i] and i != 0 and parents[i] == node
                       and tokens[i] == nxt), None)
         if child is None:
-            return path + [nxt], int(sum(valid)) - 1
+            return path + [nxt], int(sum(valid)) - 1, feats
         node = child
         path.append(nxt)
 
@@ -155,8 +155,7 @@ def replay_family(kit: Path, family: str, budgets: Sequence[int], new: int, bloc
     for mode, budget in [("chain", None)] + [(f"tree_B{b}", int(b)) for b in budgets]:
         tokens = steps = 0
         per_anchor, texts_equal = [], 0
-        for r in rows:
-            prompt = r
+        for prompt in rows:
             got = decode(target, drafter, prompt, new, blk, mask_id, budget)
             with torch.no_grad():
                 ids = torch.tensor([prompt], device=device)
