@@ -82,8 +82,8 @@ def test_cli_refuses_a_folder_that_is_no_kit(tmp_path, capsys):
     assert "prompts.jsonl" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("line, msg", [("not json", ":2: not a JSON object"), ('{"input_ids": [1, 99999]}', ":2: input_ids"),
-                                       ('{"input_ids": []}', ":2: input_ids"), ('{"ids": [1]}', ":2: not a JSON")])
+@pytest.mark.parametrize("line, msg", [("not json", ":2: not JSON"), ('{"input_ids": [1, 99999]}', ":2: token 99999"),
+                                       ('{"input_ids": []}', ":2: a prompt is"), ('{"ids": [1]}', ":2: a prompt is")])
 def test_a_bad_prompt_line_is_named_by_its_number(kit, tmp_path, line, msg):
     import shutil
 

@@ -189,23 +189,14 @@ def replay_family(kit: Path, family: str, budgets: Sequence[int], new: int, bloc
 
 
 def _prompts(path: Path, vocab: int) -> List[List[int]]:
-    """The kit's held-out prompts (``input_ids`` of each line), every id checked against the target's vocabulary;
-    a bad line is named by its number."""
-    out = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            ids = json.loads(line)["input_ids"]
-        except (ValueError, KeyError, TypeError) as e:
-            raise SystemExit(f"replay: {path}:{n}: not a JSON object with input_ids ({e})")
-        if not isinstance(ids, list) or not ids or \
-                not all(type(t) is int and 0 <= t < vocab for t in ids):
-            raise SystemExit(f"replay: {path}:{n}: input_ids must be a non-empty list of token ids in [0, {vocab})")
-        out.append(ids)
-    if not out:
-        raise SystemExit(f"replay: {path} has no prompt")
-    return out
+    """The kit's held-out prompts, read as ``bench`` reads them (the same prompts a served run sends), every id
+    checked against the target's vocabulary; a bad line is named by its number."""
+    from .bench import load_prompts
+
+    try:
+        return load_prompts(str(path), vocab)
+    except ValueError as e:
+        raise SystemExit(f"replay: {e}")
 
 
 def _table(res: Dict[str, object]) -> str:
