@@ -510,6 +510,20 @@ def _wait_ssh(h: LabHost, timeout: float = 60) -> None:
     raise LabError(f"{h.name}: sshd did not answer on {h.address}:22 within {timeout:.0f}s")
 
 
+def _wait_booted(h: LabHost, timeout: float = 180) -> None:
+    """Wait until the host's systemd has finished booting (``systemctl is-system-running --wait``: running, or
+    degraded). sshd answers early in the boot, but until systemd-user-sessions has run, PAM's nologin refuses every
+    login but root's ("System is booting up"), so a host handed over at its banner can turn the sudo user away."""
+    script = f"timeout {int(timeout)} systemctl is-system-running --wait"
+    p = _run(_ssh_argv(h, script), check=False, timeout=timeout + 15)
+    state = p.stdout.strip()
+    if state not in ("running", "degraded"):
+        jobs = _run(_ssh_argv(h, "systemctl list-jobs --no-pager | head -20; ls -l /run/nologin 2>&1"),
+                    check=False, timeout=30)
+        raise LabError(f"{h.name}: systemd did not finish booting within {timeout:.0f}s (state {state or '?'}: "
+                       f"{p.stderr.strip()[-300:]}):\n{jobs.stdout}")
+
+
 def _write_known_hosts() -> None:
     lines = []
     for d in sorted((LAB_DIR / "hosts").glob("*/host.json")):
@@ -557,6 +571,8 @@ def up(extra: int = 0, log=print, gpu: bool = False, tp: bool = False) -> dict:
     _write_known_hosts()
     for h in todo:
         _wait_ssh(h)
+    for h in todo:
+        _wait_booted(h)
     report = {"hosts": {h.name: actions.get(h.name, "running") for h in hosts},
               "base_build_seconds": base_seconds, "boot_seconds": round(time.time() - t1, 2),
               "total_seconds": round(time.time() - t0, 2), "known_hosts": str(known_hosts()),
