@@ -19,6 +19,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -511,9 +512,15 @@ def _wait_ssh(h: LabHost, timeout: float = 60) -> None:
 
 
 def _wait_booted(h: LabHost, timeout: float = 180) -> None:
-    """Wait until the host's systemd has finished booting (``systemctl is-system-running --wait``: running, or
-    degraded). sshd answers early in the boot, but until systemd-user-sessions has run, PAM's nologin refuses every
-    login but root's ("System is booting up"), so a host handed over at its banner can turn the sudo user away."""
+    """Wait until the host's systemd has finished booting (``systemctl is-system-running --wait``), then hand it
+    over only once it is running.
+
+    sshd answers early in the boot, but until systemd-user-sessions has run, PAM's nologin refuses every login but
+    root's ("System is booting up"), so a host handed over at its banner can turn the sudo user away. A boot that
+    finishes degraded (a unit that could not start, e.g. when its cgroup could not be made) gets each failed unit
+    started once more, as an operator would, and one whose logins are still closed gets systemd-user-sessions
+    started again; a host still refusing logins after that fails `lab.up` with its failed units and
+    systemd-user-sessions' status. What was started again, and what failed again, goes to stderr."""
     script = f"timeout {int(timeout)} systemctl is-system-running --wait"
     p = _run(_ssh_argv(h, script), check=False, timeout=timeout + 15)
     state = p.stdout.strip()
@@ -522,6 +529,23 @@ def _wait_booted(h: LabHost, timeout: float = 180) -> None:
                     check=False, timeout=30)
         raise LabError(f"{h.name}: systemd did not finish booting within {timeout:.0f}s (state {state or '?'}: "
                        f"{p.stderr.strip()[-300:]}):\n{jobs.stdout}")
+    # Each failed unit started once more; then, if logins are still closed, systemd-user-sessions (whose start
+    # is what opens them) once more too.
+    retry = ("for u in $(systemctl list-units --failed --plain --no-legend | awk '{print $1}'); do "
+             "echo \"started again: $u\"; systemctl reset-failed \"$u\"; systemctl start \"$u\" || "
+             "echo \"failed again: $u\"; done; if [ -e /run/nologin ]; then "
+             "echo 'logins still closed: systemd-user-sessions started again'; "
+             "systemctl restart systemd-user-sessions; fi")
+    p = _run(_ssh_argv(h, retry), check=False, timeout=120)
+    if p.stdout.strip():
+        print(f"lab: {h.name}: boot finished {state}: " + "; ".join(p.stdout.strip().splitlines()), file=sys.stderr)
+    closed = _run(_ssh_argv(h, "test ! -e /run/nologin || cat /run/nologin"), check=False, timeout=30).stdout.strip()
+    if closed:
+        status = _run(_ssh_argv(h, "systemctl --failed --plain --no-legend; "
+                                   "systemctl status --no-pager -n 5 systemd-user-sessions 2>&1 | head -20"),
+                      check=False, timeout=30)
+        raise LabError(f"{h.name}: boot finished {state}, and its logins are still closed after systemd-user-sessions "
+                       f"ran again (/run/nologin: {closed!r}):\n{p.stdout.strip()}\n{status.stdout}")
 
 
 def _write_known_hosts() -> None:
