@@ -94,3 +94,35 @@ def test_a_bad_prompt_line_is_named_by_its_number(kit, tmp_path, line, msg):
     (bad / "prompts.jsonl").write_text(first + "\n" + line + "\n")
     with pytest.raises(SystemExit, match=msg):
         replay.replay_family(bad, "dense", budgets=(), new=8)
+
+
+def test_decoding_runs_in_the_kits_precision(kit, monkeypatch):
+    """On CUDA trainkit trains and measures a kit under bfloat16 autocast (trainkit._autocast), makes the target's
+    greedy reference under it (greedy_generate), and the server serves the kit in bfloat16: replay decodes inside
+    that same context, so its text check compares like with like (a float32 replay against the bfloat16 reference
+    holds two different texts against each other)."""
+    import contextlib
+
+    out, _ = kit
+    depth = {"n": 0}
+    seen = []
+
+    @contextlib.contextmanager
+    def precision(device):
+        depth["n"] += 1
+        try:
+            yield
+        finally:
+            depth["n"] -= 1
+
+    real_decode = replay.decode
+
+    def decode(*a, **k):
+        seen.append(depth["n"])
+        return real_decode(*a, **k)
+
+    monkeypatch.setattr(tk, "_autocast", precision)
+    monkeypatch.setattr(replay, "decode", decode)
+    res = replay.replay_family(out, "dense", budgets=(), new=16, prompts=1)
+    assert res["modes"]["chain"]["texts_equal_greedy"] == 1
+    assert seen and all(d >= 1 for d in seen)

@@ -26,7 +26,10 @@ It reports three accept lengths per mode (bonus included, as SGLang counts them)
   quality at an arbitrary position, higher than a server's figure whenever some stretches are easier than others.
 
 And whether the emitted text is the target's own greedy continuation (it must be: speculation changes no output).
-The forwards are full-prefix, without a KV cache: a reference for the tiny pairs, not a server.
+The forwards are full-prefix, without a KV cache: a reference for the tiny pairs, not a server. They run in the
+precision trainkit trains and measures the kit in (:func:`sglang_ddtree_tools.trainkit._autocast`: bfloat16 autocast
+on CUDA, float32 on CPU), and the target's greedy continuation the text is held against is made in that precision
+too: a kit's drafter learned the bfloat16 target on CUDA, and the float32 target's greedy text is another text.
 """
 from __future__ import annotations
 
@@ -156,10 +159,11 @@ def replay_family(kit: Path, family: str, budgets: Sequence[int], new: int, bloc
         tokens = steps = 0
         per_anchor, texts_equal = [], 0
         for prompt in rows:
-            got = decode(target, drafter, prompt, new, blk, mask_id, budget)
+            with trainkit._autocast(device):  # the kit's own precision: trainkit trains and measures it so
+                got = decode(target, drafter, prompt, new, blk, mask_id, budget)
             with torch.no_grad():
                 ids = torch.tensor([prompt], device=device)
-                greedy = trainkit.greedy_generate(target, ids, new)[0].tolist()
+                greedy = trainkit.greedy_generate(target, ids, new)[0].tolist()  # under the same autocast
             texts_equal += got["tokens"] == greedy
             # per-anchor lengths of the emitted text at every anchor whose step, whatever it accepts, ends inside
             # the text (its block and the target's token after it); the replay's steps at those anchors are the
@@ -169,7 +173,7 @@ def replay_family(kit: Path, family: str, budgets: Sequence[int], new: int, bloc
             anc = torch.arange(len(prompt), s - blk, device=device)
             if anc.numel() == 0:
                 raise SystemExit(f"replay: --new {new} leaves no full block of {blk} after the prompt")
-            with torch.no_grad():
+            with torch.no_grad(), trainkit._autocast(device):
                 _, feats = _forward(target, text)
                 dl, truth = trainkit.draft_rows(drafter, embed, lm_head, text.expand(anc.numel(), -1),
                                                 feats.expand(anc.numel(), -1, -1), anc, blk, mask_id)
