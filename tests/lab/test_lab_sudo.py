@@ -36,7 +36,7 @@ def _deploy_can_log_in(lab) -> None:
         r = ssh(inv, name, "true", check=False)
         if r.returncode != 0 and "pam_nologin" in r.stderr:
             warnings.warn(f"{name}: logins closed after lab.up handed it over: {r.stderr.strip()}")
-            fleet._wait_booted(next(x for x in fleet.lab_hosts(0) if x.name == name))
+            fleet._wait_booted(fleet._host(name))
             r = ssh(inv, name, "true", check=False)
         if r.returncode != 0:
             why = ssh(lab, name, "journalctl -q --no-pager -n 5 -u ssh; ls -l /run/nologin /etc/nologin 2>&1",

@@ -10,6 +10,13 @@ from deploy.lab import fleet
 HOST = fleet.lab_hosts(0)[0]
 
 
+@pytest.fixture(autouse=True)
+def plain_ssh_argv(monkeypatch):
+    """The ssh command line without the lab's control key (fleet._ssh_argv would make one on a machine that has
+    none, through the faked _run)."""
+    monkeypatch.setattr(fleet, "_ssh_argv", lambda h, command: ["ssh", f"root@{h.address}", command])
+
+
 class FakeHost:
     """Answers the commands _wait_booted sends over ssh, as a host in the given state would."""
 

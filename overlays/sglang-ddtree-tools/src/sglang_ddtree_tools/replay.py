@@ -159,21 +159,18 @@ def replay_family(kit: Path, family: str, budgets: Sequence[int], new: int, bloc
         tokens = steps = 0
         per_anchor, texts_equal = [], 0
         for prompt in rows:
-            with trainkit._autocast(device):  # the kit's own precision: trainkit trains and measures it so
-                got = decode(target, drafter, prompt, new, blk, mask_id, budget)
-            with torch.no_grad():
-                ids = torch.tensor([prompt], device=device)
-                greedy = trainkit.greedy_generate(target, ids, new)[0].tolist()  # under the same autocast
-            texts_equal += got["tokens"] == greedy
-            # per-anchor lengths of the emitted text at every anchor whose step, whatever it accepts, ends inside
-            # the text (its block and the target's token after it); the replay's steps at those anchors are the
-            # walk's
-            text = torch.tensor([prompt + got["tokens"]], device=device)
-            s = text.shape[1]
-            anc = torch.arange(len(prompt), s - blk, device=device)
-            if anc.numel() == 0:
-                raise SystemExit(f"replay: --new {new} leaves no full block of {blk} after the prompt")
+            # the kit's own precision (trainkit trains and measures it so; greedy_generate enters it too)
             with torch.no_grad(), trainkit._autocast(device):
+                got = decode(target, drafter, prompt, new, blk, mask_id, budget)
+                greedy = trainkit.greedy_generate(target, torch.tensor([prompt], device=device), new)[0].tolist()
+                texts_equal += got["tokens"] == greedy
+                # per-anchor lengths of the emitted text at every anchor whose step, whatever it accepts, ends
+                # inside the text (its block and the target's token after it); the replay's steps at those anchors
+                # are the walk's
+                text = torch.tensor([prompt + got["tokens"]], device=device)
+                anc = torch.arange(len(prompt), text.shape[1] - blk, device=device)
+                if anc.numel() == 0:
+                    raise SystemExit(f"replay: --new {new} leaves no full block of {blk} after the prompt")
                 _, feats = _forward(target, text)
                 dl, truth = trainkit.draft_rows(drafter, embed, lm_head, text.expand(anc.numel(), -1),
                                                 feats.expand(anc.numel(), -1, -1), anc, blk, mask_id)
