@@ -150,27 +150,56 @@ def spec(cfg: dict, floor: float | None, floor_source: str, rescore: bool = True
 
 def plan_host(host, results: list[dict], plugin_digest: str | None) -> tuple[dict, dict]:
     """({instance: canary spec or None}, {instance: the line that says its canary and floor}) for a host's
-    enabled services."""
-    cfg = settings(host.vars)
-    specs, notes = {}, {}
-    for s in host.services:
-        if not s.enabled:
+    enabled services, as the inventory names them (what `fab deploy` gates)."""
+    return _plan(host.vars, [(s.instance, s.mode, s.model, s.draft_model, s.budget) for s in host.services
+                             if s.enabled], results, plugin_digest)
+
+
+def plan_manifest(host, manifest: dict, results: list[dict]) -> tuple[dict, dict]:
+    """The same for the services of a release's manifest (what `fab restart` and `fab rollback` gate: the release
+    that is restarted or rolled back to, with its own modes, budgets and plugin, read from the host and checked
+    here: a service whose manifest entry is not what a release writes gets the canary without a floor)."""
+    man = manifest if isinstance(manifest, dict) else {}
+    svcs = man.get("services") if isinstance(man.get("services"), dict) else {}
+    plugin = man.get("plugin") if isinstance(man.get("plugin"), dict) else {}
+    rows = []
+    for inst, s in svcs.items():
+        if not isinstance(s, dict) or s.get("enabled", True) is False:
             continue
+        mode = s.get("mode") if s.get("mode") in contract.MODES else None
+        rows.append((inst, mode, _text(s.get("model")), _text(s.get("draft_model")), s.get("budget")))
+    return _plan(host.vars, rows, results, _text(plugin.get("source_digest")))
+
+
+def _text(v):
+    return v if isinstance(v, str) else None
+
+
+def _plan(host_vars: dict, services, results: list[dict], plugin_digest: str | None) -> tuple[dict, dict]:
+    cfg = settings(host_vars)
+    specs, notes = {}, {}
+    for inst, mode, model, draft_model, budget in services:
         if not cfg.get("enabled", True):
-            specs[s.instance] = None
-            notes[s.instance] = "no canary (the inventory's canary.enabled is false)"
+            specs[inst] = None
+            notes[inst] = "no canary (the inventory's canary.enabled is false)"
             continue
         if cfg.get("accept_floor") is not None:
             floor, src = float(cfg["accept_floor"]), "the inventory's accept_floor"
+        elif mode is None:
+            floor, src = None, "its release names no mode this toolkit knows"
         else:
-            floor, src = bench_floor(results, plugin_digest=plugin_digest, model=s.model, draft_model=s.draft_model,
-                                     mode=s.mode, budget=s.budget)
-        rescore = s.mode in RESCORE_MODES
-        specs[s.instance] = spec(cfg, floor, src, rescore)
-        notes[s.instance] = (f"canary {len(specs[s.instance]['prompts'])} prompts x {cfg['tokens']} tokens, "
-                             + (f"margin {cfg['margin']} nats, " if rescore else
-                                f"no lossless re-score in {s.mode} mode (SGLang's DFLASH refuses logprobs), ")
-                             + (f"accept floor {floor} ({src})" if floor is not None else f"no accept floor: {src}"))
+            try:
+                floor, src = bench_floor(results, plugin_digest=plugin_digest, model=model, draft_model=draft_model,
+                                         mode=mode, budget=budget)
+            except (TypeError, ValueError):  # a budget no release writes (a hand-edited manifest)
+                floor, src = None, f"its budget {budget!r} is not one"
+        rescore = mode in RESCORE_MODES
+        specs[inst] = spec(cfg, floor, src, rescore)
+        notes[inst] = (f"canary {len(specs[inst]['prompts'])} prompts x {cfg['tokens']} tokens, "
+                       + (f"margin {cfg['margin']} nats, " if rescore else
+                          f"no lossless re-score in {mode} mode (SGLang's DFLASH refuses logprobs), " if mode else
+                          "no lossless re-score (a mode this toolkit does not know), ")
+                       + (f"accept floor {floor} ({src})" if floor is not None else f"no accept floor: {src}"))
     return specs, notes
 
 

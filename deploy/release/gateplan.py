@@ -1,6 +1,7 @@
-"""What each restarted GPU's gate is given at `fab deploy`, planned on the control side before the confirmation:
-its start timeout (from the expected start of its mode, budget and model family: deploy/startup.py) and its canary
-(deploy/canary.py), and the rollout's expected wall time, printed before anything changes."""
+"""What each restarted GPU's gate is given, planned on the control side before anything changes: its start timeout
+(from the expected start of its mode, budget and model family: deploy/startup.py) and its canary (deploy/canary.py)
+-- at `fab deploy` (`plan`, with the rollout's expected wall time, before the confirmation) and at `fab restart` and
+`fab rollback` (`runbook_canaries`: every GPU a runbook restarts proves itself before it goes back into the router)."""
 from __future__ import annotations
 
 from .. import bench, canary, startup
@@ -90,3 +91,18 @@ def plan(inventory_path: str, plans: dict, plugin_digest: str | None, parallel: 
     if est["gpus"]:
         out("local", startup.estimate_line(est))
     return est
+
+
+def runbook_canaries(inventory_path: str, host, manifest: dict | None, payload: dict, out) -> None:
+    """Give the gates of a restart's or a rollback's `payload` their canary, from `manifest` (the release its GPUs
+    come back on: its modes, budgets and plugin) and the inventory's `canary:` settings, and print what each one
+    checks. The floor comes from the host's bench results as at a deploy."""
+    results, _problems = bench.load_results(inventory_path, host.name)
+    specs, notes = canary.plan_manifest(host, manifest or {}, results)
+    canary.attach(payload, specs, {})
+    grouped: dict[str, list[str]] = {}
+    for b in payload.get("batches") or []:
+        for i in b["instances"]:
+            grouped.setdefault(notes.get(i, "no canary (not in the release's manifest)"), []).append(i)
+    for line, insts in grouped.items():
+        out(host.name, f"gate of {', '.join(insts)}: {line}")

@@ -193,6 +193,9 @@ def _runbook(inv: Inventory, hosts: list[Host], kind: str, plan_one, command: st
                 out(host.name, f"REFUSED {msg}")
             res.update(error="; ".join(refused), kind="refused", seconds=round(time.monotonic() - t, 2))
             return res
+        # the release the GPUs come back on: a rollback's target, a restart's current one
+        gated = (state.get("manifests") or {}).get(payload["journal"].get("release")) or state.get("manifest")
+        gateplan.runbook_canaries(inv.path, host, gated, payload, out)
         payload["journal"] = dict(payload["journal"], by=lock["holder"], command=command)
         r = run_host(inv, remote, host, payload, dict(lock, journal=f"{render.state_dir(host)}/journal.jsonl"), out, kind)
         res.update(r, seconds=round(time.monotonic() - t, 2),

@@ -89,3 +89,45 @@ def test_a_collapsed_acceptance_is_refused_by_the_floor_and_rolled_back(env, fab
     line = refused_and_rolled_back(env, fab, bad, good)
     assert line.endswith("gate FAILED at canary: accept length 1.000 over 4 prompts is below the floor 3.0 "
                          "(the inventory's accept_floor)"), line
+
+
+def test_restart_and_rollback_gate_with_the_canary_too(env, fab):
+    """Every GPU a runbook restarts proves itself before it goes back into the router, not only at a deploy: a lossy
+    release that got in with the canary switched off is kept out of the router by `fab restart` (the inventory's
+    canary on again), and `fab rollback` to that release is refused the same way; a deploy of the good release puts
+    the host right."""
+    lossy_env = {HOST: {"services": {0: {"env": {"LABSERVER_OFF_ARGMAX": "3"}}}}}
+    unguarded = lab_inventory(env["tmp"], "unguarded.yaml", keep=[HOST], vars={"budget": 12, "canary":
+                                                                               {"enabled": False}}, hosts=lossy_env)
+    guarded = lab_inventory(env["tmp"], "guarded.yaml", keep=[HOST], vars={"budget": 12}, hosts=lossy_env)
+    r = fab("deploy", "--yes", inventory=unguarded)
+    out = strip_ansi(r.stdout + r.stderr)
+    assert r.returncode == 0 and "no canary (the inventory's canary.enabled is false)" in out, out
+    lossy = row(fab, env["inv"])["release"]
+
+    def refused(out: str) -> None:
+        assert re.search(r"gate of gpu0: canary 4 prompts x \d+ tokens, margin 0\.125 nats", out), out
+        assert re.search(r"gpu0 :30000 gate FAILED at canary: prompt 0 \(12 token ids\) position 3: emitted token "
+                         r"\d+ is 2\.950 nats below", out), out
+        assert "gpu0 back in the router" not in out, out
+        now = row(fab, env["inv"])
+        assert now["release"] == lossy and now["router"] != "in/healthy", now  # kept out of the router
+
+    r = fab("restart", "--hosts", HOST, "--yes", inventory=guarded)
+    assert r.returncode != 0
+    refused(strip_ansi(r.stdout + r.stderr))
+    assert last_journal(env["lab"])["event"] == "restart" and last_journal(env["lab"])["ok"] is False
+
+    r = fab("deploy", "--yes", inventory=env["inv"])  # the good release: gated, canary passed, back in the router
+    assert r.returncode == 0, r.stdout + r.stderr
+    good = row(fab, env["inv"])
+    assert good["router"] == "in/healthy" and good["release"] != lossy, good
+    r = fab("rollback", "--hosts", HOST, inventory=guarded)
+    out = strip_ansi(r.stdout + r.stderr)
+    assert r.returncode != 0 and f"rollback {good['release']} -> {lossy}" in out, out
+    refused(out)
+    assert "gate failed after rollback on gpu0" in out, out
+
+    r = fab("deploy", "--yes", inventory=env["inv"])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert row(fab, env["inv"])["router"] == "in/healthy"

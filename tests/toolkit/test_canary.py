@@ -265,6 +265,60 @@ def test_restart_gates_get_the_start_timeout_of_their_mode_and_budget(tmp_path):
         startup.expected_start("tree-verify", 127, None), 7200) > s["gates"]["gpu0"]["start_timeout"]
 
 
+def _manifest(**services):
+    return {"plugin": {"source_digest": "d1"}, "services": services}
+
+
+def test_restart_and_rollback_gates_get_the_canary_of_the_release_they_come_back_on(tmp_path):
+    """`fab restart` and `fab rollback` gate with the canary too, planned from the release the GPUs come back on
+    (its mode, budget, model pair and plugin source), not from the inventory: a rollback to a `linear` release is
+    not re-scored, a tree-verify one is, and the floor is that release's bench result."""
+    h = inv(tmp_path, "canary: {tokens: 16}\n").hosts["a"]
+    man = _manifest(gpu0={"mode": "tree-verify", "budget": 31, "model": "/m/t", "draft_model": "/m/d"},
+                    gpu1={"mode": "linear", "budget": 31, "model": "/m/t", "draft_model": "/m/d"},
+                    gpu2={"mode": "tree-verify", "budget": 31, "enabled": False})
+    specs, notes = canary.plan_manifest(h, man, [dict(_result("2026-01-02", "d1", [
+        _run("tree-verify", 31, [(1, 5.0)]), _run("dflash", None, [(1, 4.0)])]))])
+    assert specs["gpu0"]["rescore"] is True and specs["gpu0"]["tokens"] == 16
+    assert specs["gpu0"]["accept_floor"] == pytest.approx(canary.FLOOR_FRACTION * 5.0)
+    assert specs["gpu1"]["rescore"] is False and specs["gpu1"]["accept_floor"] == pytest.approx(
+        canary.FLOOR_FRACTION * 4.0) and "no lossless re-score in linear mode" in notes["gpu1"]
+    assert "gpu2" not in specs  # a disabled service is not restarted
+    # another plugin source than the release's: no floor, said
+    specs, notes = canary.plan_manifest(h, dict(man, plugin={"source_digest": "d2"}), [_result(
+        "2026-01-02", "d1", [_run("tree-verify", 31, [(1, 5.0)])])])
+    assert specs["gpu0"]["accept_floor"] is None and "no bench result" in notes["gpu0"]
+
+    payload = {"batches": [{"instances": ["gpu0", "gpu1"], "gates": {"gpu0": {"port": 1, "start_timeout": 99},
+                                                                     "gpu1": {"port": 2}}}]}
+    lines = []
+    gateplan.runbook_canaries(str(tmp_path / "inv.yaml"), h, man, payload, lambda n, m: lines.append((n, m)))
+    g = payload["batches"][0]["gates"]
+    assert g["gpu0"]["canary"]["rescore"] is True and g["gpu0"]["start_timeout"] == 99  # the timeout is kept
+    assert g["gpu1"]["canary"]["rescore"] is False
+    assert ("a", f"gate of gpu0: {canary.plan_manifest(h, man, [])[1]['gpu0']}") in lines, lines
+
+
+def test_a_hostile_manifest_gets_the_canary_without_a_floor(tmp_path):
+    """A manifest is read from the host: an entry no release writes never crashes the plan, and the GPU still has
+    to pass the lossless check where its mode is unknown (no re-score only where the mode says SGLang refuses it)."""
+    h = inv(tmp_path, "").hosts["a"]
+    man = {"plugin": "x", "services": {
+        "gpu0": {"mode": "tree-verify", "budget": "1:zz", "model": 5},
+        "gpu1": {"mode": "rm -rf /", "budget": 31},
+        "gpu2": "not a mapping"}}
+    specs, notes = canary.plan_manifest(h, man, [_result("2026-01-02", "d1", [_run("tree-verify", 31, [(1, 5.0)])])])
+    assert specs["gpu0"]["accept_floor"] is None and specs["gpu0"]["rescore"] is True
+    assert specs["gpu1"]["accept_floor"] is None and "no mode this toolkit knows" in notes["gpu1"]
+    assert "gpu2" not in specs
+    assert canary.plan_manifest(h, {"services": ["x"]}, []) == ({}, {})
+    assert canary.plan_manifest(h, None, []) == ({}, {})
+    # disabled in the inventory: no canary at all, said
+    h = inv(tmp_path, "canary: {enabled: false}\n").hosts["a"]
+    specs, notes = canary.plan_manifest(h, _manifest(gpu0={"mode": "tree-verify", "budget": 31}), [])
+    assert specs == {"gpu0": None} and "canary.enabled is false" in notes["gpu0"]
+
+
 def test_the_canary_stops_at_the_gates_deadline(labserver):  # noqa: F811
     _, port = labserver({**PLUGIN, "LABSERVER_TOKEN_SECONDS": "0"})
     assert agent.gate(port, EXPECT, start_timeout=10, gate_timeout=10)["ok"]
