@@ -102,3 +102,29 @@ def test_range_top_kernels_are_inclusive():
 def test_long_kernel_names_are_cut():
     ev = [_x("x" * 500, "kernel", 0, 10, corr=1)]
     assert len(summarize_trace({"traceEvents": ev})["kernels"][0]["name"]) == 120
+
+
+def test_each_gpu_wait_is_named_by_the_python_frame_that_asked_for_it():
+    """Where the step waits on the GPU: the innermost enclosing Python frame (torch.profiler's with_stack) that is
+    not torch's own nor a built-in, counted per step; a device .item() counts once for its read and once for its
+    wait, both at the caller's line; a trace without frames says so."""
+    ev = []
+    for s in range(2):
+        t = s * 1000.0
+        ev += [_x("ddtree.draft", "user_annotation", t, 900),
+               _x("sglang/srt/managers/scheduler.py(3670): run_batch", "python_function", t, 900),
+               _x("sglang_ddtree/adapters/worker.py(380): _forward_tree_verify", "python_function", t + 10, 300),
+               _x("torch/_tensor.py(1100): tolist", "python_function", t + 20, 50),  # torch's own: skipped
+               _x("<built-in method tolist of Tensor object at 0x7f>", "python_function", t + 25, 40),
+               _x("cudaStreamSynchronize", "cuda_runtime", t + 30, 10),  # at worker.py(380)
+               _x("cudaStreamSynchronize", "cuda_runtime", t + 500, 10),  # at scheduler.py(3670)
+               _x("aten::item", "cpu_op", t + 600, 30), _x("cudaStreamSynchronize", "cuda_runtime", t + 610, 5),
+               _x("cudaStreamSynchronize", "cuda_runtime", t + 700, 5, tid=2)]  # another thread: no frame
+    out = summarize_trace({"traceEvents": ev})
+    sites = {w["site"]: w["per_step"] for w in out["wait_sites"]}
+    assert sites == {"sglang/srt/managers/scheduler.py(3670): run_batch": 3,
+                     "sglang_ddtree/adapters/worker.py(380): _forward_tree_verify": 1,
+                     "(no Python stack in the trace)": 1}, out["wait_sites"]
+    assert out["wait_sites"][0]["site"].startswith("sglang/srt/managers/scheduler.py")  # most first
+    from sglang_ddtree_tools.bench import profile_line
+    assert "waits at: sglang/srt/managers/scheduler.py(3670): run_batch x3" in profile_line(out)

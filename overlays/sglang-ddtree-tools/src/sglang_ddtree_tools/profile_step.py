@@ -21,6 +21,9 @@ host tensor's ``.item()`` (no GPU wait at all) once; it is kept as it was, compa
 Apart from it: ``runtime_syncs`` (the runtime's waits: what stalls the host on the GPU), ``item_calls``
 (scalar reads, an ``aten::item`` and its inner ``_local_scalar_dense`` once) and ``host_items`` (those of them
 with no runtime wait inside: host tensors, Python overhead only).
+
+``wait_sites`` says where each GPU wait and scalar read came from, inside the plugin's ranges or not (SGLang's
+scheduler around the step): the innermost Python frame of the caller, from the stacks SGLang's profiler records.
 """
 
 from __future__ import annotations
@@ -179,6 +182,9 @@ def summarize_trace(trace, prefix: str = "ddtree.", steps_hint: int = 0, top: in
     out["kernels"] = [{"name": n, "calls": c, "gpu_ms": round(d / 1000.0, 4),
                        **({"per_step_us": round(d / per, 2), "calls_per_step": round(c / per, 2)} if per else {})}
                       for n, (c, d) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:top]]
+    sites = wait_sites(ev, [e for e in runtime if _is_wait(e)] + [e for e in ops if id(e) in items])
+    out["wait_sites"] = [{"site": n, "waits": c, **({"per_step": round(c / per, 2)} if per else {})}
+                         for n, c in sites[:8]]
     for name in sorted(stats):
         s = stats[name]
         kk = s.pop("_kernels", {})
@@ -188,6 +194,33 @@ def summarize_trace(trace, prefix: str = "ddtree.", steps_hint: int = 0, top: in
             row["per_step"] = {k: round(s[k] / steps, 4) for k in ("host_ms",) + COUNTS + ("gpu_ms",)}
         out["ranges"][name] = row
     return out
+
+
+def _own_frame(name: str) -> bool:
+    """A Python frame of the code that asked for the wait: not torch's, not a built-in, not the interpreter's."""
+    return ".py(" in name and not name.startswith(("torch/", "<")) and "/torch/" not in name \
+        and not name.startswith(("threading.py", "contextlib.py"))
+
+
+def wait_sites(ev: List[dict], waits: List[dict]) -> List[tuple]:
+    """[(site, count)], most first: for each GPU wait and each scalar read, the innermost Python frame that
+    encloses it on its thread and is not torch's own (``file.py(line): function`` as torch.profiler's
+    ``with_stack`` names it - SGLang's /start_profile records stacks unless SGLANG_PROFILE_WITH_STACK=false).
+    A trace without Python frames gives ``"(no Python stack in the trace)"``."""
+    frames: Dict[tuple, List[dict]] = {}
+    for e in ev:
+        if e.get("cat") == "python_function" and _own_frame(str(e.get("name", ""))):
+            frames.setdefault((e.get("pid"), e.get("tid")), []).append(e)
+    counts: Dict[str, int] = {}
+    for w in waits:
+        t, best = float(w.get("ts", 0)), None
+        for f in frames.get((w.get("pid"), w.get("tid")), ()):
+            s = float(f["ts"])
+            if s <= t <= s + float(f.get("dur", 0)) and (best is None or float(f.get("dur", 0)) < float(best.get("dur", 0))):
+                best = f
+        site = str(best["name"]) if best is not None else "(no Python stack in the trace)"
+        counts[site] = counts.get(site, 0) + 1
+    return sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
 
 
 def _kernel_name(e) -> str:
