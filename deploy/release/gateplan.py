@@ -64,6 +64,15 @@ def outage_lines(host, batches: list[list[str]], expected: dict[str, float]) -> 
     return out
 
 
+def gate_lines(host_name: str, instances: list[str], line_of, out) -> None:
+    """Print what each restarting GPU's gate checks, one line per distinct check (`gate of gpu0, gpu1: ...`)."""
+    grouped: dict[str, list[str]] = {}
+    for i in instances:
+        grouped.setdefault(line_of(i), []).append(i)
+    for line, insts in grouped.items():
+        out(host_name, f"gate of {', '.join(insts)}: {line}")
+
+
 def plan(inventory_path: str, plans: dict, plugin_digest: str | None, parallel: int, out) -> dict:
     """Give every restart batch's gates of `plans` ({host: HostPlan}) their start timeout and canary, print what
     each canary checks (and where its accept floor came from, or that it has none) and the expected rollout
@@ -78,12 +87,8 @@ def plan(inventory_path: str, plans: dict, plugin_digest: str | None, parallel: 
         canary.attach(p.payload, specs, timeouts)
         batches = p.payload.get("batches") or []
         restarting = [i for b in batches for i in b["instances"]]
-        grouped: dict[str, list[str]] = {}
-        for i in restarting:
-            grouped.setdefault(f"{notes.get(i, 'no canary')}; start timeout {timeouts.get(i)} s "
-                               f"(expected start ~{round(expected.get(i, 0))} s)", []).append(i)
-        for line, insts in grouped.items():
-            out(n, f"gate of {', '.join(insts)}: {line}")
+        gate_lines(n, restarting, lambda i: f"{notes.get(i, 'no canary')}; start timeout {timeouts.get(i)} s "
+                                            f"(expected start ~{round(expected.get(i, 0))} s)", out)
         for line in outage_lines(host, [b["instances"] for b in batches], expected):
             out(n, line)
         per_host.append([[expected.get(i, startup.COLD_START_S) for i in b["instances"]] for b in batches])
@@ -100,9 +105,5 @@ def runbook_canaries(inventory_path: str, host, manifest: dict | None, payload: 
     results, _problems = bench.load_results(inventory_path, host.name)
     specs, notes = canary.plan_manifest(host, manifest or {}, results)
     canary.attach(payload, specs, {})
-    grouped: dict[str, list[str]] = {}
-    for b in payload.get("batches") or []:
-        for i in b["instances"]:
-            grouped.setdefault(notes.get(i, "no canary (not in the release's manifest)"), []).append(i)
-    for line, insts in grouped.items():
-        out(host.name, f"gate of {', '.join(insts)}: {line}")
+    gate_lines(host.name, [i for b in payload.get("batches") or [] for i in b["instances"]],
+               lambda i: notes.get(i, "no canary (not in the release's manifest)"), out)

@@ -108,13 +108,7 @@ def summarize_trace(trace, prefix: str = "ddtree.", steps_hint: int = 0, top: in
         by_thread.setdefault((r.get("pid"), r.get("tid")), []).append(r)
 
     def innermost(e) -> Optional[dict]:
-        best = None
-        t = float(e.get("ts", 0))
-        for r in by_thread.get((e.get("pid"), e.get("tid")), ()):
-            s = float(r["ts"])
-            if s <= t <= s + float(r.get("dur", 0)) and (best is None or float(r.get("dur", 0)) < float(best.get("dur", 0))):
-                best = r
-        return best
+        return _innermost(e, by_thread)
 
     stats: Dict[str, Dict] = {}
 
@@ -196,6 +190,17 @@ def summarize_trace(trace, prefix: str = "ddtree.", steps_hint: int = 0, top: in
     return out
 
 
+def _innermost(e: dict, by_thread: Dict[tuple, List[dict]]) -> Optional[dict]:
+    """The shortest of ``by_thread``'s events on ``e``'s thread that encloses ``e``'s start (None: none does)."""
+    best = None
+    t = float(e.get("ts", 0))
+    for r in by_thread.get((e.get("pid"), e.get("tid")), ()):
+        s = float(r["ts"])
+        if s <= t <= s + float(r.get("dur", 0)) and (best is None or float(r.get("dur", 0)) < float(best.get("dur", 0))):
+            best = r
+    return best
+
+
 def _own_frame(name: str) -> bool:
     """A Python frame of the code that asked for the wait: not torch's, not a built-in, not the interpreter's."""
     return ".py(" in name and not name.startswith(("torch/", "<")) and "/torch/" not in name \
@@ -213,11 +218,7 @@ def wait_sites(ev: List[dict], waits: List[dict]) -> List[tuple]:
             frames.setdefault((e.get("pid"), e.get("tid")), []).append(e)
     counts: Dict[str, int] = {}
     for w in waits:
-        t, best = float(w.get("ts", 0)), None
-        for f in frames.get((w.get("pid"), w.get("tid")), ()):
-            s = float(f["ts"])
-            if s <= t <= s + float(f.get("dur", 0)) and (best is None or float(f.get("dur", 0)) < float(best.get("dur", 0))):
-                best = f
+        best = _innermost(w, frames)
         site = str(best["name"]) if best is not None else "(no Python stack in the trace)"
         counts[site] = counts.get(site, 0) + 1
     return sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
