@@ -33,8 +33,10 @@ from sglang.srt.distributed import get_tp_group
 from sglang.srt.runtime_context import get_exec
 from sglang.srt.speculative.eagle_utils import _verify_coins, verify_tree_greedy_func
 
+from .. import contract
 from ..step import build_tree_from_candidates, follow_rank0, shadow_tree_accept
 from . import v0_5_17
+from . import v0_5_17_graph_widths as graph_widths
 from .worker import DDTreeWorkerBase
 
 logger = logging.getLogger(__name__)
@@ -101,6 +103,22 @@ class DDTreeWorker(DDTreeWorkerBase):
 
     def _ddtree_tree_mask_capture_installed(self) -> bool:
         return _TREE_MASK_CAPTURE["installed"]
+
+    def _ddtree_install_bucket_widths(self) -> None:
+        # A schedule's graphs: each bucket captured and replayed at its own entry's width (v0_5_17_graph_widths);
+        # SGLANG_DDTREE_BUCKET_WIDTHS=0 keeps SGLang's one width (other widths verify eagerly).
+        if not graph_widths.enabled():
+            logger.info("DDTREE budget schedule: %s=0, verify graphs at one width (D); other widths eager",
+                        graph_widths.ENV)
+            return
+        widths = set(contract.schedule_widths(self.ddtree.schedule, int(self.block_size)).values())
+        graph_widths.install(self._width_at, widths)
+        self._bucket_widths_on = True
+
+    def _ddtree_graph_bucket(self, bs: int) -> int:
+        if self._bucket_widths_on and self._graph_buckets and bs <= self._graph_buckets[-1]:
+            return next(b for b in self._graph_buckets if b >= bs)
+        return bs
 
     # ----- target head, tensor parallelism ------------------------------------------
     def _ddtree_lm_head(self):

@@ -56,6 +56,10 @@ release's internals differ there, nothing else does:
   0.5.17 only: wraps ``dflash_utils.resolve_dflash_verify_mask_policy`` so the
   target's verify graph is captured with the tree-mask buffer (0.5.23: graphs
   refused, no hook);
+* ``_ddtree_install_bucket_widths``, ``_ddtree_graph_bucket`` - 0.5.17 only: a budget
+  schedule's target verify graphs, each bucket captured and replayed at its own
+  width (``v0_5_17_graph_widths``), and the bucket a step's batch pads to (its
+  budget's batch size); elsewhere no hook and the batch size itself;
 * ``_ddtree_lm_head``, ``_ddtree_head_weight`` - 0.5.17 the plain ``lm_head``;
   0.5.23 LoRA-unwrapped, ``is_dense_head_weight``;
 * ``_ddtree_tp_group``, ``_ddtree_tp_rank`` - ``get_tp_group()`` / ``ps.tp_rank``
@@ -207,6 +211,8 @@ class DDTreeWorkerBase(DFlashWorkerV2):
         self._verify_used_graph = False
         self.accept_stats = None
         self._graph_widths = None
+        self._graph_buckets = ()  # the target's captured decode-graph batch sizes (init_cuda_graphs)
+        self._bucket_widths_on = False  # each bucket's verify graph at its own width (0.5.17, a schedule)
         self._glue_build = self._glue_commit = None
         # SGLang's overlap scheduler (config.overlap_decision; the validator set disable_overlap_schedule)
         self._overlap = not bool(getattr(server_args, "disable_overlap_schedule", True))
@@ -220,6 +226,8 @@ class DDTreeWorkerBase(DFlashWorkerV2):
             self._init_tree_verify()
             if self._tree_verify_graphs:
                 self._ddtree_install_tree_mask_capture()
+                if self.ddtree.schedule is not None:
+                    self._ddtree_install_bucket_widths()
             self.accept_stats = TreeAcceptStats(int(self.block_size) - 1,
                                                 int(os.environ.get(STATS_EVERY_ENV, "50") or 50))
             # The step's own glue, replayed from CUDA graphs per batch size (glue_graphs.py). One GPU only:
@@ -302,13 +310,18 @@ class DDTreeWorkerBase(DFlashWorkerV2):
                     "DDTREE tree-verify found a target decode CUDA graph captured without the tree-mask buffer "
                     f"({type(backend).__name__}); run with --cuda-graph-backend-decode disabled."
                 )
-            self._graph_widths = (int(self.model_runner.decode_cuda_graph_runner.captured_req_width),
+            runner = self.model_runner.decode_cuda_graph_runner
+            self._graph_widths = (int(runner.captured_req_width),
                                   getattr(getattr(self.draft_model_runner, "decode_cuda_graph_runner", None),
                                           "captured_req_width", None))
+            self._graph_buckets = tuple(sorted(int(b) for b in getattr(runner, "capture_bs", ()) or ()))
             logger.info("DDTREE tree-verify: target verify graphs captured with the tree mask (width %d); "
                         "drafter graphs width %s, drafter block %d (%s)", self._graph_widths[0],
                         self._graph_widths[1], int(self.block_size),
                         "replayed" if self._graph_widths[1] == int(self.block_size) else "eager: widths differ")
+            if self.ddtree.schedule is not None:
+                logger.info("DDTREE budget schedule %s: verify graph width per batch-size bucket %s",
+                            self.ddtree.schedule, self.bucket_widths())
 
     def _maybe_build_draft_sampler(self):
         # DDTREE needs the drafter's hidden states (per-position distributions), not the
@@ -490,10 +503,30 @@ class DDTreeWorkerBase(DFlashWorkerV2):
                                   budget, self.ddtree.topk, full_index=self._glue_full_index)
 
     def _step_budget(self, bs: int):
-        """``(B, K)`` of a step of ``bs`` requests (``step.step_budget``: the budget schedule's entry for ``bs``;
-        its verify width is ``B + 1``)."""
+        """``(B, K)`` of a step of ``bs`` requests (``step.step_budget``: the budget schedule's entry for the
+        graph bucket ``bs`` pads to, so that a step has its bucket's verify width ``B + 1``; past the largest
+        bucket, and without graphs, the entry for ``bs`` itself)."""
+        return self._budget_at(self._ddtree_graph_bucket(int(bs)))
+
+    def _budget_at(self, batch: int):
+        """``(B, K)`` of the schedule's entry at batch size ``batch`` (the budget without a schedule)."""
         sched = self.ddtree.budget if self.ddtree.schedule is None else self.ddtree.schedule
-        return step_budget(sched, bs, int(self.block_size), self._vocab_size)
+        return step_budget(sched, batch, int(self.block_size), self._vocab_size)
+
+    def _width_at(self, batch: int) -> int:
+        """The verify width of the schedule's entry at batch size ``batch``."""
+        return contract.tree_width(self._budget_at(int(batch))[0])
+
+    def bucket_widths(self) -> dict:
+        """``{bucket: verify width}`` of the target's captured graph buckets (empty without graphs)."""
+        return {b: self._width_at(b) for b in (getattr(self, "_graph_buckets", None) or ())}
+
+    def _ddtree_graph_bucket(self, bs: int) -> int:
+        """The batch size whose schedule entry a step of ``bs`` requests uses (this version: ``bs``)."""
+        return bs
+
+    def _ddtree_install_bucket_widths(self) -> None:
+        """Per-bucket verify graph widths for a schedule (this version: none; other widths run eagerly)."""
 
     def _step_width(self, bs: int) -> int:
         """The verify width D of a step of ``bs`` requests (the server's D without a schedule)."""
