@@ -6,9 +6,10 @@
 #                             /tmp/site; SGLang, the plugin and the tools import
 #   cpuspeed                  each CPU's time for one pinned Python loop, $REPS passes -> $OUT/cpuspeed.txt
 #   glue                      python -m ddtree_checks.glue_check (no SGLang server)     -> $OUT/glue_check.txt
-#   kit                       train the tiny pairs (trainkit, seed 0, 180 s) into /tmp/tiny -> $OUT/kit-*.tgz
+#   kit                       train the tiny pairs (trainkit, seed $SEED, default 0, ~200 s) into /tmp/tiny
+#                                                         -> $OUT/kit-*.tgz
 #   unkit                     a carried kit (.gpu/kit/kit-*.tgz, prompts.jsonl, manifest.json) into /tmp/tiny
-#   bench FAMILY MODES BUDGETS CONC [GLUE]
+#   bench FAMILY MODES BUDGETS CONC [GLUE]   (BUDGETS: bench --budgets, schedules among them: "31;1:127,4:31")
 #                             python -m sglang_ddtree_tools.bench, each server alone, graphs on, --profile-steps 20,
 #                             SGLANG_DDTREE_GLUE_GRAPHS=GLUE (default: unset, the plugin's own default: 2 on a
 #                             dense target, 1 on a hybrid one), --rounds $ROUNDS (default 1),
@@ -78,7 +79,7 @@ print(round((time.perf_counter() - t) * 1000, 1))')"
   kit)
     set -o pipefail
     rm -rf /tmp/tiny
-    timeout 500 python3 -m sglang_ddtree_tools.trainkit /tmp/tiny --seed 0 --device cuda --drafter-chain-target 4.0 \
+    timeout 500 python3 -m sglang_ddtree_tools.trainkit /tmp/tiny --seed "${SEED:-0}" --device cuda --drafter-chain-target 4.0 \
       2>&1 | tee "$OUT/trainkit.log" | tail -25 || exit 1
     for f in hybrid dense; do tar czf "$OUT/kit-$f.tgz" -C /tmp tiny/$f-target tiny/$f-drafter; done
     cp /tmp/tiny/prompts.jsonl "$OUT/" 2>/dev/null; cp /tmp/tiny/manifest.json "$OUT/" 2>/dev/null

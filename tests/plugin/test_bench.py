@@ -55,6 +55,60 @@ def test_plan_runs_one_server_per_mode_budget_and_graph_setting():
         bench.plan_runs(["tree-verify"], [7], "on", 8, "sometimes")
 
 
+def test_budgets_take_schedules_beside_plain_budgets():
+    assert bench.parse_budget_list("63,15,31,15") == [15, 31, 63]
+    # a schedule holds commas: with one in the text, ';' (or whitespace) separates the items
+    assert bench.parse_budget_list("31; 1:127,4:31,64:chain ;15") == [15, 31, "1:127,4:31,64:chain"]
+    # canonical: repeats dropped, and a schedule of one entry is that plain budget
+    assert bench.parse_budget_list("1:31,4:31,16:15 1:63") == [63, "1:31,16:15"]
+    for bad, msg in (("15,x", "'x' must be an integer"), ("0", "'0' must be an integer"),
+                     ("1:31,4:63", "must not increase"), ("2:31", "starts at batch size 1"),
+                     (" ; ", "at least one")):
+        with pytest.raises(ValueError, match=msg):
+            bench.parse_budget_list(bad)
+    runs = bench.plan_runs(["dflash", "tree-verify", "shadow-linear"], [31, "1:63,4:31,64:chain"], "on", 16)
+    assert [(r.mode, r.budget) for r in runs] == [("dflash", None), ("tree-verify", 31),
+                                                  ("tree-verify", "1:63,4:31,64:chain"), ("shadow-linear", 31)]
+    sched = runs[2]
+    # the server's D is the schedule's largest width; the chain entry verifies the drafter's block
+    assert sched.draft_tokens == 64 and sched.label == "tree-verify B=1:63,4:31,64:chain graphs=on"
+    assert bench._slug(sched.budget) == "1-63_4-31_64-chain"
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--tiny", "/k", "--modes", "shadow-linear", "--budgets", "1:31,4:15"])
+    assert bench.parse_args(["--tiny", "/k", "--modes", "tree-verify", "--budgets", "15;1:31,4:15"]).budgets == \
+        [15, "1:31,4:15"]
+
+
+@pytest.mark.sglang_api
+def test_a_schedule_server_argv_parses_with_sglangs_real_parser_and_carries_the_schedule():
+    run = bench.plan_runs(["tree-verify"], ["1:127,4:31,64:chain"], "on", 16)[0]
+    sizing = bench.plan_sizing([[5] * 100], 128, [1, 64], [run], {"max_position_embeddings": 4096}, {})
+    spec = bench.spec_for(run, "/m/t", "/m/d", sizing, 0.2)
+    ns = _parse(servers.server_argv("/venv/bin/python", spec, 30001))
+    assert (ns.speculative_algorithm, ns.speculative_num_draft_tokens, ns.speculative_dflash_block_size) == \
+        ("DDTREE", 128, 16)
+    env = servers.server_env(spec, 0, base={"PATH": "/bin"})
+    assert env["SGLANG_DDTREE_BUDGET"] == "1:127,4:31,64:chain"
+
+
+def test_a_report_with_a_schedule_run_validates_and_crosses_to_the_control_side():
+    from sglang_ddtree_tools import report
+
+    doc = _doc()
+    tv = next(r for r in doc["runs"] if r["mode"] == "tree-verify")
+    tv["budget"] = "1:63,4:31,64:chain"
+    assert bench.validate_report(doc) == []
+    got = report.parse_report(json.loads(json.dumps(doc)))
+    assert next(r for r in got["runs"] if r["mode"] == "tree-verify")["budget"] == "1:63,4:31,64:chain"
+    for bad in ("1:31,4:63", "x" * 5000):
+        tv["budget"] = bad
+        assert any("budget" in e for e in bench.validate_report(doc))
+        with pytest.raises(report.BadReport, match="budget"):
+            report.parse_report(json.loads(json.dumps(doc)))
+    tv["mode"], tv["budget"] = "shadow-linear", "1:31,4:15"  # a schedule is tree-verify's
+    assert any("budget" in e for e in bench.validate_report(doc))
+
+
 def test_run_label_names_the_scheduler_the_server_ran():
     run = {"mode": "tree-verify", "budget": 127, "block": None, "graphs": True}
     assert bench.run_label(run) == "tree-verify B=127 graphs=on"

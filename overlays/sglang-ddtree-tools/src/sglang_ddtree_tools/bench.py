@@ -31,10 +31,13 @@ Ctrl-C.  It then replays the prompts (token ids through ``/generate`` with ``--s
 
 Modes: ``plain`` (no speculation), ``dflash`` (SGLang's own DFLASH chain, block ``--block``; ``linear`` is
 accepted as its name in the fleet), ``tree-verify`` and ``shadow-linear`` (DDTREE; for each budget B in
-``--budgets``; tree-verify verifies ``--speculative-num-draft-tokens = B + 1`` tokens).  ``--graphs on|off|both``:
+``--budgets``; tree-verify verifies ``--speculative-num-draft-tokens = B + 1`` tokens).  A tree-verify server
+also serves a budget schedule (``contract``'s *Budget schedule*: each step the budget of its batch size), given
+among the budgets with ``;`` between the items: ``--budgets "31; 1:127,4:31,64:chain"`` serves B=31 and that
+schedule (:func:`sglang_ddtree_tools.report.parse_budget_list`).  ``--graphs on|off|both``:
 off passes ``--cuda-graph-backend-decode disabled``; on leaves SGLang's decode graph backend on (captured up to
-the largest concurrency).  A server that refuses to start (today DDTREE tree-verify refuses CUDA graphs) is
-recorded as a failed run with the reason and its log tail, and the others still run.  ``--server-args`` words
+the largest concurrency).  A server that refuses to start is recorded as a failed run with the reason and its
+log tail, and the others still run.  ``--server-args`` words
 are appended to every server's command line (last, so they win).  ``--overlap on|off|both`` sets each tree-verify
 server's own ``SGLANG_DDTREE_OVERLAP`` (both: one server on SGLang's synchronous scheduler and one on its overlap
 scheduler per budget, in the same rounds against the same DFLASH server); a DDTREE run is named ``overlap`` where
@@ -95,8 +98,8 @@ from .servers import (Server, ServerSpec, cpu_list, free_port, get, gpu_device_p
                       load_service_env, map_concurrent, parse_cpus, server_argv, server_env, server_mem_fraction,
                       wait_healthy)
 from .paired import report_section, section_line
-from .report import (BENCH_MODES, BUDGETED, MODE_ALIASES, SCHEMA, failure_summary, name_run, parse_modes,  # noqa: F401
-                     run_label, validate_report)
+from .report import (BENCH_MODES, BUDGETED, MODE_ALIASES, SCHEMA, failure_summary, name_run,  # noqa: F401
+                     parse_budget_list, parse_modes, run_label, validate_report)
 
 GRAPHS = {"on": (True,), "off": (False,), "both": (False, True)}
 # --overlap: the scheduler each tree-verify server is asked for (SGLANG_DDTREE_OVERLAP in its own environment);
@@ -140,12 +143,17 @@ def parse_int_list(text: str, what: str, lo: int = 1, hi: int = 4096) -> List[in
     return sorted(set(out))
 
 
+def _slug(budget) -> str:
+    """A budget or schedule as a file name's part (``1:127,4:31`` -> ``1-127_4-31``)."""
+    return str(budget).replace(":", "-").replace(",", "_")
+
+
 @dataclass(frozen=True)
 class RunSpec:
     """One server of the benchmark: a mode, its budget (DDTREE) or block (DFLASH chain), graphs on or off."""
 
     mode: str
-    budget: Optional[int]  # B for tree-verify / shadow-linear, else None
+    budget: Optional[int]  # B for tree-verify / shadow-linear (tree-verify: or a schedule's text), else None
     block: Optional[int]  # the DFlash chain width for dflash / shadow-linear, else None
     graphs: bool
     overlap: Optional[bool] = None  # tree-verify: overlap scheduler asked on (True), off (False), as the switch is (None)
@@ -172,8 +180,8 @@ def plan_runs(modes: Sequence[str], budgets: Sequence[int], graphs: str, block: 
         for m in modes:
             if m == TREE_VERIFY:  # the drafter's block too: the server is given it, as a deployed unit is
                 runs += [RunSpec(m, b, block, g, ov) for b in budgets for ov in OVERLAP_CHOICES[overlap]]
-            elif m in BUDGETED:
-                runs += [RunSpec(m, b, block, g) for b in budgets]
+            elif m in BUDGETED:  # shadow-linear: one budget (a schedule is tree-verify's)
+                runs += [RunSpec(m, b, block, g) for b in budgets if type(b) is int]
             else:
                 runs.append(RunSpec(m, None, block if m == DFLASH else None, g))
     return runs
@@ -676,7 +684,7 @@ def run_bench(a, runs: List[RunSpec], prompts: List[List[int]], target: str, dra
             entry = entries[k]
             trial = entry if rnd == 0 else {"levels": [], "status": "failed", "error": None}
             tag = f" (round {rnd + 1}/{rounds})" if rounds > 1 else ""
-            slug = f"{k:02d}-{run.mode}-{run.budget or run.block or 0}-{'g' if run.graphs else 'e'}" + \
+            slug = f"{k:02d}-{run.mode}-{_slug(run.budget or run.block or 0)}-{'g' if run.graphs else 'e'}" + \
                 {None: "", True: "-ov", False: "-sy"}[run.overlap] + (f"-r{rnd + 1}" if rnd else "")
             try:
                 _one_server(a, run, rnd, trial, prompts, target, drafter, sizing, weights, extra, baseline, workdir,
@@ -949,7 +957,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="train the pair here first (python -m sglang_ddtree_tools.trainkit, seed --seed) and use it")
     src.add_argument("--family", choices=FAMILIES, default="hybrid", help="with --tiny/--tiny-random (default hybrid)")
     ap.add_argument("--modes", default="plain,dflash,tree-verify", help="comma list of " + ", ".join(BENCH_MODES))
-    ap.add_argument("--budgets", default="15", help="DDTREE budgets B, comma list (tree-verify: D = B + 1)")
+    ap.add_argument("--budgets", default="15",
+                    help="DDTREE budgets B, comma list (tree-verify: D = B + 1); budget schedules (tree-verify) "
+                         "separated by ';': '31; 1:127,4:31,64:chain'")
     ap.add_argument("--block", type=int, help="DFLASH chain block (default: the drafter's block_size, else 8)")
     ap.add_argument("--graphs", choices=tuple(GRAPHS), default="off", help="CUDA graphs on, off or both (default off)")
     ap.add_argument("--overlap", choices=tuple(OVERLAP_CHOICES), default="default",
@@ -1010,7 +1020,9 @@ def parse_args(argv=None):
     a = ap.parse_args(argv)
     try:
         a.modes = parse_modes(a.modes)
-        a.budgets = parse_int_list(a.budgets, "--budgets", contract.BUDGET_MIN, contract.BUDGET_MAX)
+        a.budgets = parse_budget_list(a.budgets, "--budgets")
+        if any(type(b) is not int for b in a.budgets) and set(a.modes) & set(BUDGETED) - {TREE_VERIFY}:
+            raise ValueError("--budgets: a schedule is served by tree-verify only; shadow-linear takes budgets")
         a.concurrency = parse_int_list(a.concurrency, "--concurrency", 1, 1024)
         shlex.split(a.server_args or "")
     except ValueError as e:

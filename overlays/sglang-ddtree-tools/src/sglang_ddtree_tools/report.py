@@ -16,6 +16,7 @@ from the checkout without the plugin, torch or SGLang.
 from __future__ import annotations
 
 import math
+import re
 from typing import List, Optional
 
 try:  # on a host: the serving plugin these tools depend on
@@ -86,6 +87,37 @@ def failure_summary(error) -> str:
     return text[:300]
 
 
+def parse_budget_list(text, what: str = "budgets") -> list:
+    """``--budgets`` text -> the budgets to serve: plain node budgets (``"15,31,63"``: sorted, unique) and budget
+    schedules (``contract``'s *Budget schedule*), each as its canonical text, after them in the order given.
+    A schedule holds commas of its own, so where the text holds a schedule (a ``:``) or a ``;``, the items are
+    separated by ``;`` or whitespace instead: ``"31; 1:127,4:31,64:chain"``. ValueError names the item."""
+    text = str(text)
+    items = re.split(r"[;\s]+", text) if (":" in text or ";" in text) else text.split(",")
+    ints: List[int] = []
+    schedules: List[str] = []
+    for word in (w.strip() for w in items):
+        if not word:
+            continue
+        if problem := contract.budget_problem(word if ":" in word else _int_or(word), contract.TREE_VERIFY):
+            raise ValueError(f"{what}: {word!r} {problem}")
+        b = contract.parse_budget(word if ":" in word else int(word))
+        if type(b) is int:
+            ints.append(b)
+        elif str(b) not in schedules:
+            schedules.append(str(b))
+    if not ints and not schedules:
+        raise ValueError(f"{what}: give at least one budget or schedule")
+    return sorted(set(ints)) + schedules
+
+
+def _int_or(word: str):
+    try:
+        return int(word)
+    except ValueError:
+        return word
+
+
 # ----------------------------------------------------------------------------- the host's check
 def _is_num(v, allow_none=True) -> bool:
     if v is None:
@@ -127,8 +159,10 @@ def validate_report(doc) -> List[str]:
             continue
         if run.get("mode") not in BENCH_MODES:
             errs.append(f"{where}.mode {run.get('mode')!r} is not one of {BENCH_MODES}")
-        if run.get("mode") in BUDGETED and not (type(run.get("budget")) is int and run["budget"] > 0):
-            errs.append(f"{where}.budget must be a positive integer")
+        if run.get("mode") in BUDGETED and not (type(run.get("budget")) is int and run["budget"] > 0) and not (
+                run.get("mode") == contract.TREE_VERIFY and isinstance(run.get("budget"), str)
+                and not contract.budget_problem(run["budget"], contract.TREE_VERIFY)):
+            errs.append(f"{where}.budget must be a positive integer (tree-verify: or a budget schedule's text)")
         if not isinstance(run.get("graphs"), bool):
             errs.append(f"{where}.graphs must be true or false")
         if run.get("status") not in ("ok", "failed"):
@@ -225,7 +259,8 @@ def parse_report(doc) -> dict:
         mode, budget, block, graphs = r.get("mode"), r.get("budget"), r.get("block"), r.get("graphs")
         if mode not in BENCH_MODES:
             p.append(f"{w}.mode {clip(mode, 40)!r} is not one of {', '.join(BENCH_MODES)}")
-        if mode in BUDGETED and (problem := contract.budget_problem(budget)):
+        if mode in BUDGETED and (problem := contract.budget_problem(
+                clip(budget, 200) if isinstance(budget, str) else budget, mode)):
             p.append(f"{w}.budget {problem}")
         if block is not None and not (type(block) is int and 1 <= block <= 1024):
             p.append(f"{w}.block must be an integer or null")
@@ -272,6 +307,8 @@ def parse_report(doc) -> dict:
                                  if lv.get("step_ms") is not None else {})
                               | {"first_error": clip(lv.get("first_error"), 300)}
                               | ({"tok_s_rounds": list(tr)} if tr is not None else {}))
+        if isinstance(budget, str) and mode in BUDGETED and not p:  # a schedule: its canonical text
+            budget = contract.budget_text(budget)
         out_runs.append({"mode": mode, "budget": budget if mode in BUDGETED else None,
                          "block": block, "graphs": graphs, "status": r.get("status"), "error": clip(r.get("error")),
                          "levels": out_levels}

@@ -40,6 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from sglang_ddtree_tools import servers as servers_mod
 from sglang_ddtree_tools import smoke
+from sglang_ddtree import contract
 from sglang_ddtree.contract import DFLASH, PLAIN, SHADOW_LINEAR, TREE_VERIFY
 from sglang_ddtree_tools.bench import OVERLAP_CHOICES, level_prompts, overlap_env, server_overlap
 
@@ -68,12 +69,30 @@ def _specs(family: str, paths: dict, quick: bool, a=None):
     for b in ((15,) if quick else tuple(a.budgets)):
         for ov in scheds:
             suffix = " overlap" if ov and len(scheds) > 1 else ""
+            # a schedule (its steps switch budgets with the batch size) is given the drafter's block, as a
+            # deployed unit is: its chain entry verifies that width
+            sched = contract.is_schedule(b)
             specs[f"tree-verify B={b}{suffix}"] = (
-                smoke.ServerSpec(TREE_VERIFY, t, d, budget=b, extra_args=g, **caps), overlap_env(ov))
+                smoke.ServerSpec(TREE_VERIFY, t, d, budget=b, block=blk if sched else None, extra_args=g, **caps),
+                overlap_env(ov))
     if family == "hybrid":
         specs["LEAKY tree-verify B=15"] = (smoke.ServerSpec(TREE_VERIFY, t, d, budget=15, **caps),
                                            {"SGLANG_DDTREE_UNSAFE_CHAIN_STATE": "1"})
     return specs
+
+
+def _budget(text: str):
+    """A node budget (int) or a budget schedule's canonical text (argparse's type: a bad one is its error)."""
+    if problem := contract.budget_problem(text if ":" in text else _int(text), TREE_VERIFY):
+        raise argparse.ArgumentTypeError(f"{text!r} {problem}")
+    return contract.budget_text(text) if ":" in text else int(text)
+
+
+def _int(text: str):
+    try:
+        return int(text)
+    except ValueError:
+        return text
 
 
 def _pair_and_prompts(family: str, a):
@@ -215,7 +234,8 @@ def main(argv=None) -> int:
                                     "DIR/FAMILY/{target,drafter}; default: the random tiny kit")
     ap.add_argument("--prompts-file", help="JSON/JSONL token-id prompts (default: the kit's held-out ones)")
     ap.add_argument("--block", type=int, default=8, help="DFLASH and shadow-linear chain block (the drafter's)")
-    ap.add_argument("--budgets", nargs="+", type=int, default=[7, 15, 31, 63])
+    ap.add_argument("--budgets", nargs="+", type=_budget, default=[7, 15, 31, 63],
+                    help="tree-verify budgets, or budget schedules (1:127,4:31,64:chain): one server each")
     ap.add_argument("--graphs", action="store_true", help="decode CUDA graphs on (all but the leaky server)")
     ap.add_argument("--overlap", choices=tuple(OVERLAP_CHOICES), default="default",
                     help="the tree-verify servers' scheduler (SGLANG_DDTREE_OVERLAP): the plugin's default, overlap, "

@@ -40,7 +40,9 @@ ranks below every budget, and a schedule starts with a budget). Its canonical te
 carries, is ``1:127,4:31,16:15,64:chain`` (:func:`budget_text`); entries that repeat the previous budget are
 dropped, and a schedule of one entry is that plain budget, which stays valid everywhere. The server's
 ``--speculative-num-draft-tokens`` is the schedule's largest width (:func:`draft_tokens`): SGLang sizes its verify
-buffers and KV reservation by it. Shadow-linear reports what one budget would accept: it takes a plain budget.
+buffers and KV reservation by it. A step takes the entry of its batch size; where the target's verify graphs are
+captured per bucket (SGLang 0.5.17), the entry of the graph bucket SGLang pads the batch to, the width that bucket
+was captured at. Shadow-linear reports what one budget would accept: it takes a plain budget.
 
 Server command line
 -------------------

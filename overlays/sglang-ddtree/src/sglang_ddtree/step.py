@@ -45,15 +45,17 @@ the server's ``D`` with masked-out nodes: padding is lossless and keeps one
 graph width, but verifies the same ``batch * D`` tokens as the largest budget
 while proposing fewer, so it can only be slower than not switching.  At its own
 width a step verifies ``batch * (B + 1)`` tokens, which is what a smaller budget
-saves at high load.  The cost: SGLang 0.5.17 captures the target's verify
-graphs at one width, the server's ``D`` (the schedule's largest, used at the
-smallest batch sizes, where the step is host-bound and graphs matter most),
-and its graph runner replays a forward only at that width (``can_run_graph``'s
-uniform-width check on ``spec_info.num_tokens_per_req``), so steps at another
-width run the target's verify forward eagerly: no graph beyond today's, more
-launches at the batch sizes whose budget is smaller.  Capturing each batch
-size's graph at its own width would need SGLang's graph runner patched per
-bucket (its width, buffers and replay key are one ``captured_req_width``).
+saves at high load.  SGLang's graph runner keeps one width for all its graphs
+(``captured_req_width``, checked in ``can_run_graph``); on SGLang 0.5.17 the
+plugin captures each graph bucket of the target's verify runner at its own
+width instead (``adapters/v0_5_17_graph_widths``: the runner's width per
+bucket, the hybrid backend's per-width ``query_start_loc`` and tree links), so
+a step replays a graph at every width: no more graphs than one width has.  A
+step's budget is its graph bucket's entry (the smallest captured batch size
+at or above its own, the one SGLang pads it to), so the width a step verifies
+and the graph it replays agree.  Without the patch (another SGLang, or
+``SGLANG_DDTREE_BUCKET_WIDTHS=0``) the graphs are captured at the server's
+``D`` and the steps at another width run the verify forward eagerly.
 
 Tensor parallelism (``tp_size > 1``): every rank builds the same tree and accepts the same path because every
 tensor a decision reads is identical on every rank *by construction*, not by hoping that per-rank arithmetic
