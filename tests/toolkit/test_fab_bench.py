@@ -687,6 +687,27 @@ def test_the_proposed_schedule_takes_each_levels_fastest_under_the_schedules_rul
     assert benchreport.propose_schedule(tie)["budget"] == 15
 
 
+def test_a_benched_schedule_proposes_its_own_entries_beside_the_one_budget_servers():
+    """A tree-verify run that served a schedule counts at each level as that level's entry: here it beats DFLASH
+    where no one-budget server ran, so the proposal is tree-verify (not linear), and where a one-budget server is
+    faster at a level, that budget is the entry."""
+    runs = report([
+        ("plain", None, None, True, [(1, 100), (4, 380), (64, 3000)]),
+        ("dflash", None, 16, True, [(1, 150), (4, 500), (64, 2500)]),
+        ("tree-verify", "1:31,32:15,64:7", None, True, [(1, 180), (4, 540), (64, 2600)]),
+    ])["runs"]
+    p = benchreport.propose_schedule(runs)
+    assert (p["mode"], p["budget"]) == ("tree-verify", "1:31,64:7")
+    assert [x["tok_s"] for x in p["levels"]] == [180, 540, 2600] and "plain decoding is faster" in p["levels"][2]["note"]
+    beside = report([("dflash", None, 16, True, [(1, 150), (4, 500)]),
+                     ("tree-verify", "1:31,4:15", None, True, [(1, 180), (4, 520)]),
+                     ("tree-verify", 31, None, True, [(1, 170), (4, 600)])])["runs"]
+    assert benchreport.propose_schedule(beside)["budget"] == 31  # B=31 at 4 (600) beats the schedule's 15 (520)
+    # a schedule slower than DFLASH at its first level: linear, as with one-budget servers
+    slow = report([("dflash", None, 16, True, [(1, 150)]), ("tree-verify", "1:31,4:15", None, True, [(1, 120)])])
+    assert benchreport.propose_schedule(slow["runs"])["mode"] == "linear"
+
+
 def test_mode_auto_with_concurrency_all_deploys_the_proposed_schedule(tmp_path):
     from deploy import contract
     inv = inventory(tmp_path, INV.replace("concurrency: 6", "concurrency: all"))

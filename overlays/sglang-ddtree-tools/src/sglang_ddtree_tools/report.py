@@ -362,6 +362,18 @@ def _parse_paired(section, labels: set[str], p: list[str]) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------- the budget schedule a report proposes
+def _run_schedule(run):
+    """The :class:`contract.BudgetSchedule` a tree-verify run served, or None (one budget, or no valid schedule)."""
+    b = run.get("budget")
+    if not isinstance(b, str) or not contract.is_schedule(b):
+        return None
+    try:
+        s = contract.parse_budget(b)
+    except ValueError:
+        return None
+    return s if isinstance(s, contract.BudgetSchedule) else None
+
+
 def propose_schedule(runs, usable=None, tie: float = 0.01) -> dict:
     """The budget schedule (``contract``'s *Budget schedule*) a report's per-concurrency results propose, as a pure
     function of its ``runs`` (the parsed report's, or a host's own). ``usable(run)``: which runs count (the control
@@ -375,8 +387,9 @@ def propose_schedule(runs, usable=None, tie: float = 0.01) -> dict:
     fastest, the smaller budget (and chain before a budget) wins. The thresholds are the measured concurrencies,
     the first one 1. Plain decoding is not an entry a tree-verify server can take (it always speculates): where
     plain is the fastest at a level, the entry is still the fastest speculative option and the level says by how
-    much plain is ahead. The figures are of separate servers (one per budget, DFLASH's own): what a schedule
-    serves at each level is measured by benching the schedule itself.
+    much plain is ahead. A tree-verify run that served a schedule counts at each of its levels as its own entry
+    there (the budget of that batch size, or chain), beside the separate servers of one budget each and DFLASH's
+    own: a schedule benched once proposes what it measured, and a schedule run beside budgets is compared with them.
 
     Returns ``{"budget": canonical text, an int (one budget at every level) or None, "mode": "tree-verify" or
     "linear" (DFLASH fastest at the lowest level: a schedule starts with a budget), "levels": [{"concurrency",
@@ -388,6 +401,7 @@ def propose_schedule(runs, usable=None, tie: float = 0.01) -> dict:
         mode = run.get("mode")
         if not usable(run):
             continue
+        sched = _run_schedule(run) if mode == contract.TREE_VERIFY else None
         for lv in run.get("levels") or ():
             if lv.get("errors") or not lv.get("requests") or not _is_num(lv.get("output_tok_s"), False):
                 continue
@@ -397,6 +411,8 @@ def propose_schedule(runs, usable=None, tie: float = 0.01) -> dict:
                 continue
             if mode == contract.TREE_VERIFY and type(run.get("budget")) is int:
                 entry = run["budget"]
+            elif mode == contract.TREE_VERIFY and sched is not None:
+                entry = sched.budget_for(int(c))  # a schedule's level: its own entry at that batch size, served
             elif contract.deploy_name(mode) == contract.LINEAR:
                 entry = contract.CHAIN
             else:
