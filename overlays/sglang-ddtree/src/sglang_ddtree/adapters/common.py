@@ -109,7 +109,7 @@ def make_validator(adapter: ModuleType) -> Callable:
         logger.info(
             "DDTREE: mode=%s budget B=%d%s verify width D=%d topk=%d, overlap scheduling %s (%s) (SGLang %s adapter)",
             cfg.mode, cfg.budget, "" if cfg.schedule is None else f" (schedule {cfg.schedule}: each step the budget "
-            "of its batch size, verified at its own width; only width D replays the target's verify graph)",
+            "of its batch size; the worker logs each graph bucket's verify width)",
             cfg.num_draft_tokens, cfg.topk, "on" if overlap else "off", why, adapter.VERSION,
         )
 
