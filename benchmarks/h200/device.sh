@@ -25,7 +25,7 @@
 #   replay FAMILY BUDGETS     python -m sglang_ddtree_tools.replay on the kit's prompts (128 tokens, cuda): the
 #                             accept length a server with this pair should report, to hold bench's against
 #                             -> $OUT/replay-FAMILY.{json,txt}
-#   matrix FAMILY BUDGETS     python -m ddtree_checks.serve_matrix (item 6, 64 x 128, conc 1 and 8;
+#   matrix FAMILY BUDGETS     python -m ddtree_checks.serve_matrix (item 6, $MATRIX_PROMPTS (64) x 128, conc 1 and 8;
 #                             MATRIX_OVERLAP=both serves each tree-verify budget on both schedulers)
 #                             -> $OUT/matrix-FAMILY.{json,txt}
 # The call sequence and what each takes: benchmarks/h200/README.md.
@@ -132,7 +132,7 @@ print(round((time.perf_counter() - t) * 1000, 1))')"
     pids=()
     for fam in $fams; do
       timeout "${MATRIX_TIMEOUT:-570}" python3 -m ddtree_checks.serve_matrix --out "/tmp/m-$fam" \
-        --work "/tmp/sm-$fam" --pairs /tmp/tiny --block 16 --graphs --budgets $budgets --prompts 64 --tokens 128 \
+        --work "/tmp/sm-$fam" --pairs /tmp/tiny --block 16 --graphs --budgets $budgets --prompts "${MATRIX_PROMPTS:-64}" --tokens 128 \
         --concurrency 8 --families "$fam" --start-timeout "${MATRIX_START_TIMEOUT:-420}" \
         --overlap "${MATRIX_OVERLAP:-default}" \
         --mem-fraction "${MATRIX_MEM_FRACTION:-0.85}" > "$OUT/matrix-$fam.log" 2>&1 &
