@@ -110,6 +110,18 @@ def int_list(text, what: str, lo: int, hi: int, most: int = 16) -> tuple[int, ..
     return tuple(vals)
 
 
+def budget_list(text, most: int = 16) -> tuple:
+    """`--budgets` as the tools' bench reads them (the report module's ``parse_budget_list``: node budgets, and
+    budget schedules as their canonical text, ``"31; 1:127,4:31,64:chain"``), refused with BenchRefused."""
+    try:
+        vals = tuple(benchreport.parse_budget_list(text, "--budgets"))
+    except ValueError as e:
+        raise BenchRefused(str(e)) from None
+    if len(vals) > most:
+        raise BenchRefused(f"--budgets: at most {most} budgets and schedules, got {len(vals)}")
+    return vals
+
+
 def mode_list(text) -> tuple[str, ...]:
     """`--modes` as the tools' bench reads them (the report module's parser), refused with BenchRefused."""
     try:
@@ -228,6 +240,12 @@ def plan_bench(host: Host, probe: dict, *, gpu: int | None = None, modes_: tuple
         raise BenchRefused(f"--overlap {overlap}: it sets tree-verify's scheduler, and --modes has no tree-verify")
     if family is not None and family not in ("hybrid", "dense"):
         raise BenchRefused(f"--family {family!r}: hybrid or dense")
+    for b in budgets:
+        if problem := contract.budget_problem(b, contract.TREE_VERIFY):
+            raise BenchRefused(f"--budgets: {str(b)[:80]!r} {problem}")
+    if any(type(b) is not int for b in budgets) and contract.SHADOW_LINEAR in modes_:
+        raise BenchRefused("--budgets: a schedule is served by tree-verify only; shadow-linear takes budgets "
+                           "(bench it with node budgets, or leave it out of --modes)")
     from .remote.host.bench import CPUS_RE  # the host op's own rule (imported where used, as host_command does)
 
     if cpus is not None and not CPUS_RE.match(str(cpus)):
@@ -276,7 +294,8 @@ def plan_bench(host: Host, probe: dict, *, gpu: int | None = None, modes_: tuple
                         "running service (figures are lower than alone; all modes share it alike)")
     block = svc.block_size if svc is not None else 8
     return BenchPlan(host=host.name, gpu=gpu, instance=svc.instance if svc else None, modes=tuple(modes_),
-                     budgets=tuple(budgets), concurrency=tuple(concurrency), graphs=graphs, block=block,
+                     budgets=tuple(b if type(b) is int else contract.budget_text(b) for b in budgets),
+                     concurrency=tuple(concurrency), graphs=graphs, block=block,
                      max_new_tokens=int(max_new_tokens), requests=requests, num_prompts=int(num_prompts),
                      prompt_len=int(prompt_len), seed=int(seed), tiny=family if tiny else None,
                      family_reason=reason, model=model, draft_model=draft, release=probe["current"], plugin=plugin,

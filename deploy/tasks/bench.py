@@ -9,7 +9,8 @@ from invoke import Exit, task
 
 @task(help={"gpu": "GPU index (default: the host's first enabled service)",
             "modes": "comma list of plain, dflash (= linear), tree-verify, shadow-linear (default plain,dflash,tree-verify)",
-            "budgets": "DDTREE budgets B, comma list (default 15,31,63; tree-verify verifies B+1 tokens)",
+            "budgets": "DDTREE budgets B, comma list (default 15,31,63; tree-verify verifies B+1 tokens); budget "
+                       "schedules for tree-verify among them, items then split by ';' (\"31; 1:127,4:31,64:chain\")",
             "concurrency": "concurrent requests, comma list (default 1,4,16)",
             "graphs": "CUDA graphs on, off or both (default both)",
             "prompts": "JSON/JSONL file of token-id prompts (default: random prompts inside the model's vocabulary)",
@@ -44,8 +45,7 @@ def bench(c, host, gpu=None, modes=None, budgets=None, concurrency=None, graphs=
     try:
         kw = {"gpu": None if gpu in (None, "") else int(gpu),
               "modes_": lib.mode_list(modes) if modes else d["modes"],
-              "budgets": (lib.int_list(budgets, "--budgets", lib.contract.BUDGET_MIN, lib.contract.BUDGET_MAX)
-                          if budgets else d["budgets"]),
+              "budgets": lib.budget_list(budgets) if budgets else d["budgets"],
               "concurrency": lib.int_list(concurrency, "--concurrency", 1, 1024) if concurrency else d["concurrency"],
               "graphs": graphs or d["graphs"], "tiny": bool(tiny), "family": family or None,
               "max_new_tokens": int(tokens) if tokens else d["max_new_tokens"],
@@ -65,7 +65,7 @@ def bench(c, host, gpu=None, modes=None, budgets=None, concurrency=None, graphs=
         what = (f"tiny {plan.tiny} pair trained on the host ({plan.family_reason})" if plan.tiny
                 else f"{plan.model} + {plan.draft_model}")
         print(f"[{plan.host}] bench on GPU {plan.gpu} ({plan.instance or 'no service'}), release {plan.release}: "
-              f"{what}; modes {','.join(plan.modes)}, budgets {','.join(map(str, plan.budgets))}, graphs "
+              f"{what}; modes {','.join(plan.modes)}, budgets {lib.contract.budgets_word(plan.budgets)}, graphs "
               f"{plan.graphs}, concurrency {','.join(map(str, plan.concurrency))}, {plan.max_new_tokens} tokens, "
               f"prompts {plan.prompts_source}; one server at a time"
               + (f", the whole list {plan.rounds} times over (medians)" if plan.rounds > 1 else "")

@@ -88,6 +88,14 @@ def test_json_and_tiny_say_the_same(deployed, fab):
             "plain,dflash,tree-verify --budgets 15,31 --concurrency 1,4,16 --graphs both --block 16") in r.stdout
     assert "--launcher systemd-run --unit-prefix ddtree-bench-" in r.stdout and "--user sglang" in r.stdout
     assert "--model /models/Qwen3-8B --draft-model /models/Qwen3-8B-DFlash-b16" in r.stdout
+    # a budget schedule beside a node budget: shown in the plan and sent as one word the host's bench reads back
+    r = fab("bench", HOST, "--dry-run", "--modes", "dflash,tree-verify", "--budgets", "15; 1:15,4:15,8:7",
+            inventory=deployed["inv"])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "modes dflash,tree-verify, budgets 15;1:15,8:7, graphs both" in r.stdout, r.stdout
+    assert "--modes dflash,tree-verify --budgets 15;1:15,8:7 --concurrency" in r.stdout, r.stdout
+    r = fab("bench", HOST, "--budgets", "15; 1:15,0:7", inventory=deployed["inv"])
+    assert r.returncode == 2 and "--budgets: '1:15,0:7' is not a valid schedule" in r.stderr, r.stderr
     r = fab("bench", HOST, "--gpu", "3", inventory=deployed["inv"])
     assert r.returncode == 2 and f"{HOST} has no GPU 3 (its GPUs: 0)" in r.stderr
     r = fab("bench", HOST, "--server-args", "--host 0.0.0.0", inventory=deployed["inv"])

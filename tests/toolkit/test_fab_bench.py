@@ -730,3 +730,52 @@ def test_mode_auto_with_concurrency_all_deploys_the_proposed_schedule(tmp_path):
     assert args[args.index("--speculative-num-draft-tokens") + 1] == "64"
     lines = bench.schedule_lines(rec)
     assert lines[0] == "schedule (graphs on): mode: tree-verify, budget: {1: 63, 8: 15, 32: chain}"
+
+
+def test_fab_bench_takes_budget_schedules_beside_node_budgets(tmp_path):
+    """`--budgets "31; 1:31,32:15,64:7"`: node budgets and schedules reach the host's bench as one word it reads back
+    to the same values; a schedule's text is canonical on the wire, and what no server can take is refused first."""
+    assert bench.budget_list("63,15") == (15, 63)
+    assert bench.budget_list("31; 1:31,4:31,32:15,64:7") == (31, "1:31,32:15,64:7")
+    for bad, msg in (("1:31,0:15", "--budgets"), ("31; 4:15", "--budgets"), ("x", "--budgets"), ("", "--budgets"),
+                     (";".join(str(b) for b in range(1, 19)), "at most 16")):
+        with pytest.raises(bench.BenchRefused, match=msg):
+            bench.budget_list(bad)
+    h = inventory(tmp_path).hosts["h"]
+    plan = bench.plan_bench(h, probe(), budgets=bench.budget_list("31; 1:31,32:15,64:7"))
+    assert plan.budgets == (31, "1:31,32:15,64:7") and plan.agent_args()["budgets"] == [31, "1:31,32:15,64:7"]
+    argv = bench.host_command(plan)
+    assert argv[argv.index("--budgets") + 1] == "31;1:31,32:15,64:7"
+    assert bench.budget_list(argv[argv.index("--budgets") + 1]) == plan.budgets  # the word reads back whole
+    one = bench.host_command(bench.plan_bench(h, probe(), budgets=(15, 63)))
+    assert one[one.index("--budgets") + 1] == "15,63"
+    with pytest.raises(bench.BenchRefused, match="served by tree-verify only"):
+        bench.plan_bench(h, probe(), budgets=(31, "1:31,32:15"), modes_=("dflash", "shadow-linear"))
+    with pytest.raises(bench.BenchRefused, match="--budgets"):
+        bench.plan_bench(h, probe(), budgets=(0,))
+    pb = pytest.importorskip("sglang_ddtree_tools.bench")
+    a = plan.agent_args() | {"prefix": "ddtree-bench-0123456789ab"}
+    hostbench.check_args(a)
+    ns = pb.parse_args(hostbench.bench_argv("/py", a, "/r", 60, "/w")[3:])
+    assert ns.budgets == [31, "1:31,32:15,64:7"]
+
+
+@pytest.mark.parametrize("budgets,modes,msg", [
+    ([31, "1:31,4:31,32:15"], None, "canonical text"),  # the control side sends the canonical text only
+    (["1:31;reboot"], None, "budget"), (["$(id)"], None, "budget"), ([True], None, "integer or a schedule"),
+    (["1:" + "9" * 300], None, "integer or a schedule"), ([[31]], None, "integer or a schedule"),
+    ([31, "1:31,32:15"], ["dflash", "shadow-linear"], "tree-verify only"), ([0], None, "budget .0. must be"),
+])
+def test_host_op_refuses_a_budget_or_schedule_it_cannot_serve(budgets, modes, msg):
+    kw = {"budgets": budgets} | ({"modes": modes} if modes else {})
+    with pytest.raises(Failure, match=msg):
+        hostbench.check_args(agent_args(**kw))
+
+
+def test_budgets_word_is_one_word_the_tools_bench_reads_back():
+    from deploy import contract
+
+    for budgets in ([15, 31], [31, "1:127,4:31,64:chain"], ["1:63,8:15"]):
+        word = contract.budgets_word(budgets)
+        assert " " not in word and benchreport.parse_budget_list(word) == budgets
+    assert contract.budgets_word([15, 63]) == "15,63"

@@ -43,6 +43,23 @@ def _ints(a, k, lo, hi, most):
         raise Failure("bad-args", "%s must be 1-%d integers in [%d, %d]" % (k, most, lo, hi))
 
 
+def _budgets(a):
+    """1-16 node budgets and budget schedules (each in its canonical text; tree-verify's only)."""
+    v = a.get("budgets")
+    if not (isinstance(v, list) and 1 <= len(v) <= 16):
+        raise Failure("bad-args", "budgets must be 1-16 node budgets or schedules")
+    for b in v:
+        if isinstance(b, bool) or not isinstance(b, (int, str)) or (isinstance(b, str) and len(b) > 200):
+            raise Failure("bad-args", "a budget must be an integer or a schedule's text")
+        problem = contract.budget_problem(b, contract.TREE_VERIFY)
+        if problem is None and isinstance(b, str) and contract.budget_text(b) != b:
+            problem = "is not a schedule's canonical text"
+        if problem:
+            raise Failure("bad-args", "budget %r %s" % (str(b)[:80], problem))
+    if any(isinstance(b, str) for b in v) and contract.SHADOW_LINEAR in (a.get("modes") or []):
+        raise Failure("bad-args", "a budget schedule is served by tree-verify only, and modes has shadow-linear")
+
+
 def _path(v, what):
     if not (isinstance(v, str) and PATH_RE.match(v) and "/../" not in v + "/" and "/./" not in v + "/"):
         raise Failure("bad-args", "%s must be an absolute path of plain names" % what)
@@ -52,7 +69,7 @@ def check_args(a):
     _int(a, "gpu", 0, 63)
     if not (isinstance(a.get("modes"), list) and a["modes"] and all(m in MODES for m in a["modes"])):
         raise Failure("bad-args", "modes must be a list of %s" % (MODES,))
-    _ints(a, "budgets", contract.BUDGET_MIN, contract.BUDGET_MAX, 16)
+    _budgets(a)
     _ints(a, "concurrency", 1, 1024, 16)
     if a.get("graphs") not in ("on", "off", "both"):
         raise Failure("bad-args", "graphs must be on, off or both")
@@ -98,7 +115,7 @@ def check_args(a):
 def bench_argv(python, a, report, runtime_max, work):
     """The bench module's command line (the control side shows the same fields in its plan)."""
     argv = [python, "-m", TOOLS_MODULE + ".bench", "--gpu", str(a["gpu"]), "--modes", ",".join(a["modes"]),
-            "--budgets", ",".join(map(str, a["budgets"])), "--concurrency", ",".join(map(str, a["concurrency"])),
+            "--budgets", contract.budgets_word(a["budgets"]), "--concurrency", ",".join(map(str, a["concurrency"])),
             "--graphs", a["graphs"], "--block", str(a["block"]), "--max-new-tokens", str(a["max_new_tokens"]),
             "--num-prompts", str(a["num_prompts"]), "--prompt-len", str(a["prompt_len"]), "--seed", str(a["seed"]),
             "--launcher", "systemd-run", "--unit-prefix", a["prefix"], "--runtime-max", str(int(runtime_max)),

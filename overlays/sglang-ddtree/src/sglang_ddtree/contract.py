@@ -270,6 +270,13 @@ def budget_text(budget) -> str:
     return str(parse_budget(budget))
 
 
+def budgets_word(budgets) -> str:
+    """Budgets and schedules as one ``--budgets`` word of the tools' bench: ``,`` between node budgets, ``;``
+    between items where a schedule (which holds commas of its own) is among them (``31;1:127,4:31``)."""
+    items = [b if type(b) is int else budget_text(b) for b in budgets]
+    return (";" if any(type(b) is not int for b in items) else ",").join(map(str, items))
+
+
 def budget_for(budget, batch: int):
     """The budget (int or :data:`CHAIN`) a step of ``batch`` requests uses: ``budget`` itself when it is one int."""
     b = parse_budget(budget)
