@@ -93,7 +93,7 @@ def test_json_and_tiny_say_the_same(deployed, fab):
             inventory=deployed["inv"])
     assert r.returncode == 0, r.stdout + r.stderr
     assert "modes dflash,tree-verify, budgets 15;1:15,8:7, graphs both" in r.stdout, r.stdout
-    assert "--modes dflash,tree-verify --budgets 15;1:15,8:7 --concurrency" in r.stdout, r.stdout
+    assert "--modes dflash,tree-verify --budgets '15;1:15,8:7' --concurrency" in r.stdout, r.stdout
     r = fab("bench", HOST, "--budgets", "15; 1:15,0:7", inventory=deployed["inv"])
     assert r.returncode == 2 and "--budgets: '1:15,0:7' is not a valid schedule" in r.stderr, r.stderr
     r = fab("bench", HOST, "--gpu", "3", inventory=deployed["inv"])
