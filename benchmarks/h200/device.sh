@@ -26,7 +26,8 @@
 #                             accept length a server with this pair should report, to hold bench's against
 #                             -> $OUT/replay-FAMILY.{json,txt}
 #   matrix FAMILY BUDGETS     python -m ddtree_checks.serve_matrix (item 6, $MATRIX_PROMPTS (64) x 128, conc 1 and 8;
-#                             MATRIX_OVERLAP=both serves each tree-verify budget on both schedulers)
+#                             MATRIX_OVERLAP=both serves each tree-verify budget on both schedulers; FAMILY-gN, e.g.
+#                             hybrid-g2: that family with SGLANG_DDTREE_GLUE_GRAPHS=N, beside the others)
 #                             -> $OUT/matrix-FAMILY.{json,txt}
 # The call sequence and what each takes: benchmarks/h200/README.md.
 set -u
@@ -131,9 +132,12 @@ print(round((time.perf_counter() - t) * 1000, 1))')"
     set -o pipefail
     pids=()
     for fam in $fams; do
+      # FAMILY-gN: that family's matrix with SGLANG_DDTREE_GLUE_GRAPHS=N on every server (its own files)
+      case "$fam" in *-g[0-2]) glue=${fam##*-g}; base=${fam%-g*};; *) glue=; base=$fam;; esac
+      env ${glue:+SGLANG_DDTREE_GLUE_GRAPHS=$glue} \
       timeout "${MATRIX_TIMEOUT:-570}" python3 -m ddtree_checks.serve_matrix --out "/tmp/m-$fam" \
         --work "/tmp/sm-$fam" --pairs /tmp/tiny --block 16 --graphs --budgets $budgets --prompts "${MATRIX_PROMPTS:-64}" --tokens 128 \
-        --concurrency 8 --families "$fam" --start-timeout "${MATRIX_START_TIMEOUT:-420}" \
+        --concurrency 8 --families "$base" --start-timeout "${MATRIX_START_TIMEOUT:-420}" \
         --overlap "${MATRIX_OVERLAP:-default}" \
         --mem-fraction "${MATRIX_MEM_FRACTION:-0.85}" > "$OUT/matrix-$fam.log" 2>&1 &
       pids+=($!)
@@ -144,7 +148,7 @@ print(round((time.perf_counter() - t) * 1000, 1))')"
       tail -45 "$OUT/matrix-$fam.log"
       # a matrix cut by its timeout still has every measured server in its partial file
       cp "/tmp/m-$fam/serve_matrix.json" "$OUT/matrix-$fam.json" 2>/dev/null || \
-        cp "/tmp/m-$fam/partial-$fam.json" "$OUT/matrix-$fam.json" 2>/dev/null
+        cp "/tmp/m-$fam/partial-${fam%-g[0-2]}.json" "$OUT/matrix-$fam.json" 2>/dev/null
       cp "/tmp/m-$fam/serve_matrix.txt" "$OUT/matrix-$fam.txt" 2>/dev/null
     done
     stop_servers
