@@ -8,6 +8,9 @@
 #   glue                      python -m ddtree_checks.glue_check (no SGLang server)     -> $OUT/glue_check.txt
 #   kit                       train the tiny pairs (trainkit, seed $SEED, default 0, ~200 s) into /tmp/tiny
 #                                                         -> $OUT/kit-*.tgz
+#                             SEEDS="0 5": those seeds side by side into /tmp/tiny-sSEED, /tmp/tiny linked to the
+#                                                         first -> $OUT/kit-sSEED-FAMILY.tgz, trainkit-sSEED.log
+#   usekit SEED               the following steps serve that seed's kit (/tmp/tiny -> /tmp/tiny-sSEED)
 #   unkit                     a carried kit (.gpu/kit/kit-*.tgz, prompts.jsonl, manifest.json) into /tmp/tiny
 #   bench FAMILY MODES BUDGETS CONC [GLUE]   (BUDGETS: bench --budgets, schedules among them: "31;1:127,4:31")
 #                             python -m sglang_ddtree_tools.bench, each server alone, graphs on, --profile-steps 20,
@@ -18,7 +21,8 @@
 #                             both / on / off: bench --overlap, each DDTREE server its own - both: one of each a round),
 #                             --cpus $CPUS where set (every server pinned there, the clients on the other CPUs),
 #                             --spy (py-spy around every server, instead of the profile) where SPY=1,
-#                             --server-args "$SERVER_ARGS" (every server) where set, --requests $REQUESTS (default 16)
+#                             --server-args "$SERVER_ARGS" (every server) where set, --requests $REQUESTS (default 16),
+#                             --profile-concurrency $PROFILE_CONC where set (the profile's requests in flight)
 #                                                         -> $OUT/bench-FAMILY-gGLUE[-GRAPHS][-ovOVERLAP][-TAG].{json,txt,png}
 #                             and the logs (with SPY=1 the py-spy captures; with RAW_TRACES=1 the DDTREE servers'
 #                             profiler traces) -> $OUT/bench-...-raw.tgz (only the logs where that passes 16 MB)
@@ -36,7 +40,7 @@ export PYTHONPATH=$SITE:$PWD/overlays/sglang-ddtree/gpu_checks SGLANG_SKIP_SGL_K
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" "$SITE"
-step=${1:?step: install, setup, cpuspeed, glue, kit, unkit, bench, replay or matrix}; shift
+step=${1:?step: install, setup, cpuspeed, glue, kit, usekit, unkit, bench, replay or matrix}; shift
 # never `pkill -f sglang.launch_server`: the pattern is in this shell's own command line when a caller passes it
 stop_servers() { pkill -f "[s]glang.launch_server" 2>/dev/null; sleep 2; pkill -9 -f "[s]glang.launch_server" 2>/dev/null; true; }
 case "$step" in
@@ -78,18 +82,50 @@ print(round((time.perf_counter() - t) * 1000, 1))')"
     set -o pipefail
     timeout 300 python3 -m ddtree_checks.glue_check 2>&1 | tee "$OUT/glue_check.txt";;
   kit)
+    # SEEDS="0 5": one kit a seed, trained side by side into /tmp/tiny-sSEED (the GPU is far from busy with
+    # one), /tmp/tiny linked to the first; each family's kit -> $OUT/kit-sSEED-FAMILY.tgz with its prompts and
+    # manifest inside. Without SEEDS: seed $SEED into /tmp/tiny, as kit-FAMILY.tgz, prompts.jsonl, manifest.json.
     set -o pipefail
+    if [ -n "${SEEDS:-}" ]; then
+      rm -rf /tmp/tiny; pids=()
+      for s in $SEEDS; do
+        rm -rf "/tmp/tiny-s$s"
+        timeout 540 python3 -m sglang_ddtree_tools.trainkit "/tmp/tiny-s$s" --seed "$s" --device cuda \
+          --drafter-chain-target 4.0 > "$OUT/trainkit-s$s.log" 2>&1 &
+        pids+=($!)
+      done
+      rc=0; for p in "${pids[@]}"; do wait "$p" || rc=$?; done
+      for s in $SEEDS; do
+        tail -12 "$OUT/trainkit-s$s.log"
+        for f in hybrid dense; do
+          tar czf "$OUT/kit-s$s-$f.tgz" -C /tmp "tiny-s$s/$f-target" "tiny-s$s/$f-drafter" \
+            "tiny-s$s/prompts.jsonl" "tiny-s$s/manifest.json" || rc=1
+        done
+      done
+      set -- $SEEDS; ln -sfn "/tmp/tiny-s$1" /tmp/tiny
+      ls -la "$OUT"; exit $rc
+    fi
     rm -rf /tmp/tiny
     timeout 500 python3 -m sglang_ddtree_tools.trainkit /tmp/tiny --seed "${SEED:-0}" --device cuda --drafter-chain-target 4.0 \
       2>&1 | tee "$OUT/trainkit.log" | tail -25 || exit 1
     for f in hybrid dense; do tar czf "$OUT/kit-$f.tgz" -C /tmp tiny/$f-target tiny/$f-drafter; done
     cp /tmp/tiny/prompts.jsonl "$OUT/" 2>/dev/null; cp /tmp/tiny/manifest.json "$OUT/" 2>/dev/null
     ls -la "$OUT";;
+  usekit)
+    # usekit SEED: the steps after it serve the kit of that seed (/tmp/tiny -> /tmp/tiny-sSEED)
+    s=${1:?SEED}
+    [ -d "/tmp/tiny-s$s" ] || { echo "no kit of seed $s here (kit with SEEDS, or unkit its kit-s$s-*.tgz)" >&2; exit 2; }
+    if [ -d /tmp/tiny ] && [ ! -L /tmp/tiny ]; then
+      rmdir /tmp/tiny 2>/dev/null || { echo "/tmp/tiny holds another kit: not replaced" >&2; exit 2; }
+    fi
+    ln -sfn "/tmp/tiny-s$s" /tmp/tiny; ls -la /tmp/tiny/;;
   unkit)
+    # kit-FAMILY.tgz (+ prompts.jsonl, manifest.json) into /tmp/tiny; kit-sSEED-FAMILY.tgz into /tmp/tiny-sSEED
+    [ ! -L /tmp/tiny ] || rm -f /tmp/tiny
     mkdir -p /tmp/tiny
-    for t in .gpu/kit/kit-*.tgz; do tar xzf "$t" -C /tmp; done
+    for t in .gpu/kit/kit-*.tgz; do tar xzf "$t" -C /tmp || exit 1; done
     cp .gpu/kit/prompts.jsonl .gpu/kit/manifest.json /tmp/tiny/ 2>/dev/null
-    ls /tmp/tiny;;
+    ls /tmp/tiny/ /tmp/tiny-s* 2>/dev/null;;
   bench)
     fam=${1:?FAMILY} modes=${2:?MODES} budgets=${3:?BUDGETS} conc=${4:?CONC} glue=${5:-def}
     name=bench-$fam-g$glue${GRAPHS:+-$GRAPHS}${OVERLAP:+-ov$OVERLAP}${TAG:+-$TAG}
@@ -108,7 +144,7 @@ print(round((time.perf_counter() - t) * 1000, 1))')"
       --family "$fam" --launcher process --out "$o" --modes "$modes" --budgets "$budgets" --graphs "${GRAPHS:-on}" \
       ${ovarg[@]+"${ovarg[@]}"} --concurrency "$conc" --max-new-tokens 128 --requests "${REQUESTS:-16}" --profile-steps 20 --rounds "${ROUNDS:-1}" \
       ${CPUS:+--cpus "$CPUS"} ${SPY:+--spy "$SITE/bin/py-spy"} ${SERVER_ARGS:+--server-args "$SERVER_ARGS"} \
-      2>&1 | tee "$OUT/$name.log"
+      ${PROFILE_CONC:+--profile-concurrency "$PROFILE_CONC"} 2>&1 | tee "$OUT/$name.log"
     rc=$?
     stop_servers
     for x in json txt png; do cp "$o/bench.$x" "$OUT/$name.$x" 2>/dev/null; done

@@ -713,6 +713,33 @@ def test_profile_steps_keeps_a_step_profile_of_every_server(tmp_path, monkeypatc
     assert not (state / "running").exists()
 
 
+def test_profile_concurrency_profiles_the_steps_at_that_many_requests(tmp_path, monkeypatch, capsys):
+    """``--profile-concurrency C``: the profiled steps run with C requests in flight (a step's cost at a batch
+    size is read at that batch size), the summary says so and the log line names it."""
+    from sglang_ddtree_tools import profile_step
+
+    seen = []
+    real = profile_step.profile_server
+
+    def spying(*args, **kw):
+        seen.append(kw["concurrency"])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(profile_step, "profile_server", spying)
+    fake_py, _state = _standin_bench(tmp_path, monkeypatch, "[1, 2, 3]\n[4, 5]\n")
+    out = tmp_path / "out"
+    code = _standin_main(tmp_path, fake_py, out, "--modes", "tree-verify", "--budgets", "7", "--concurrency", "3",
+                         "--max-new-tokens", "12", "--profile-steps", "3", "--profile-concurrency", "3")
+    logged = capsys.readouterr()
+    assert code == 0 and seen == [3]
+    (tv,) = json.loads((out / "bench.json").read_text())["runs"]
+    assert tv["profile"]["concurrency"] == 3
+    assert "profile at 3 requests, per step: span" in logged.out + logged.err
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--tiny-random", "--profile-steps", "3", "--profile-concurrency", "0"])
+    assert bench.parse_args(["--tiny-random"]).profile_concurrency == 1
+
+
 def test_profile_line_names_the_phases_and_the_heaviest_kernels():
     p = {"totals_per_step": {"span_ms": 6.0, "gpu_ms": 1.5, "launches": 40, "graph_launches": 3, "syncs": 2},
          "ranges": {"ddtree.commit": {"per_step": {"host_ms": 0.8, "gpu_ms": 0.05, "launches": 12}}},

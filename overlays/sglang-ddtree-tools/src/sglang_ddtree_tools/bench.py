@@ -879,7 +879,8 @@ def profile_line(p: dict) -> str:
     """One log line of a step profile: per step, the GPU's busy time against the span, launches, syncs, the
     plugin's phases (host ms / GPU ms) where the server has them, and the heaviest kernels."""
     t = p.get("totals_per_step") or {}
-    parts = [f"per step: span {t.get('span_ms', 0):.3f} ms, GPU busy {t.get('gpu_ms', 0):.3f} ms, "
+    at = f"at {p['concurrency']} requests, " if int(p.get("concurrency", 1)) > 1 else ""
+    parts = [f"{at}per step: span {t.get('span_ms', 0):.3f} ms, GPU busy {t.get('gpu_ms', 0):.3f} ms, "
              f"{t.get('launches', 0):.0f} launches ({t.get('graph_launches', 0):.1f} graphs), {t.get('syncs', 0):.1f} syncs"
              + (f" ({t['runtime_syncs']:.1f} GPU waits, {t.get('item_calls', 0):.1f} .item() of which "
                 f"{t.get('host_items', 0):.1f} on host tensors)" if "runtime_syncs" in t else "")]
@@ -897,7 +898,8 @@ def profile_line(p: dict) -> str:
 
 
 def _profile_run(a, entry: dict, base: str, prompts, out_dir: str, log) -> None:
-    """A torch-profiler trace of ``--profile-steps`` decode steps at one request (SGLang's /start_profile),
+    """A torch-profiler trace of ``--profile-steps`` decode steps at ``--profile-concurrency`` requests in flight
+    (SGLang's /start_profile),
     summarized into ``entry["profile"]`` (:mod:`sglang_ddtree_tools.profile_step`); a failure is reported, not fatal."""
     from .profile_step import profile_server
 
@@ -906,8 +908,9 @@ def _profile_run(a, entry: dict, base: str, prompts, out_dir: str, log) -> None:
         if a.user:  # the server writes the trace, as that user
             shutil.chown(out_dir, user=a.user)
         entry["profile"] = profile_server(base, out_dir, a.profile_steps, prompts[0],
-                                          max_new=a.max_new_tokens, concurrency=1,
+                                          max_new=a.max_new_tokens, concurrency=a.profile_concurrency,
                                           timeout=a.request_timeout)
+        entry["profile"]["concurrency"] = a.profile_concurrency
         log("    profile " + profile_line(entry["profile"]))
     except Exception as e:  # noqa: BLE001 - the measured levels stand
         entry["profile_error"] = f"{type(e).__name__}: {e}"[:1000]
@@ -984,6 +987,9 @@ def _parser() -> argparse.ArgumentParser:
                          "SGLang's /start_profile) and keep the summary: per-step GPU time, launches, syncs, "
                          "the plugin's phases, the heaviest kernels (default 0: no profile); with --out the "
                          "traces are kept in OUT/profiles/")
+    ap.add_argument("--profile-concurrency", type=int, default=1, metavar="C",
+                    help="requests in flight while --profile-steps profiles (default 1): a step's cost at a "
+                         "batch size is profiled at that batch size")
     ap.add_argument("--cold-warm", action="store_true",
                     help="each server starts with empty JIT caches (Triton, FlashInfer, SGLang): time its first "
                          "request, then restart it on the filled caches and time the first request again")
@@ -1039,6 +1045,8 @@ def parse_args(argv=None):
         ap.error("--requests must be at least 1")
     if a.warmup_tokens < 0:
         ap.error("--warmup-tokens must be 0 or more")
+    if not 1 <= a.profile_concurrency <= 1024:
+        ap.error("--profile-concurrency must be 1 to 1024")
     if not 1 <= a.rounds <= 20:
         ap.error("--rounds must be 1 to 20")
     if a.spy:
