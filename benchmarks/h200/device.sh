@@ -26,6 +26,7 @@
 #                                                         -> $OUT/bench-FAMILY-gGLUE[-GRAPHS][-ovOVERLAP][-TAG].{json,txt,png}
 #                             and the logs (with SPY=1 the py-spy captures; with RAW_TRACES=1 the DDTREE servers'
 #                             profiler traces) -> $OUT/bench-...-raw.tgz (only the logs where that passes 16 MB)
+#   propose BENCH_JSON        report.propose_schedule on a bench report -> stdout: the schedule (stderr: why)
 #   replay FAMILY BUDGETS     python -m sglang_ddtree_tools.replay on the kit's prompts (128 tokens, cuda): the
 #                             accept length a server with this pair should report, to hold bench's against
 #                             -> $OUT/replay-FAMILY.{json,txt}
@@ -40,7 +41,7 @@ export PYTHONPATH=$SITE:$PWD/overlays/sglang-ddtree/gpu_checks SGLANG_SKIP_SGL_K
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" "$SITE"
-step=${1:?step: install, setup, cpuspeed, glue, kit, usekit, unkit, bench, replay or matrix}; shift
+step=${1:?step: install, setup, cpuspeed, glue, kit, usekit, unkit, bench, propose, replay or matrix}; shift
 # never `pkill -f sglang.launch_server`: the pattern is in this shell's own command line when a caller passes it
 stop_servers() { pkill -f "[s]glang.launch_server" 2>/dev/null; sleep 2; pkill -9 -f "[s]glang.launch_server" 2>/dev/null; true; }
 case "$step" in
@@ -155,6 +156,26 @@ print(round((time.perf_counter() - t) * 1000, 1))')"
     [ "$(stat -c %s "$OUT/$name-raw.tgz")" -lt 16000000 ] || \
       (cd "$o" && tar czf "$OUT/$name-raw.tgz" logs)
     exit $rc;;
+  propose)
+    # propose BENCH_JSON: report.propose_schedule on a bench report (what `mode: auto` would deploy), printed in
+    # full to stderr; stdout: the schedule's text, or where the proposal is mode linear (DFLASH fastest at one
+    # request) the schedule of the tree-verify runs alone (so a call can serve DDTREE's best beside DFLASH)
+    f=${1:?BENCH_JSON}
+    python3 - "$f" <<'PY'
+import json, sys
+from sglang_ddtree import contract
+from sglang_ddtree_tools.report import propose_schedule
+runs = json.load(open(sys.argv[1]))["runs"]
+p = propose_schedule(runs)
+print(json.dumps(p, indent=1), file=sys.stderr)
+if p["mode"] != contract.TREE_VERIFY:
+    p = propose_schedule(runs, usable=lambda r: contract.deploy_name(r.get("mode")) != contract.LINEAR)
+    print("tree-verify runs alone: " + json.dumps(p, indent=1), file=sys.stderr)
+if p["budget"] is None:
+    sys.exit("no schedule to propose")
+print(p["budget"])
+PY
+    ;;
   replay)
     fam=${1:?FAMILY} budgets=${2:?BUDGETS}
     set -o pipefail
