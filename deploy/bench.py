@@ -34,7 +34,8 @@ beside it (``RELEASE.png``).
 
 With ``concurrency: all`` (sized for every load, :func:`choose_schedule`), steps 3 and 4 are the tools'
 ``report.propose_schedule`` instead: tree-verify with a budget schedule, each measured concurrency's entry the
-fastest budget there, or ``chain`` where DFLASH is faster (thresholds at the measured concurrencies); ``linear``
+fastest budget there, or ``chain`` where chain is faster (a served chain entry's figure, else DFLASH's; thresholds
+at the measured concurrencies); ``linear``
 when DFLASH is the fastest at the lowest one. `fab bench` prints the schedule its results propose.
 
 No applicable result (or none with a usable run): the host is refused at the plan with what to run. Plain

@@ -708,6 +708,27 @@ def test_a_benched_schedule_proposes_its_own_entries_beside_the_one_budget_serve
     assert benchreport.propose_schedule(slow["runs"])["mode"] == "linear"
 
 
+def test_chain_counts_at_what_a_tree_verify_server_served_not_at_dflashs_figure():
+    """Where a tree-verify server served chain at a level, that is chain's figure there (the plugin's chain step,
+    slower than DFLASH's where the host is the bottleneck): a budget faster than it wins although DFLASH is faster
+    still, and the level says DFLASH is ahead. Where none served chain, DFLASH's figure stands in, and says so."""
+    runs = report([
+        ("dflash", None, 16, True, [(1, 1400), (16, 10000), (64, 16000)]),
+        ("tree-verify", 127, None, True, [(1, 1800), (16, 3300), (64, 14700)]),
+        ("tree-verify", 31, None, True, [(1, 1100), (16, 8500), (64, 9400)]),
+        ("tree-verify", "1:15,2:chain", None, True, [(1, 1450), (16, 7400), (64, 16200)]),
+    ])["runs"]
+    p = benchreport.propose_schedule(runs)
+    assert (p["mode"], p["budget"]) == ("tree-verify", "1:127,16:31,64:chain")
+    lv = {x["concurrency"]: x for x in p["levels"]}
+    assert lv[16]["tok_s"] == 8500 and "DFLASH is faster (10000.0 tok/s, 1.18x)" in lv[16]["note"]
+    assert lv[64]["tok_s"] == 16200 and "DFLASH" not in lv[64]["note"]  # the served chain beats DFLASH's 16000
+    # without the chain server, DFLASH's 10000 at 16 is chain's figure (an estimate, named as one)
+    est = benchreport.propose_schedule([r for r in runs if r.get("budget") != "1:15,2:chain"])
+    assert est["budget"] == "1:127,16:chain"
+    assert "chain's figure is DFLASH's" in {x["concurrency"]: x for x in est["levels"]}[16]["note"]
+
+
 def test_mode_auto_with_concurrency_all_deploys_the_proposed_schedule(tmp_path):
     from deploy import contract
     inv = inventory(tmp_path, INV.replace("concurrency: 6", "concurrency: all"))
@@ -722,7 +743,8 @@ def test_mode_auto_with_concurrency_all_deploys_the_proposed_schedule(tmp_path):
     hosts, refused, notes = bench.auto_services([h], {"h": ([rec], [])}, DIGEST, gf)
     s1 = hosts[0].services[1]
     assert refused == {} and (s1.mode, s1.budget) == ("tree-verify", contract.parse_budget("1:63,8:15,32:chain"))
-    assert "for every load (concurrency all)" in s1.auto and "32: chain 2400.0 tok/s (plain decoding is faster"         in s1.auto
+    assert "for every load (concurrency all)" in s1.auto
+    assert "32: chain 2400.0 tok/s (chain's figure is DFLASH's" in s1.auto and "plain decoding is faster" in s1.auto
     # what it renders: the schedule's text in the plugin's variable, D = its largest width
     env = dict(render.service_env(s1))
     assert env[contract.BUDGET_ENV] == "1:63,8:15,32:chain"

@@ -381,7 +381,7 @@ def propose_schedule(runs, usable=None, tie: float = 0.01) -> dict:
     never count.
 
     For each measured concurrency, ascending, the entry is the fastest speculative option by output tok/s: a
-    tree-verify budget, or ``chain`` where DFLASH is faster than every budget allowed there. A schedule's budgets do
+    tree-verify budget, or ``chain`` where chain is faster than every budget allowed there. A schedule's budgets do
     not increase with the batch size, so a level chooses among the budgets no larger than the previous level's
     (and chain); where the fastest budget measured there is larger, the entry says so. Within ``tie`` of the
     fastest, the smaller budget (and chain before a budget) wins. The thresholds are the measured concurrencies,
@@ -390,6 +390,9 @@ def propose_schedule(runs, usable=None, tie: float = 0.01) -> dict:
     much plain is ahead. A tree-verify run that served a schedule counts at each of its levels as its own entry
     there (the budget of that batch size, or chain), beside the separate servers of one budget each and DFLASH's
     own: a schedule benched once proposes what it measured, and a schedule run beside budgets is compared with them.
+    Chain's figure at a level is what a tree-verify server measured serving chain there (its step is the plugin's,
+    not DFLASH's, and is slower where the host is the bottleneck); only where none did is it DFLASH's, and the level
+    says so. Where DFLASH is faster than the entry, the level says by how much.
 
     Returns ``{"budget": canonical text, an int (one budget at every level) or None, "mode": "tree-verify" or
     "linear" (DFLASH fastest at the lowest level: a schedule starts with a budget), "levels": [{"concurrency",
@@ -397,6 +400,7 @@ def propose_schedule(runs, usable=None, tie: float = 0.01) -> dict:
     usable = usable or (lambda run: True)
     opts: dict = {}  # concurrency -> {entry: tok/s}
     plain: dict = {}
+    dflash: dict = {}  # concurrency -> DFLASH's tok/s (chain's figure where no tree-verify server served chain)
     for run in runs or ():
         mode = run.get("mode")
         if not usable(run):
@@ -414,11 +418,18 @@ def propose_schedule(runs, usable=None, tie: float = 0.01) -> dict:
             elif mode == contract.TREE_VERIFY and sched is not None:
                 entry = sched.budget_for(int(c))  # a schedule's level: its own entry at that batch size, served
             elif contract.deploy_name(mode) == contract.LINEAR:
-                entry = contract.CHAIN
+                dflash[c] = max(dflash.get(c, 0.0), tps)
+                continue
             else:
                 continue  # shadow-linear serves DFLASH's chain: not an entry of its own
             at = opts.setdefault(c, {})
             at[entry] = max(at.get(entry, 0.0), tps)
+    chain_from_dflash = set()
+    for c, tps in dflash.items():
+        at = opts.setdefault(c, {})
+        if contract.CHAIN not in at:
+            at[contract.CHAIN] = tps
+            chain_from_dflash.add(c)
     levels, notes, prev = [], [], None
     for c in sorted(opts):
         at = opts[c]
@@ -435,6 +446,10 @@ def propose_schedule(runs, usable=None, tie: float = 0.01) -> dict:
         if best_any[0] not in allowed:
             note.append(f"B={best_any[0]} measured fastest ({best_any[1]:.1f} tok/s), but a schedule's budgets do "
                         f"not increase with the batch size (previous entry {prev})")
+        if entry == contract.CHAIN and c in chain_from_dflash and c != min(opts):
+            note.append("chain's figure is DFLASH's: no tree-verify server served chain at this concurrency")
+        elif c in dflash and dflash[c] > allowed[entry]:
+            note.append(f"DFLASH is faster ({dflash[c]:.1f} tok/s, {dflash[c] / allowed[entry]:.2f}x)")
         if plain.get(c, 0.0) > allowed[entry]:
             note.append(f"plain decoding is faster ({plain[c]:.1f} tok/s, {plain[c] / allowed[entry]:.2f}x): a "
                         "tree-verify server cannot switch speculation off")
