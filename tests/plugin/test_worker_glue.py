@@ -459,6 +459,36 @@ def test_0517_glue_level_two_commits_the_same_recurrent_state_as_level_one():
     assert got is None or (type(got) is int and got >= 0)
 
 
+@pytest.mark.skipif(SGLANG != "0.5.17", reason="only SGLang 0.5.17's DFlash worker imports on a CPU host")
+def test_a_request_is_checked_for_unsupported_features_in_its_first_step_only():
+    """The tree-verify step's guard against a request admission should have refused looks at each request once
+    (its features are fixed at admission): a batch of requests already seen costs nothing, a new one is looked at,
+    and one with an unsupported feature is reported once however many steps it stays."""
+    from types import SimpleNamespace
+
+    mod = importlib.import_module("sglang_ddtree.adapters.v0_5_17_worker")
+    w = object.__new__(mod.DDTreeWorker)
+    w._warned_unsupported = False
+    looked = []
+
+    class Req:
+        def __init__(self, name, **sp):
+            self.name, self.return_logprob, self.sampling_params = name, False, SimpleNamespace(**sp)
+
+        def __getattribute__(self, attr):
+            if attr == "sampling_params":
+                looked.append(object.__getattribute__(self, "name"))
+            return object.__getattribute__(self, attr)
+
+    a, b = Req("a"), Req("b")
+    for _ in range(5):
+        w._unsupported_in_batch(SimpleNamespace(reqs=[a, b]))
+    assert looked == ["a", "b"] and not w._warned_unsupported
+    c = Req("c", frequency_penalty=0.5)
+    w._unsupported_in_batch(SimpleNamespace(reqs=[a, b, c]))
+    assert looked == ["a", "b", "c"] and w._warned_unsupported
+
+
 @pytest.mark.skipif(SGLANG != "0.5.17", reason="only SGLang 0.5.17's DFlash worker imports on a CPU host; overlap "
                     "scheduling is its adapter's (capabilities.json overlap_schedule)")
 def test_0517_overlap_step_orders_the_schedulers_stream_after_its_writes_and_never_syncs_the_mask():

@@ -377,11 +377,20 @@ class DDTreeWorkerBase(DFlashWorkerV2):
     def _unsupported_in_batch(self, batch) -> None:
         """Admission rejects these; if one got into a batch anyway (an admission path
         this adapter does not know), serve it with its plain sampling parameters and
-        say so once instead of raising inside the scheduler loop."""
+        say so once instead of raising inside the scheduler loop. A request's features
+        are fixed when it is admitted, so each request is looked at in its first step
+        only (marked ``_ddtree_checked``): the scan costs the new requests of a step,
+        not the whole batch every step."""
         if self._warned_unsupported:
             return
         for req in batch.reqs:
+            if getattr(req, "_ddtree_checked", False):
+                continue
             why = tree_verify_rejection(req)
+            try:
+                req._ddtree_checked = True
+            except AttributeError:  # an object without a __dict__: looked at again next step
+                pass
             if why:
                 self._warned_unsupported = True
                 logger.error("DDTREE: a request reached tree-verify unchecked (%s); serving it without "
