@@ -709,29 +709,35 @@ def plot(record: dict, path: Path) -> Path:
 
 
 def schedule_lines(record: dict) -> list[str]:
-    """What `fab bench` prints after its table: per CUDA-graph setting measured, the budget schedule the results
-    propose (the tools' ``report.propose_schedule`` over the runs on the synchronous scheduler), as the inventory
-    writes it, with each level's entry and why where it is not the plain fastest."""
+    """What `fab bench` prints after its table: per CUDA-graph setting and DDTREE scheduler measured, the budget
+    schedule the results propose (the tools' ``report.propose_schedule`` over the tree-verify runs on that scheduler,
+    beside DFLASH and plain: what `mode: auto` gives a service with that ``overlap`` setting), as the inventory writes
+    it, with each level's entry and why where it is not the plain fastest. The synchronous scheduler's is always
+    given; the overlap scheduler's where a tree-verify server ran it (`fab bench --overlap on|both`)."""
     runs = record["report"]["runs"]
     out = []
     for graphs in sorted({bool(r.get("graphs")) for r in runs}, reverse=True):
-        prop = benchreport.propose_schedule(runs, usable=lambda r, g=graphs: bool(r.get("graphs")) == g
-                                            and not ran_overlap(r))
-        tag = f"schedule (graphs {'on' if graphs else 'off'})"
-        if prop["mode"] is None:
-            out.append(f"{tag}: none proposed: {'; '.join(prop['notes'])}")
-            continue
-        if prop["mode"] == contract.LINEAR:
-            head = f"mode: {contract.LINEAR}"
-        else:
-            b = contract.parse_budget(prop["budget"])
-            head = f"mode: {contract.TREE_VERIFY}, budget: " + (
-                str(b) if type(b) is int else "{" + ", ".join(f"{t}: {e}" for t, e in b.entries) + "}")
-        out.append(f"{tag}: {head}")
-        for lv in prop["levels"]:
-            out.append(f"  concurrency {lv['concurrency']}: {lv['entry']} {lv['tok_s']:.1f} tok/s"
-                       + (f" ({lv['note']})" if lv["note"] else ""))
-        out += [f"  {n}" for n in prop["notes"]]
+        schedulers = [False] + ([True] if any(ran_overlap(r) and bool(r.get("graphs")) == graphs
+                                              and r.get("mode") == contract.TREE_VERIFY for r in runs) else [])
+        for ov in schedulers:
+            prop = benchreport.propose_schedule(runs, usable=lambda r, g=graphs, o=ov: bool(r.get("graphs")) == g
+                                                and ran_overlap(r) == o)
+            tag = f"schedule (graphs {'on' if graphs else 'off'}{', overlap scheduler' if ov else ''})"
+            if prop["mode"] is None:
+                out.append(f"{tag}: none proposed: {'; '.join(prop['notes'])}")
+                continue
+            if prop["mode"] == contract.LINEAR:
+                head = f"mode: {contract.LINEAR}"
+            else:
+                b = contract.parse_budget(prop["budget"])
+                head = f"mode: {contract.TREE_VERIFY}, budget: " + (
+                    str(b) if type(b) is int else "{" + ", ".join(f"{t}: {e}" for t, e in b.entries) + "}")
+            out.append(f"{tag}: {head}" + (f" (service env {OVERLAP_ENV}={OVERLAP_ON[0]})"
+                                           if ov and prop["mode"] != contract.LINEAR else ""))
+            for lv in prop["levels"]:
+                out.append(f"  concurrency {lv['concurrency']}: {lv['entry']} {lv['tok_s']:.1f} tok/s"
+                           + (f" ({lv['note']})" if lv["note"] else ""))
+            out += [f"  {n}" for n in prop["notes"]]
     return out
 
 

@@ -754,6 +754,28 @@ def test_mode_auto_with_concurrency_all_deploys_the_proposed_schedule(tmp_path):
     assert lines[0] == "schedule (graphs on): mode: tree-verify, budget: {1: 63, 8: 15, 32: chain}"
 
 
+def test_fab_bench_proposes_a_schedule_for_each_scheduler_a_tree_verify_server_ran():
+    """`fab bench --overlap both`: the synchronous scheduler's proposal from its own tree-verify runs and the
+    overlap scheduler's from its own (what a service with SGLANG_DDTREE_OVERLAP=1 gets from `mode: auto`), each
+    beside DFLASH; one scheduler measured, one proposal."""
+    rep = report([("plain", None, None, True, [(1, 100), (64, 3000)]),
+                  ("dflash", None, 16, True, [(1, 150), (64, 2300)]),
+                  ("tree-verify", "1:127,64:chain", None, True, [(1, 250), (64, 2000)]),
+                  ("tree-verify", "1:127,64:chain", None, True, [(1, 240), (64, 2500)])])
+    rep["runs"][3]["overlap_schedule"] = True
+    lines = bench.schedule_lines(record(rep))
+    heads = [x for x in lines if x.startswith("schedule")]
+    assert heads == ["schedule (graphs on): mode: tree-verify, budget: {1: 127, 64: chain}",
+                     "schedule (graphs on, overlap scheduler): mode: tree-verify, budget: {1: 127, 64: chain} "
+                     "(service env SGLANG_DDTREE_OVERLAP=1)"]
+    sync_64 = lines[lines.index(heads[0]) + 2]
+    over_64 = lines[lines.index(heads[1]) + 2]
+    assert "chain 2000.0 tok/s" in sync_64 and "DFLASH is faster (2300.0" in sync_64
+    assert "chain 2500.0 tok/s" in over_64 and "DFLASH" not in over_64
+    rep["runs"] = rep["runs"][:3]
+    assert [x for x in bench.schedule_lines(record(rep)) if x.startswith("schedule")] == heads[:1]
+
+
 def test_fab_bench_takes_budget_schedules_beside_node_budgets(tmp_path):
     """`--budgets "31; 1:31,32:15,64:7"`: node budgets and schedules reach the host's bench as one word it reads back
     to the same values; a schedule's text is canonical on the wire, and what no server can take is refused first."""
