@@ -128,3 +128,29 @@ def test_each_gpu_wait_is_named_by_the_python_frame_that_asked_for_it():
     assert out["wait_sites"][0]["site"].startswith("sglang/srt/managers/scheduler.py")  # most first
     from sglang_ddtree_tools.bench import profile_line
     assert "waits at: sglang/srt/managers/scheduler.py(3670): run_batch x3" in profile_line(out)
+
+
+def test_host_time_goes_to_the_python_frame_that_spent_it():
+    """Each own Python frame's self time, per step: a callee's own time is its own, torch's frames and built-ins
+    inside a frame count for it, frames on another thread are their thread's; most first, and bench's log line
+    names the heaviest."""
+    ev = []
+    for s in range(2):
+        t = s * 10000.0
+        ev += [_x("ddtree.draft", "user_annotation", t, 100),
+               _x("sglang/srt/managers/scheduler.py(3600): event_loop_normal", "python_function", t, 9000),
+               _x("sglang/srt/managers/scheduler.py(3670): run_batch", "python_function", t + 100, 3000),
+               _x("sglang_ddtree/adapters/worker.py(380): _forward_tree_verify", "python_function", t + 200, 2000),
+               _x("torch/_tensor.py(1100): tolist", "python_function", t + 300, 500),  # torch's: the caller's
+               _x("sglang/srt/managers/batch_result_processor.py(802): process_batch_result_decode",
+                  "python_function", t + 4000, 4000),
+               _x("<built-in method item of Tensor object at 0x7f>", "python_function", t + 4100, 1000),
+               _x("sglang/srt/utils.py(10): watchdog", "python_function", t + 500, 700, tid=2)]
+    out = summarize_trace({"traceEvents": ev})
+    got = {f["frame"].split(": ")[1]: f["per_step_ms"] for f in out["host_frames"]}
+    assert got == {"process_batch_result_decode": 4.0, "_forward_tree_verify": 2.0, "event_loop_normal": 2.0,
+                   "run_batch": 1.0, "watchdog": 0.7}, out["host_frames"]
+    assert out["host_frames"][0]["frame"].endswith("process_batch_result_decode") and out["host_frames"][0]["calls"] == 2
+    from sglang_ddtree_tools.bench import profile_line
+    assert "host: " in profile_line(out) and "process_batch_result_decode 4.00 ms" in profile_line(out)
+    assert summarize_trace(trace())["host_frames"] == []  # no Python frames in the trace

@@ -891,6 +891,9 @@ def profile_line(p: dict) -> str:
             parts.append(f"{name[7:]} {ps['host_ms']:.2f}/{ps['gpu_ms']:.3f} ms {ps['launches']:.0f}L")
     ks = p.get("kernels") or []
     parts.append("top: " + ", ".join(f"{k['name'][:48]} {k.get('per_step_us', 0):.0f}us" for k in ks[:6]))
+    hf = [f for f in p.get("host_frames") or [] if "per_step_ms" in f]
+    if hf:
+        parts.append("host: " + ", ".join(f"{f['frame'][-56:]} {f['per_step_ms']:.2f} ms" for f in hf[:4]))
     ws = p.get("wait_sites") or []
     if ws:
         parts.append("waits at: " + ", ".join(f"{w['site'][-60:]} x{w.get('per_step', w['waits'])}" for w in ws[:4]))

@@ -176,6 +176,9 @@ def summarize_trace(trace, prefix: str = "ddtree.", steps_hint: int = 0, top: in
     out["kernels"] = [{"name": n, "calls": c, "gpu_ms": round(d / 1000.0, 4),
                        **({"per_step_us": round(d / per, 2), "calls_per_step": round(c / per, 2)} if per else {})}
                       for n, (c, d) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:top]]
+    out["host_frames"] = [{"frame": n, "calls": c, "self_ms": round(t / 1000.0, 3),
+                           **({"per_step_ms": round(t / 1000.0 / per, 4)} if per else {})}
+                          for n, c, t in host_frames(ev)[:12]]
     sites = wait_sites(ev, [e for e in runtime if _is_wait(e)] + [e for e in ops if id(e) in items])
     out["wait_sites"] = [{"site": n, "waits": c, **({"per_step": round(c / per, 2)} if per else {})}
                          for n, c in sites[:8]]
@@ -222,6 +225,38 @@ def wait_sites(ev: List[dict], waits: List[dict]) -> List[tuple]:
         site = str(best["name"]) if best is not None else "(no Python stack in the trace)"
         counts[site] = counts.get(site, 0) + 1
     return sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+
+
+def host_frames(ev: List[dict]) -> List[tuple]:
+    """[(frame, calls, self us)], most host time first: each Python frame's own time, that of torch's frames,
+    built-ins and operators inside it included (the code that spent it), its own callees' excluded - where the
+    host's time goes, inside the plugin's ranges and outside them (SGLang's scheduler loop, its per-request
+    bookkeeping). From the frames torch.profiler's ``with_stack`` records (``file.py(line): function``); a trace
+    without them gives ``[]``."""
+    by_thread: Dict[tuple, List[dict]] = {}
+    for e in ev:
+        if e.get("cat") == "python_function" and _own_frame(str(e.get("name", ""))):
+            by_thread.setdefault((e.get("pid"), e.get("tid")), []).append(e)
+    own: Dict[str, List[float]] = {}
+    for frames in by_thread.values():
+        frames.sort(key=lambda e: (float(e.get("ts", 0)), -float(e.get("dur", 0))))
+        stack: List[list] = []  # [end, name, self]
+
+        def close(entry):
+            slot = own.setdefault(entry[1], [0, 0.0])
+            slot[0] += 1
+            slot[1] += max(entry[2], 0.0)
+
+        for e in frames:
+            t, d = float(e.get("ts", 0)), float(e.get("dur", 0))
+            while stack and stack[-1][0] <= t:
+                close(stack.pop())
+            if stack:
+                stack[-1][2] -= min(d, stack[-1][0] - t)  # the parent's own time loses its callee's
+            stack.append([t + d, str(e["name"]), d])
+        while stack:
+            close(stack.pop())
+    return sorted(((n, int(c), t) for n, (c, t) in own.items()), key=lambda x: (-x[2], x[0]))
 
 
 def _kernel_name(e) -> str:
