@@ -102,3 +102,46 @@ def test_gpulab_serves_the_kits_dense_pair_with_family_dense(tmp_path):
     assert (v["model"], v["draft_model"], v["served_model_name"], v["budget"]) == \
         ("/models/dense-target", "/models/dense-drafter", "tiny-dense", 63)
     assert (tmp_path / "base" / "tmp" / "bench").is_symlink()  # fab bench's kept results: the original's
+
+
+def _bench_json(tmp_path, runs):
+    import json
+
+    lv = lambda c, tps: {"concurrency": c, "requests": 8, "errors": 0, "output_tok_s": tps}  # noqa: E731
+    doc = {"runs": [{"mode": m, "budget": b, "block": 16 if m == "dflash" else None, "graphs": True,
+                     "levels": [lv(*x) for x in levels]} for m, b, levels in runs]}
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
+def test_propose_prints_the_schedule_a_bench_report_proposes_for_the_next_call(tmp_path):
+    """`device.sh propose BENCH_JSON`: report.propose_schedule on the report, the schedule alone on stdout (what the
+    next call's bench serves); where DFLASH wins at one request (mode linear) the tree-verify runs' own schedule,
+    and the reason on stderr; no tree-verify run at all fails the call."""
+    env = _env(tmp_path)
+    site = Path(env["SITE"])  # the install target is where device.sh imports from: this checkout's packages
+    site.mkdir()
+    for pkg, src in (("sglang_ddtree", "sglang-ddtree"), ("sglang_ddtree_tools", "sglang-ddtree-tools")):
+        (site / pkg).symlink_to(ROOT / "overlays" / src / "src" / pkg)
+    run = lambda f: subprocess.run(["bash", str(DEVICE), "propose", f], capture_output=True, text=True,  # noqa: E731
+                                   env=env, cwd=ROOT, timeout=120)
+    r = run(_bench_json(tmp_path, [("dflash", None, [(1, 1400), (16, 10000), (64, 16000)]),
+                                   ("tree-verify", 127, [(1, 1800), (16, 3300), (64, 14700)]),
+                                   ("tree-verify", 31, [(1, 1100), (16, 8500), (64, 9400)]),
+                                   ("tree-verify", "1:15,2:chain", [(1, 1450), (16, 7400), (64, 16200)])]))
+    assert r.returncode == 0 and r.stdout.strip() == "1:127,16:31,64:chain", r.stdout + r.stderr
+    assert "DFLASH is faster" in r.stderr
+    r = run(_bench_json(tmp_path, [("dflash", None, [(1, 2000), (4, 5000)]),
+                                   ("tree-verify", 63, [(1, 1500), (4, 5500)]),
+                                   ("tree-verify", 15, [(1, 1400), (4, 5600)])]))
+    assert r.returncode == 0 and r.stdout.strip() == "1:63,4:15", r.stdout + r.stderr
+    assert '"mode": "linear"' in r.stderr and "tree-verify runs alone" in r.stderr
+    r = run(_bench_json(tmp_path, [("plain", None, [(1, 900)])]))
+    assert r.returncode != 0 and r.stdout.strip() == "" and "no schedule to propose" in r.stderr
+
+
+def test_usekit_refuses_a_seed_whose_kit_is_not_there(tmp_path):
+    r = subprocess.run(["bash", str(DEVICE), "usekit", "987654321"], capture_output=True, text=True,
+                       env=_env(tmp_path), cwd=ROOT, timeout=60)
+    assert r.returncode == 2 and "no kit of seed 987654321" in r.stderr
