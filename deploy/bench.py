@@ -722,23 +722,27 @@ def schedule_lines(record: dict) -> list[str]:
         for ov in schedulers:
             prop = benchreport.propose_schedule(runs, usable=lambda r, g=graphs, o=ov: bool(r.get("graphs")) == g
                                                 and ran_overlap(r) == o)
-            tag = f"schedule (graphs {'on' if graphs else 'off'}{', overlap scheduler' if ov else ''})"
-            if prop["mode"] is None:
-                out.append(f"{tag}: none proposed: {'; '.join(prop['notes'])}")
-                continue
-            if prop["mode"] == contract.LINEAR:
-                head = f"mode: {contract.LINEAR}"
-            else:
-                b = contract.parse_budget(prop["budget"])
-                head = f"mode: {contract.TREE_VERIFY}, budget: " + (
-                    str(b) if type(b) is int else "{" + ", ".join(f"{t}: {e}" for t, e in b.entries) + "}")
-            out.append(f"{tag}: {head}" + (f" (service env {OVERLAP_ENV}={OVERLAP_ON[0]})"
-                                           if ov and prop["mode"] != contract.LINEAR else ""))
-            for lv in prop["levels"]:
-                out.append(f"  concurrency {lv['concurrency']}: {lv['entry']} {lv['tok_s']:.1f} tok/s"
-                           + (f" ({lv['note']})" if lv["note"] else ""))
-            out += [f"  {n}" for n in prop["notes"]]
+            out += _proposal_lines(prop, f"schedule (graphs {'on' if graphs else 'off'}"
+                                         f"{', overlap scheduler' if ov else ''})", ov)
     return out
+
+
+def _proposal_lines(prop: dict, tag: str, overlap: bool) -> list[str]:
+    """One proposal as `fab bench` prints it: its head (the inventory's words; the service env that asks the
+    overlap scheduler where it was measured there), one line per level, its notes."""
+    if prop["mode"] is None:
+        return [f"{tag}: none proposed: {'; '.join(prop['notes'])}"]
+    if prop["mode"] == contract.LINEAR:
+        head = f"mode: {contract.LINEAR}"
+    else:
+        b = contract.parse_budget(prop["budget"])
+        head = f"mode: {contract.TREE_VERIFY}, budget: " + (
+            str(b) if type(b) is int else "{" + ", ".join(f"{t}: {e}" for t, e in b.entries) + "}")
+        head += f" (service env {OVERLAP_ENV}={OVERLAP_ON[0]})" if overlap else ""
+    return ([f"{tag}: {head}"]
+            + [f"  concurrency {lv['concurrency']}: {lv['entry']} {lv['tok_s']:.1f} tok/s"
+               + (f" ({lv['note']})" if lv["note"] else "") for lv in prop["levels"]]
+            + [f"  {n}" for n in prop["notes"]])
 
 
 # ----------------------------------------------------------------------------- the run

@@ -210,15 +210,21 @@ def _own_frame(name: str) -> bool:
         and not name.startswith(("threading.py", "contextlib.py"))
 
 
+def _own_frames_by_thread(ev: List[dict]) -> Dict[tuple, List[dict]]:
+    """The trace's own Python frames (:func:`_own_frame`), by (pid, tid)."""
+    frames: Dict[tuple, List[dict]] = {}
+    for e in ev:
+        if e.get("cat") == "python_function" and _own_frame(str(e.get("name", ""))):
+            frames.setdefault((e.get("pid"), e.get("tid")), []).append(e)
+    return frames
+
+
 def wait_sites(ev: List[dict], waits: List[dict]) -> List[tuple]:
     """[(site, count)], most first: for each GPU wait and each scalar read, the innermost Python frame that
     encloses it on its thread and is not torch's own (``file.py(line): function`` as torch.profiler's
     ``with_stack`` names it - SGLang's /start_profile records stacks unless SGLANG_PROFILE_WITH_STACK=false).
     A trace without Python frames gives ``"(no Python stack in the trace)"``."""
-    frames: Dict[tuple, List[dict]] = {}
-    for e in ev:
-        if e.get("cat") == "python_function" and _own_frame(str(e.get("name", ""))):
-            frames.setdefault((e.get("pid"), e.get("tid")), []).append(e)
+    frames = _own_frames_by_thread(ev)
     counts: Dict[str, int] = {}
     for w in waits:
         best = _innermost(w, frames)
@@ -233,12 +239,8 @@ def host_frames(ev: List[dict]) -> List[tuple]:
     host's time goes, inside the plugin's ranges and outside them (SGLang's scheduler loop, its per-request
     bookkeeping). From the frames torch.profiler's ``with_stack`` records (``file.py(line): function``); a trace
     without them gives ``[]``."""
-    by_thread: Dict[tuple, List[dict]] = {}
-    for e in ev:
-        if e.get("cat") == "python_function" and _own_frame(str(e.get("name", ""))):
-            by_thread.setdefault((e.get("pid"), e.get("tid")), []).append(e)
     own: Dict[str, List[float]] = {}
-    for frames in by_thread.values():
+    for frames in _own_frames_by_thread(ev).values():
         frames.sort(key=lambda e: (float(e.get("ts", 0)), -float(e.get("dur", 0))))
         stack: List[list] = []  # [end, name, self]
 
