@@ -167,3 +167,96 @@ def test_the_env_switch():
     assert gw.enabled({}) and gw.enabled({gw.ENV: "1"}) and not gw.enabled({gw.ENV: "0"})
     with pytest.raises(ValueError, match=gw.ENV):
         gw.enabled({gw.ENV: "maybe"})
+
+
+def _is_chain(bucket):
+    return contract.budget_for(SCHEDULE, int(bucket)) == contract.CHAIN
+
+
+@pytest.fixture
+def chain_widths():
+    from sglang_ddtree.adapters import v0_5_17_graph_widths as gw
+
+    gw.install(_width_of, set(contract.schedule_widths(SCHEDULE, BLOCK).values()), _is_chain)
+    try:
+        yield gw
+    finally:
+        gw.uninstall()
+
+
+def test_a_chain_buckets_graph_is_captured_the_way_dflash_captures_it(chain_widths):
+    """The real capture_one_shape of each bucket: while the chain bucket (8) is captured the mask policy is told
+    it is a chain bucket, while a tree bucket is captured it is not, and nothing is left marked after."""
+    seen = []
+
+    class Probe(Exception):
+        pass
+
+    r = _runner()
+
+    def capture_prepare(bs, stream_idx=None, num_tokens=None):
+        seen.append((bs, chain_widths.capturing_chain()))
+        raise Probe
+
+    r.capture_prepare = capture_prepare
+    for bucket in reversed(r.capture_bs):
+        with pytest.raises(Probe):
+            r.capture_one_shape(bucket, forward=None)
+    assert seen == [(8, True), (4, False), (2, False), (1, False)]
+    assert not chain_widths.capturing_chain()
+    assert chain_widths.is_chain_bucket(8) and not chain_widths.is_chain_bucket(4)
+
+
+def test_without_chain_buckets_no_capture_is_a_chain_one(widths):
+    assert not widths.is_chain_bucket(8) and not widths.capturing_chain()
+
+
+def test_the_mask_policy_answers_dflashs_own_way_for_a_chain_bucket(chain_widths):
+    """0.5.17's worker's mask policy: the tree-mask buffer for a tree bucket's capture, SGLang's own answer
+    (causal on Triton) for a chain bucket's, since DFLASH's verify input carries no mask to refill it with."""
+    import importlib
+
+    from sglang.srt.speculative import dflash_utils
+
+    mod = importlib.import_module("sglang_ddtree.adapters.v0_5_17_worker")
+    triton_like = type("TritonAttnBackend", (), {})()
+    original = dflash_utils.resolve_dflash_verify_mask_policy
+    try:
+        mod._install_tree_mask_capture()
+        patched = dflash_utils.resolve_dflash_verify_mask_policy
+        assert patched(triton_like) == ("TritonAttnBackend", True)
+        chain_widths._STATE["capturing"] = 8
+        assert patched(triton_like) == original(triton_like) == ("TritonAttnBackend", False)
+        chain_widths._STATE["capturing"] = 4
+        assert patched(triton_like) == ("TritonAttnBackend", True)
+    finally:
+        chain_widths._STATE["capturing"] = None
+        dflash_utils.resolve_dflash_verify_mask_policy = original
+        mod._TREE_MASK_CAPTURE["installed"] = False
+
+
+def test_a_chain_buckets_tree_links_are_the_chains_and_a_dflash_replay_keeps_them(chain_widths):
+    """The hybrid backend's chain bucket holds the chain's links from the start; a DFLASH verify input (no links)
+    replays without touching them, and they are the links the plugin's own one-branch tree has."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.srt.speculative.dflash_info import DFlashVerifyInput
+
+    from sglang_ddtree.step import tree_verify_inputs
+
+    b = _hybrid_backend()
+    w = _width_of(8)
+    want = chain_widths.chain_links(8, w)
+    assert want[0].tolist() == list(range(1, w)) + [-1]
+    assert torch.equal(b.retrieve_next_token_list[7].to(torch.int64), want)
+    assert (b.retrieve_next_sibling_list[7] == -1).all()
+    assert not (b.retrieve_next_token_list[3] == chain_widths.chain_links(4, _width_of(4))).all()  # a tree bucket
+    spec = DFlashVerifyInput(draft_token=None, positions=None, draft_token_num=w, custom_mask=None)
+    md = b._replay_metadata(8, torch.arange(8), ForwardMode.TARGET_VERIFY, spec, None, num_padding=2)
+    assert torch.equal(md.retrieve_next_token.to(torch.int64), want)
+    # the plugin's own chain step (a sampled batch in a chain bucket) writes the same links
+    depths, k = BLOCK - 1, 1
+    lp = torch.log_softmax(torch.randn(2, depths, 5), -1).topk(k, dim=-1)
+    _, vin = tree_verify_inputs(lp.values.double(), lp.indices, torch.tensor([3, 4]), torch.tensor([10, 20]),
+                                BLOCK - 1, 2)  # the topk SGLang is told (>= 2: its tree paths)
+    assert torch.equal(vin.retrieve_next_token.view(2, w).to(torch.int64), chain_widths.chain_links(2, w))
+    assert (vin.retrieve_next_sibling == -1).all()

@@ -560,3 +560,56 @@ def test_0517_overlap_step_orders_the_schedulers_stream_after_its_writes_and_nev
     w.ddtree = SimpleNamespace(num_draft_tokens=8, drafter_block_size=16)
     with pytest.raises(ValueError, match=r"drafter block \(16\) <= D = 8"):
         w._init_tree_verify()
+
+
+@pytest.mark.skipif(SGLANG != "0.5.17", reason="only SGLang 0.5.17's DFlash worker imports on a CPU host; chain "
+                    "buckets captured DFLASH's way are its adapter's (v0_5_17_graph_widths)")
+def test_a_schedules_chain_steps_are_dflashs_own_step_where_their_graph_was_captured_for_it():
+    """A decode step whose batch's schedule entry is chain, in a captured chain bucket, all greedy, is SGLang's own
+    DFlashWorkerV2 step; a tree entry, a sampled batch, or a batch past the largest bucket (eager) is the
+    plugin's tree-verify step; SGLANG_DDTREE_CHAIN_STEP=plugin keeps every step the plugin's."""
+    from types import SimpleNamespace
+
+    from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
+
+    from sglang_ddtree import contract
+    from sglang_ddtree.adapters import v0_5_17_graph_widths as gw
+
+    mod = importlib.import_module("sglang_ddtree.adapters.v0_5_17_worker")
+    shared_mod = importlib.import_module("sglang_ddtree.adapters.worker")
+    sched = contract.parse_budget("1:31,4:15,16:chain")
+    w = object.__new__(mod.DDTreeWorker)
+    w.ddtree = SimpleNamespace(mode=shared_mod.TREE_VERIFY, schedule=sched)
+    w.block_size, w._chain_dflash, w._bucket_widths_on = 8, True, True
+    w._graph_buckets = (1, 2, 4, 8, 16, 32)
+    w.chain_steps = {"dflash": 0, "plugin": 0}
+    calls = []
+    w._forward_tree_verify = lambda batch, on_publish: calls.append(("plugin", len(batch.seq_lens))) or "plugin"
+    original = DFlashWorkerV2.forward_batch_generation
+
+    def dflash(self, batch, on_publish=None, grammar_barrier=None):
+        calls.append(("dflash", len(batch.seq_lens)))
+        return "dflash"
+
+    def batch(bs, greedy=True):
+        return SimpleNamespace(seq_lens=[0] * bs, forward_mode=SimpleNamespace(is_extend=lambda: False,
+                               is_idle=lambda: False), is_extend_in_batch=False,
+                               sampling_info=SimpleNamespace(is_all_greedy=greedy))
+
+    gw.install(w._width_at, set(contract.schedule_widths(sched, 8).values()), w._chain_at)
+    DFlashWorkerV2.forward_batch_generation = dflash
+    try:
+        got = [w.forward_batch_generation(batch(bs)) for bs in (1, 4, 9, 16, 20, 32, 40)]
+        # 9 pads to bucket 16 (a chain bucket); 40 is past the largest bucket (eager: the plugin's chain)
+        assert got == ["plugin", "plugin", "dflash", "dflash", "dflash", "dflash", "plugin"]
+        assert w.forward_batch_generation(batch(16, greedy=False)) == "plugin"  # sampled: the plugin's chain
+        assert w.chain_steps == {"dflash": 4, "plugin": 2}
+        w._chain_dflash = False
+        assert w.forward_batch_generation(batch(16)) == "plugin"
+    finally:
+        DFlashWorkerV2.forward_batch_generation = original
+        gw.uninstall()
+    assert shared_mod.chain_step_from_env({}) == "dflash"
+    assert shared_mod.chain_step_from_env({shared_mod.CHAIN_STEP_ENV: "plugin"}) == "plugin"
+    with pytest.raises(ValueError, match=shared_mod.CHAIN_STEP_ENV):
+        shared_mod.chain_step_from_env({shared_mod.CHAIN_STEP_ENV: "eagle"})

@@ -24,6 +24,17 @@ What reads the width, and how each part gets the bucket's:
   bucket buffers of its own width and one arange per width, and the metadata calls read the arange of the spec
   info's width.
 
+A schedule's ``chain`` buckets (``is_chain(b)``) are SGLang's own DFLASH steps (the worker hands them to
+``DFlashWorkerV2.forward_batch_generation``), so their graphs are captured the way DFLASH captures them, and stay
+right when a DFLASH step replays them:
+
+* the Triton backend's verify graph is captured causal (the mask policy's own answer, :func:`capturing_chain`),
+  not with the tree-mask buffer: DFLASH's verify input carries no mask, so a captured mask buffer would be read
+  with whatever mask the last tree step left there;
+* the hybrid backend's tree-link buffers of a chain bucket hold the chain's links (each slot's child is the next
+  slot, no siblings) from the start: DFLASH's verify input carries no links and its replays leave the buffers as
+  they are, so the recurrent layers read the chain's order, each slot starting from the previous one's state.
+
 ``SGLANG_DDTREE_BUCKET_WIDTHS=0`` (:data:`ENV`) keeps SGLang's one width (steps at other widths run eagerly).
 """
 
@@ -41,8 +52,9 @@ logger = logging.getLogger(__name__)
 
 ENV = "SGLANG_DDTREE_BUCKET_WIDTHS"
 
-# width_of(bucket) -> D of that bucket; widths: every width it can answer; None when not installed
-_STATE = {"width_of": None, "widths": (), "installed": False}
+# width_of(bucket) -> D of that bucket; widths: every width it can answer; is_chain(bucket): the bucket's entry is
+# chain (a DFLASH step); capturing: the bucket whose graph is being captured; None when not installed
+_STATE = {"width_of": None, "widths": (), "is_chain": None, "capturing": None, "installed": False}
 
 
 def enabled(environ=os.environ) -> bool:
@@ -53,13 +65,15 @@ def enabled(environ=os.environ) -> bool:
     return value not in ("0", "false", "off")
 
 
-def install(width_of: Callable[[int], int], widths: Iterable[int]) -> None:
+def install(width_of: Callable[[int], int], widths: Iterable[int],
+            is_chain: Optional[Callable[[int], bool]] = None) -> None:
     """Capture, admit and replay each target verify bucket ``b`` at ``width_of(b)`` (idempotent; the last call's
-    function applies). ``widths`` lists every width ``width_of`` answers (the hybrid backend's aranges)."""
+    functions apply). ``widths`` lists every width ``width_of`` answers (the hybrid backend's aranges);
+    ``is_chain(b)``: bucket ``b`` runs DFLASH's own chain step (captured as DFLASH captures it; none without it)."""
     widths = tuple(sorted({int(w) for w in widths}))
     if not widths or widths[0] < 1:
         raise ValueError(f"bucket widths must be >= 1, got {widths}")
-    _STATE["width_of"], _STATE["widths"] = width_of, widths
+    _STATE["width_of"], _STATE["widths"], _STATE["is_chain"] = width_of, widths, is_chain
     if _STATE["installed"]:
         return
     from sglang.srt.layers.attention.hybrid_linear_attn_backend import MambaAttnBackendBase
@@ -90,11 +104,23 @@ def uninstall() -> None:
         for name, value in list(vars(cls).items()):
             if getattr(value, "_ddtree_bucket_widths", False):
                 setattr(cls, name, value.__wrapped__)
-    _STATE.update(width_of=None, widths=(), installed=False)
+    _STATE.update(width_of=None, widths=(), is_chain=None, capturing=None, installed=False)
 
 
 def installed() -> bool:
     return bool(_STATE["installed"] and _STATE["width_of"] is not None)
+
+
+def is_chain_bucket(bucket: Optional[int]) -> bool:
+    """Whether captured bucket ``bucket`` is a chain bucket (DFLASH's step, captured as DFLASH captures it)."""
+    is_chain = _STATE["is_chain"]
+    return bool(installed() and is_chain is not None and bucket is not None and is_chain(int(bucket)))
+
+
+def capturing_chain() -> bool:
+    """Whether the target verify graph being captured now is a chain bucket's (the mask policy answers DFLASH's
+    own way for it: causal on backends that express a chain causally)."""
+    return is_chain_bucket(_STATE["capturing"])
 
 
 # ----- the runner ---------------------------------------------------------------------------------------------
@@ -139,8 +165,12 @@ def _bucket_width(runner, bucket: Optional[int]):
 def _wrap_capture_one_shape(original):
     @functools.wraps(original)
     def capture_one_shape(self, size, *args, **kwargs):
-        with _bucket_width(self, int(size)):
-            return original(self, size, *args, **kwargs)
+        _STATE["capturing"] = int(size) if _applies(self) else None
+        try:
+            with _bucket_width(self, int(size)):
+                return original(self, size, *args, **kwargs)
+        finally:
+            _STATE["capturing"] = None
     return capture_one_shape
 
 
@@ -171,13 +201,26 @@ def _wrap_init_state(original):
         # each bucket's tree links at its own width (the captured graph reads them by pointer)
         for i in range(max_bs):
             w = int(width_of(i + 1))
-            if w == d or w > d:
-                continue
-            for name in ("retrieve_next_token_list", "retrieve_next_sibling_list", "retrieve_parent_token_list"):
-                lst = getattr(self, name, None)
-                if lst is not None and i < len(lst):
-                    lst[i] = torch.zeros((i + 1, w), dtype=lst[i].dtype, device=lst[i].device)
+            if w < d:
+                for name in ("retrieve_next_token_list", "retrieve_next_sibling_list", "retrieve_parent_token_list"):
+                    lst = getattr(self, name, None)
+                    if lst is not None and i < len(lst):
+                        lst[i] = torch.zeros((i + 1, w), dtype=lst[i].dtype, device=lst[i].device)
+            if w <= d and is_chain_bucket(i + 1):  # DFLASH's replays never write them: the chain's links for good
+                nxt = getattr(self, "retrieve_next_token_list", None)
+                sib = getattr(self, "retrieve_next_sibling_list", None)
+                if nxt is not None and sib is not None and i < len(nxt) and i < len(sib):
+                    nxt[i].copy_(chain_links(i + 1, w, nxt[i].dtype, nxt[i].device))
+                    sib[i].fill_(-1)
     return init_cuda_graph_state
+
+
+def chain_links(rows: int, width: int, dtype=torch.int64, device="cpu") -> torch.Tensor:
+    """``retrieve_next_token`` of ``rows`` chains of ``width`` slots: slot ``j``'s child is ``j + 1``, the last
+    slot has none (-1); a chain's ``retrieve_next_sibling`` is all -1."""
+    row = torch.arange(1, width + 1, dtype=dtype, device=device)
+    row[-1] = -1
+    return row.expand(rows, width).clone()
 
 
 def _wrap_metadata(original):

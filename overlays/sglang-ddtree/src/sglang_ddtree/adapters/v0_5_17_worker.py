@@ -62,7 +62,9 @@ def _install_tree_mask_capture() -> None:
     original = dflash_utils.resolve_dflash_verify_mask_policy
 
     def resolve_with_tree_mask(attn_backend):
-        name, _ = original(attn_backend)
+        name, build = original(attn_backend)
+        if graph_widths.capturing_chain():  # a chain bucket is DFLASH's own step: captured DFLASH's way
+            return name, build
         return name, True
 
     resolve_with_tree_mask.__wrapped__ = original
@@ -112,8 +114,14 @@ class DDTreeWorker(DDTreeWorkerBase):
                         graph_widths.ENV)
             return
         widths = set(contract.schedule_widths(self.ddtree.schedule, int(self.block_size)).values())
-        graph_widths.install(self._width_at, widths)
+        graph_widths.install(self._width_at, widths, self._chain_at if self._chain_dflash else None)
         self._bucket_widths_on = True
+
+    def _ddtree_dflash_chain_bucket(self, bs: int) -> bool:
+        # a chain bucket's graph is captured DFLASH's way (v0_5_17_graph_widths), so DFLASH's step replays it
+        if not (self._bucket_widths_on and self._graph_buckets and bs <= self._graph_buckets[-1]):
+            return False  # past the largest bucket the verify runs eagerly: the plugin's own chain step
+        return graph_widths.is_chain_bucket(self._ddtree_graph_bucket(bs))
 
     def _ddtree_graph_bucket(self, bs: int) -> int:
         if self._bucket_widths_on and self._graph_buckets and bs <= self._graph_buckets[-1]:

@@ -157,6 +157,18 @@ STATS_EVERY_ENV = "SGLANG_DDTREE_STATS_EVERY"
 # links, so they process the verify slots in chain order and a node starts from the previous
 # slot's state (often a sibling), not its parent's. Wrong on purpose; refused unless spelled out.
 UNSAFE_CHAIN_STATE_ENV = "SGLANG_DDTREE_UNSAFE_CHAIN_STATE"
+# A budget schedule's chain entries: SGLang's own DFLASH step (dflash, the default: the same drafts, verify and
+# accept as a DFLASH server, at its speed) or the plugin's tree step over a one-branch tree (plugin).
+CHAIN_STEP_ENV = "SGLANG_DDTREE_CHAIN_STEP"
+CHAIN_STEPS = ("dflash", "plugin")
+
+
+def chain_step_from_env(environ=os.environ) -> str:
+    """Which step serves a schedule's chain entries (:data:`CHAIN_STEP_ENV`; ``dflash`` unless set)."""
+    value = str(environ.get(CHAIN_STEP_ENV, "") or "dflash").strip().lower()
+    if value not in CHAIN_STEPS:
+        raise ValueError(f"{CHAIN_STEP_ENV}={environ.get(CHAIN_STEP_ENV)!r} must be one of {', '.join(CHAIN_STEPS)}")
+    return value
 
 
 def _full_attn_backend(backend):
@@ -217,6 +229,11 @@ class DDTreeWorkerBase(DFlashWorkerV2):
         # SGLang's overlap scheduler (config.overlap_decision; the validator set disable_overlap_schedule)
         self._overlap = not bool(getattr(server_args, "disable_overlap_schedule", True))
         self._unsafe_chain_state = os.environ.get(UNSAFE_CHAIN_STATE_ENV) == "1"
+        # chain entries as DFLASH's own step (where the adapter captured their graphs DFLASH's way)
+        self._chain_dflash = (self.ddtree.mode == TREE_VERIFY and self.ddtree.schedule is not None
+                              and self.ddtree.schedule.has_chain and chain_step_from_env() == "dflash"
+                              and not self._unsafe_chain_state)
+        self.chain_steps = {"dflash": 0, "plugin": 0}  # chain-entry steps served by each
         if self._unsafe_chain_state:
             logger.warning("DDTREE: %s=1 - recurrent state is processed in CHAIN order (siblings leak into each "
                            "other). Outputs are WRONG on hybrid models; for the leak demonstration only.",
@@ -339,7 +356,33 @@ class DDTreeWorkerBase(DFlashWorkerV2):
                 return super().forward_batch_generation(batch, on_publish=on_publish, **passthrough)
         if self.ddtree.mode == SHADOW_LINEAR:
             return self._forward_shadow(batch, on_publish, **passthrough)
+        if self._chain_dflash and self._dflash_chain_step(batch):
+            with record_function("ddtree.chain_dflash"):
+                return super().forward_batch_generation(batch, on_publish=on_publish, **passthrough)
         return self._forward_tree_verify(batch, on_publish)
+
+    def _dflash_chain_step(self, batch) -> bool:
+        """Whether this decode step is SGLang's own DFLASH step: its batch's schedule entry is chain, the adapter
+        captured that bucket's verify graph DFLASH's way (``_ddtree_dflash_chain_bucket``), and every request is
+        greedy (DFLASH's step has no rejection sampling on every build; the plugin's chain step samples). The
+        KV window, the drafter's KV and the recurrent state a DFLASH step leaves are what a tree step starts
+        from, and the other way round: both commit the accepted tokens at the committed prefix."""
+        bs = len(batch.seq_lens)
+        if bs < 1 or not self._chain_at(self._ddtree_graph_bucket(bs)):
+            return False
+        si = batch.sampling_info
+        dflash = (si is None or si.is_all_greedy) and self._ddtree_dflash_chain_bucket(bs)
+        self.chain_steps["dflash" if dflash else "plugin"] += 1
+        return dflash
+
+    def _chain_at(self, batch: int) -> bool:
+        """Whether the schedule's entry at batch size ``batch`` is chain."""
+        return self.ddtree.schedule is not None and contract.budget_for(self.ddtree.schedule, int(batch)) == \
+            contract.CHAIN
+
+    def _ddtree_dflash_chain_bucket(self, bs: int) -> bool:
+        """Whether a step of ``bs`` requests may be DFLASH's own step (this version: no; the plugin's chain)."""
+        return False
 
     # ----- drafter candidates (vocab-parallel safe) ---------------------------
     def _draft_candidates(self, hidden_states: torch.Tensor, lm_head, k: int, chunk: int = 256):
@@ -428,6 +471,8 @@ class DDTreeWorkerBase(DFlashWorkerV2):
             totals = self.accept_stats.add(counts)
             if totals is not None and self._ddtree_tp_rank() == 0:
                 totals["glue_graphs"] = {g.name: g.stats() for g in (self._glue_build, self._glue_commit)}
+                if self.ddtree.schedule is not None and self.ddtree.schedule.has_chain:
+                    totals["chain_steps"] = dict(self.chain_steps)
                 logger.info("DDTREE accept stats %s", json.dumps(totals, sort_keys=True))
         with record_function("ddtree.commit"):
             result = self._tree_commit(batch, vin, target_out, commit, on_publish)
