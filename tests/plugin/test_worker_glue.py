@@ -609,7 +609,14 @@ def test_a_schedules_chain_steps_are_dflashs_own_step_where_their_graph_was_capt
     finally:
         DFlashWorkerV2.forward_batch_generation = original
         gw.uninstall()
-    assert shared_mod.chain_step_from_env({}) == "dflash"
-    assert shared_mod.chain_step_from_env({shared_mod.CHAIN_STEP_ENV: "plugin"}) == "plugin"
+    # unset: the adapter's default (capabilities.json dflash_chain_step); set: what it says
+    assert shared_mod.chain_step_from_env({}) == "plugin"
+    assert shared_mod.chain_step_from_env({}, default="dflash") == "dflash"
+    assert shared_mod.chain_step_from_env({shared_mod.CHAIN_STEP_ENV: "plugin"}, default="dflash") == "plugin"
+    assert shared_mod.chain_step_from_env({shared_mod.CHAIN_STEP_ENV: "DFlash "}) == "dflash"
+    from sglang_ddtree.adapters import v0_5_17
+    from sglang_ddtree.capabilities import load_capabilities
+
+    assert v0_5_17.DFLASH_CHAIN_STEP is bool(load_capabilities()["per_version"]["0.5.17"]["dflash_chain_step"])
     with pytest.raises(ValueError, match=shared_mod.CHAIN_STEP_ENV):
         shared_mod.chain_step_from_env({shared_mod.CHAIN_STEP_ENV: "eagle"})

@@ -65,6 +65,8 @@ loopback (``NCCL_SOCKET_IFNAME=lo``: NCCL's bootstrap sockets stay inside the un
 
 from __future__ import annotations
 
+import os
+
 # ----------------------------------------------------------------------------- modes
 LINEAR = "linear"
 SHADOW_LINEAR = "shadow-linear"
@@ -330,6 +332,26 @@ def budget_of(num_draft_tokens: int) -> int:
 def overlap_asked(value) -> bool:
     """Whether an :data:`OVERLAP_ENV` value asks for the overlap scheduler."""
     return str(value or "").strip().lower() in OVERLAP_ON
+
+
+# ----------------------------------------------------------------------------- a schedule's chain entries
+#: Which step serves a budget schedule's chain entries: SGLang's own DFLASH step (:data:`CHAIN_STEP_DFLASH`: the
+#: same drafts, verify and accept as a DFLASH server, at its speed) or the plugin's tree step over a one-branch
+#: tree (:data:`CHAIN_STEP_PLUGIN`). Unset: the adapter's default (capabilities.json's dflash_chain_step).
+CHAIN_STEP_ENV = "SGLANG_DDTREE_CHAIN_STEP"
+CHAIN_STEP_DFLASH = DFLASH
+CHAIN_STEP_PLUGIN = "plugin"
+CHAIN_STEPS = (CHAIN_STEP_DFLASH, CHAIN_STEP_PLUGIN)
+
+
+def chain_step_from_env(environ=None, default: str = CHAIN_STEP_PLUGIN) -> str:
+    """Which step serves a schedule's chain entries (:data:`CHAIN_STEP_ENV` in ``environ``, the process's
+    environment when None; ``default`` unless set). An unknown value is refused, naming the variable."""
+    environ = os.environ if environ is None else environ
+    value = str(environ.get(CHAIN_STEP_ENV, "") or default).strip().lower()
+    if value not in CHAIN_STEPS:
+        raise ValueError(f"{CHAIN_STEP_ENV}={environ.get(CHAIN_STEP_ENV)!r} must be one of {', '.join(CHAIN_STEPS)}")
+    return value
 
 
 # ----------------------------------------------------------------------------- the JIT caches

@@ -17,6 +17,9 @@ VERSION = "0.5.23"
 TREE_VERIFY_CUDA_GRAPHS = bool(_caps()["per_version"][VERSION].get("tree_verify_cuda_graphs", False))
 # Tree-verify under the overlap scheduler: not with this release (never served on a GPU; capabilities.json).
 OVERLAP_SCHEDULE = bool(_caps()["per_version"][VERSION].get("overlap_schedule", False))
+# Whether a budget schedule's chain entries are SGLang's own DFLASH step by default with this release (the worker's
+# SGLANG_DDTREE_CHAIN_STEP overrides it): on once a GPU run has served it lossless.
+DFLASH_CHAIN_STEP = bool(_caps()["per_version"][VERSION].get("dflash_chain_step", False))
 
 
 def drafter_block_size(server_args):

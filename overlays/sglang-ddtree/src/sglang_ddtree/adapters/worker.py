@@ -157,18 +157,10 @@ STATS_EVERY_ENV = "SGLANG_DDTREE_STATS_EVERY"
 # links, so they process the verify slots in chain order and a node starts from the previous
 # slot's state (often a sibling), not its parent's. Wrong on purpose; refused unless spelled out.
 UNSAFE_CHAIN_STATE_ENV = "SGLANG_DDTREE_UNSAFE_CHAIN_STATE"
-# A budget schedule's chain entries: SGLang's own DFLASH step (dflash, the default: the same drafts, verify and
-# accept as a DFLASH server, at its speed) or the plugin's tree step over a one-branch tree (plugin).
-CHAIN_STEP_ENV = "SGLANG_DDTREE_CHAIN_STEP"
-CHAIN_STEPS = ("dflash", "plugin")
-
-
-def chain_step_from_env(environ=os.environ) -> str:
-    """Which step serves a schedule's chain entries (:data:`CHAIN_STEP_ENV`; ``dflash`` unless set)."""
-    value = str(environ.get(CHAIN_STEP_ENV, "") or "dflash").strip().lower()
-    if value not in CHAIN_STEPS:
-        raise ValueError(f"{CHAIN_STEP_ENV}={environ.get(CHAIN_STEP_ENV)!r} must be one of {', '.join(CHAIN_STEPS)}")
-    return value
+# A budget schedule's chain entries (contract.CHAIN_STEP_ENV: DFLASH's own step or the plugin's).
+CHAIN_STEP_ENV = contract.CHAIN_STEP_ENV
+CHAIN_STEPS = contract.CHAIN_STEPS
+chain_step_from_env = contract.chain_step_from_env
 
 
 def _full_attn_backend(backend):
@@ -231,9 +223,11 @@ class DDTreeWorkerBase(DFlashWorkerV2):
         self._unsafe_chain_state = os.environ.get(UNSAFE_CHAIN_STATE_ENV) == "1"
         # chain entries as DFLASH's own step (where the adapter captured their graphs DFLASH's way)
         self._chain_dflash = (self.ddtree.mode == TREE_VERIFY and self.ddtree.schedule is not None
-                              and self.ddtree.schedule.has_chain and chain_step_from_env() == "dflash"
-                              and not self._unsafe_chain_state)
-        self.chain_steps = {"dflash": 0, "plugin": 0}  # chain-entry steps served by each
+                              and self.ddtree.schedule.has_chain and not self._unsafe_chain_state
+                              and chain_step_from_env(default=contract.CHAIN_STEP_DFLASH
+                                                      if getattr(adapter, "DFLASH_CHAIN_STEP", False)
+                                                      else contract.CHAIN_STEP_PLUGIN) == contract.CHAIN_STEP_DFLASH)
+        self.chain_steps = dict.fromkeys(contract.CHAIN_STEPS, 0)  # chain-entry steps served by each
         if self._unsafe_chain_state:
             logger.warning("DDTREE: %s=1 - recurrent state is processed in CHAIN order (siblings leak into each "
                            "other). Outputs are WRONG on hybrid models; for the leak demonstration only.",
@@ -261,8 +255,11 @@ class DDTreeWorkerBase(DFlashWorkerV2):
             self._glue_track_interval = self._glue_track_interval_or_none() if level >= 2 else None
         else:
             self._glue_full_index, self._glue_track_interval = False, None
-        logger.info("DDTreeWorker (SGLang %s adapter): %s, drafter block %d, %s scheduler", adapter.VERSION,
-                    self.ddtree, int(self.block_size), "overlap" if self._overlap else "synchronous")
+        logger.info("DDTreeWorker (SGLang %s adapter): %s, drafter block %d, %s scheduler%s", adapter.VERSION,
+                    self.ddtree, int(self.block_size), "overlap" if self._overlap else "synchronous",
+                    "" if self.ddtree.schedule is None or not self.ddtree.schedule.has_chain else
+                    ", chain entries: " + ("DFLASH's own step in captured chain buckets (%s=dflash)" % CHAIN_STEP_ENV
+                                           if self._chain_dflash else "the plugin's one-branch tree step"))
 
     # ----- init -------------------------------------------------------------
     def _target_has_recurrent_layers(self) -> bool:
@@ -372,7 +369,7 @@ class DDTreeWorkerBase(DFlashWorkerV2):
             return False
         si = batch.sampling_info
         dflash = (si is None or si.is_all_greedy) and self._ddtree_dflash_chain_bucket(bs)
-        self.chain_steps["dflash" if dflash else "plugin"] += 1
+        self.chain_steps[contract.CHAIN_STEP_DFLASH if dflash else contract.CHAIN_STEP_PLUGIN] += 1
         return dflash
 
     def _chain_at(self, batch: int) -> bool:
