@@ -65,8 +65,6 @@ loopback (``NCCL_SOCKET_IFNAME=lo``: NCCL's bootstrap sockets stay inside the un
 
 from __future__ import annotations
 
-import os
-
 # ----------------------------------------------------------------------------- modes
 LINEAR = "linear"
 SHADOW_LINEAR = "shadow-linear"
@@ -344,14 +342,13 @@ CHAIN_STEP_PLUGIN = "plugin"
 CHAIN_STEPS = (CHAIN_STEP_DFLASH, CHAIN_STEP_PLUGIN)
 
 
-def chain_step_from_env(environ=None, default: str = CHAIN_STEP_PLUGIN) -> str:
-    """Which step serves a schedule's chain entries (:data:`CHAIN_STEP_ENV` in ``environ``, the process's
-    environment when None; ``default`` unless set). An unknown value is refused, naming the variable."""
-    environ = os.environ if environ is None else environ
-    value = str(environ.get(CHAIN_STEP_ENV, "") or default).strip().lower()
-    if value not in CHAIN_STEPS:
-        raise ValueError(f"{CHAIN_STEP_ENV}={environ.get(CHAIN_STEP_ENV)!r} must be one of {', '.join(CHAIN_STEPS)}")
-    return value
+def parse_chain_step(value, default: str = CHAIN_STEP_PLUGIN) -> str:
+    """Which step serves a schedule's chain entries: ``value`` (:data:`CHAIN_STEP_ENV`'s, any case; ``default``
+    where unset or empty). An unknown value is refused, naming the variable."""
+    step = str(value or default).strip().lower()
+    if step not in CHAIN_STEPS:
+        raise ValueError(f"{CHAIN_STEP_ENV}={value!r} must be one of {', '.join(CHAIN_STEPS)}")
+    return step
 
 
 # ----------------------------------------------------------------------------- the JIT caches

@@ -160,7 +160,11 @@ UNSAFE_CHAIN_STATE_ENV = "SGLANG_DDTREE_UNSAFE_CHAIN_STATE"
 # A budget schedule's chain entries (contract.CHAIN_STEP_ENV: DFLASH's own step or the plugin's).
 CHAIN_STEP_ENV = contract.CHAIN_STEP_ENV
 CHAIN_STEPS = contract.CHAIN_STEPS
-chain_step_from_env = contract.chain_step_from_env
+
+
+def chain_step_from_env(environ=os.environ, default: str = contract.CHAIN_STEP_PLUGIN) -> str:
+    """Which step serves a schedule's chain entries (:data:`CHAIN_STEP_ENV` in ``environ``; ``default`` unset)."""
+    return contract.parse_chain_step(environ.get(CHAIN_STEP_ENV), default)
 
 
 def _full_attn_backend(backend):
