@@ -106,3 +106,19 @@ def test_summary_of_a_real_matrix_says_what_each_server_measured():
     srv = doc["families"]["hybrid"]["servers"]
     assert (srv["tree-verify B=127"]["overlap_schedule"], srv["tree-verify B=127 overlap"]["overlap_schedule"]) == \
         (False, True)
+
+
+def test_summary_says_which_step_served_a_schedules_chain_entries():
+    """A server whose accept-stats line counts its chain-entry steps (``chain_steps``: DFLASH's own step and the
+    plugin's) has both counts on its counters line; a server whose line has none has no such words."""
+    import copy
+    import json
+
+    doc = json.loads(FIXTURE.read_text())
+    servers = doc["families"]["hybrid"]["servers"]
+    name = next(n for n, r in servers.items() if (r.get("log") or {}).get("accept_stats"))
+    other = copy.deepcopy(doc)
+    servers[name]["log"]["accept_stats"]["chain_steps"] = {"dflash": 417, "plugin": 3}
+    (ln,) = [x for x in sm.summary(doc).splitlines() if x.startswith(f"hybrid  {name:24} counters: ")]
+    assert ln.endswith(", chain steps dflash 417, chain steps plugin 3")
+    assert not any("chain steps" in x for x in sm.summary(other).splitlines())

@@ -24,7 +24,8 @@ With ``--graphs`` every server but the leaky one runs SGLang's decode CUDA graph
 verify graph captured with the tree mask, the step's glue replayed from graphs); the leaky variant stays eager (it
 drops the tree links, which a graph captured with them would refill). Each DDTREE tree-verify server's last
 ``DDTREE accept stats`` line (accepted tokens off the first branch, own rank > 0, the depth histogram, the glue
-graphs' replays and failures) is read from its log into the result.
+graphs' replays and failures; with a schedule's chain entries, the chain-entry steps DFLASH's own step and the
+plugin's served) is read from its log into the result.
 Writes ``serve_matrix.json`` and a readable ``serve_matrix.txt``.
 """
 
@@ -302,7 +303,9 @@ def summary(doc: dict) -> str:
                              f"({stats.get('off_first_branch_share')}), own rank > 0 {stats.get('own_rank_gt0')}, "
                              f"depths {stats.get('depth_hist')}, glue graphs "
                              + ", ".join(f"{k} {v.get('replays')} replays / {v.get('failures')} failures"
-                                         for k, v in gg.items()))
+                                         for k, v in gg.items())
+                             + ("".join(f", chain steps {k} {v}" for k, v in sorted(stats["chain_steps"].items()))
+                                if isinstance(stats.get("chain_steps"), dict) else ""))
             if r.get("error"):
                 lines.append(f"{fam:7} {name:24} ERROR after measuring: {r['error'].splitlines()[0][:120]}")
     return "\n".join(lines) + "\n"
