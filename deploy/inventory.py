@@ -78,6 +78,10 @@ def _env_map(v):
             out.append((k, f"{k}: must be a string or a number, got {x!r}"))
         elif p := (values.env_key(k) or values.env_value(x)):
             out.append((k, f"{k}: {p}" if not p.startswith(repr(k)) else p))
+        elif k == contract.CHAIN_STEP_ENV and str(x).strip().lower() not in contract.CHAIN_STEPS:
+            # the plugin refuses it at start (contract.parse_chain_step): refused here, before anything changes
+            out.append((k, f"{k}: must be one of {', '.join(contract.CHAIN_STEPS)} (which step serves a budget "
+                           f"schedule's chain entries), got {values._show(str(x))}"))
     return out
 
 

@@ -67,6 +67,7 @@ def test_what_the_injection_would_have_rendered(tmp_path):
     ("  env: {A: 'say \"hi'}\n", 5, "vars.env: A: value"),
     ("  env: {A: \"${HOME}\"}\n", 5, "vars.env: A: value"),
     ("  env: {\"A\\nB\": x}\n", 5, "is not a valid variable name"),
+    ("  env: {SGLANG_DDTREE_CHAIN_STEP: eagle}\n", 5, "SGLANG_DDTREE_CHAIN_STEP: must be one of dflash, plugin"),
     ("  listen_address: \"127.0.0.1\\n\"\n", 5, "vars.listen_address: must be an IP address"),
     ("  listen_address: localhost\n", 5, "vars.listen_address: must be an IP address"),
     ("  listen_address: \"fe80::1%eth0\"\n", 5, "vars.listen_address: must be an IP address"),
@@ -178,3 +179,11 @@ def test_router_settings_merge_per_key_and_are_checked_with_file_lines(tmp_path)
     # the router's port may not be a GPU service's
     p = errors(tmp_path, GOOD.replace("  budget: 16\n", "  budget: 16\n  router: {port: 30001}\n"))
     assert has(p, path, 13, "hosts.a.router.port: port 30001 is also used by GPU 1 on a"), p
+
+
+@pytest.mark.parametrize("value", ["plugin", "dflash", "DFlash"])
+def test_a_chain_step_the_plugin_reads_is_accepted(tmp_path, value):
+    """Either step the plugin knows for a schedule's chain entries (any case, as the plugin reads it) loads."""
+    text = GOOD.replace("  venv: /opt/v\n", f"  venv: /opt/v\n  env: {{SGLANG_DDTREE_CHAIN_STEP: {value}}}\n")
+    inv = load_inventory(write(tmp_path, text))
+    assert inv.hosts["a"].vars["env"]["SGLANG_DDTREE_CHAIN_STEP"] == value
