@@ -34,6 +34,8 @@
 #                             MATRIX_OVERLAP=both serves each tree-verify budget on both schedulers; FAMILY-gN, e.g.
 #                             hybrid-g2: that family with SGLANG_DDTREE_GLUE_GRAPHS=N, beside the others)
 #                             -> $OUT/matrix-FAMILY.{json,txt}
+# The plugin's own switches set on a call (SGLANG_DDTREE_CHAIN_STEP=plugin|dflash, SGLANG_DDTREE_STATS_EVERY, ...)
+# reach every server it starts; bench's report keeps them (settings.ddtree_env).
 # The call sequence and what each takes: benchmarks/h200/README.md.
 set -u
 SITE=${SITE:-/tmp/site}  # the install target (kept while the machine stays warm)
