@@ -78,11 +78,19 @@ def _env_map(v):
             out.append((k, f"{k}: must be a string or a number, got {x!r}"))
         elif p := (values.env_key(k) or values.env_value(x)):
             out.append((k, f"{k}: {p}" if not p.startswith(repr(k)) else p))
-        elif k == contract.CHAIN_STEP_ENV and str(x).strip().lower() not in contract.CHAIN_STEPS:
-            # the plugin refuses it at start (contract.parse_chain_step): refused here, before anything changes
-            out.append((k, f"{k}: must be one of {', '.join(contract.CHAIN_STEPS)} (which step serves a budget "
-                           f"schedule's chain entries), got {values._show(str(x))}"))
+        elif k == contract.CHAIN_STEP_ENV and (p := _chain_step_problem(x)):
+            out.append((k, f"{k}: {p}"))
     return out
+
+
+def _chain_step_problem(x) -> str | None:
+    """What the plugin would refuse at start in this value of CHAIN_STEP_ENV (its own parser decides)."""
+    try:
+        contract.parse_chain_step(str(x))
+    except ValueError:
+        return (f"must be one of {', '.join(contract.CHAIN_STEPS)} (which step serves a budget schedule's chain "
+                f"entries), got {values._show(str(x))}")
+    return None
 
 
 def _api_key_file(v):

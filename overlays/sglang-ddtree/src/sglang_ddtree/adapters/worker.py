@@ -159,7 +159,6 @@ STATS_EVERY_ENV = "SGLANG_DDTREE_STATS_EVERY"
 UNSAFE_CHAIN_STATE_ENV = "SGLANG_DDTREE_UNSAFE_CHAIN_STATE"
 # A budget schedule's chain entries (contract.CHAIN_STEP_ENV: DFLASH's own step or the plugin's).
 CHAIN_STEP_ENV = contract.CHAIN_STEP_ENV
-CHAIN_STEPS = contract.CHAIN_STEPS
 
 
 def chain_step_from_env(environ=os.environ, default: str = contract.CHAIN_STEP_PLUGIN) -> str:
@@ -226,11 +225,11 @@ class DDTreeWorkerBase(DFlashWorkerV2):
         self._overlap = not bool(getattr(server_args, "disable_overlap_schedule", True))
         self._unsafe_chain_state = os.environ.get(UNSAFE_CHAIN_STATE_ENV) == "1"
         # chain entries as DFLASH's own step (where the adapter captured their graphs DFLASH's way)
+        default = contract.CHAIN_STEP_DFLASH if getattr(adapter, "DFLASH_CHAIN_STEP", False) else \
+            contract.CHAIN_STEP_PLUGIN
         self._chain_dflash = (self.ddtree.mode == TREE_VERIFY and self.ddtree.schedule is not None
                               and self.ddtree.schedule.has_chain and not self._unsafe_chain_state
-                              and chain_step_from_env(default=contract.CHAIN_STEP_DFLASH
-                                                      if getattr(adapter, "DFLASH_CHAIN_STEP", False)
-                                                      else contract.CHAIN_STEP_PLUGIN) == contract.CHAIN_STEP_DFLASH)
+                              and chain_step_from_env(default=default) == contract.CHAIN_STEP_DFLASH)
         self.chain_steps = dict.fromkeys(contract.CHAIN_STEPS, 0)  # chain-entry steps served by each
         if self._unsafe_chain_state:
             logger.warning("DDTREE: %s=1 - recurrent state is processed in CHAIN order (siblings leak into each "
@@ -262,7 +261,8 @@ class DDTreeWorkerBase(DFlashWorkerV2):
         logger.info("DDTreeWorker (SGLang %s adapter): %s, drafter block %d, %s scheduler%s", adapter.VERSION,
                     self.ddtree, int(self.block_size), "overlap" if self._overlap else "synchronous",
                     "" if self.ddtree.schedule is None or not self.ddtree.schedule.has_chain else
-                    ", chain entries: " + ("DFLASH's own step in captured chain buckets (%s=dflash)" % CHAIN_STEP_ENV
+                    ", chain entries: " + ("DFLASH's own step in captured chain buckets "
+                                           f"({CHAIN_STEP_ENV}={contract.CHAIN_STEP_DFLASH})"
                                            if self._chain_dflash else "the plugin's one-branch tree step"))
 
     # ----- init -------------------------------------------------------------
